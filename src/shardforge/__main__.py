@@ -1,0 +1,3 @@
+from shardforge.cli.main import main
+
+main()

@@ -1,0 +1,172 @@
+"""Read a YAML config, apply overrides, normalize Axolotl spellings and validate it once."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from addict import Dict as _AddictDict
+from pydantic import ValidationError
+
+from shardforge.config.errors import describe_validation_error, did_you_mean
+from shardforge.config.normalize import normalize_axolotl
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import ConfigError
+
+log = logging.getLogger("shardforge")
+
+
+class DictDefault(_AddictDict):
+    """Attribute view of a validated config: ``cfg.base_model``, ``cfg.fsdp.offload_params``.
+
+    Unlike a plain addict ``Dict`` (and Axolotl's ``DictDefault``), reading a key that is not in
+    the config raises ``AttributeError``/``KeyError`` with a suggestion instead of returning an
+    empty value, so a typo in code fails loudly.
+    """
+
+    def __missing__(self, name: Any) -> Any:
+        raise KeyError(f"config has no key {name!r}{did_you_mean(str(name), list(self.keys()))}")
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError as exc:
+            raise AttributeError(exc.args[0]) from None
+
+    def to_model(self) -> ShardforgeConfig:
+        return ShardforgeConfig.model_validate(self.to_dict())
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Parse a YAML mapping; syntax errors name the file, line and column."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(str(p), ["config file not found; check the path"])
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(where, [f"invalid YAML: {problem}"]) from None
+    except UnicodeDecodeError:
+        raise ConfigError(str(p), ["not a UTF-8 text file"]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(str(p), [f"expected a mapping of keys at the top, got {type(data).__name__}"])
+    return data
+
+
+def parse_override_args(args: Sequence[str], source: str = "command line") -> dict[str, Any]:
+    """``['--learning_rate', '2e-5', '--fsdp.offload_params=true', '--bf16']`` -> dotted dict.
+
+    Values are parsed as YAML scalars (``true``, ``2e-5``, ``[a, b]``); a flag without a value
+    means ``true``. Nested keys use dots: ``--fsdp.reshard_after_forward false``.
+    """
+    out: dict[str, Any] = {}
+    problems: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            problems.append(f"{arg!r}: expected an override like --key value or --key=value")
+            i += 1
+            continue
+        body = arg[2:]
+        if "=" in body:
+            key, text = body.split("=", 1)
+            i += 1
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, text = body, args[i + 1]
+            i += 2
+        else:
+            key, text = body, "true"
+            i += 1
+        key = key.replace("-", "_")
+        try:
+            out[key] = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            out[key] = text
+    if problems:
+        raise ConfigError(source, problems)
+    return out
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _flatten(overrides: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in overrides.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def _normalize(data: Mapping[str, Any], source: str) -> tuple[dict[str, Any], list[str]]:
+    normalized, notices, problems = normalize_axolotl(dict(data))
+    for notice in notices:
+        log.warning("%s: notice: %s", source, notice)
+    return normalized, problems
+
+
+def _validate(normalized: dict[str, Any], problems: list[str], source: str) -> ShardforgeConfig:
+    try:
+        model = ShardforgeConfig.model_validate(normalized)
+    except ValidationError as exc:
+        problems = problems + describe_validation_error(exc, ShardforgeConfig)
+        raise ConfigError(source, problems) from None
+    if problems:
+        raise ConfigError(source, problems)
+    return model
+
+
+def validate_cfg(data: Mapping[str, Any], source: str = "<config>") -> ShardforgeConfig:
+    """Normalize and validate a raw mapping; all problems are raised at once as a ConfigError."""
+    return _validate(*_normalize(data, source), source)
+
+
+def load_cfg(path: str | Path, **overrides: Any) -> DictDefault:
+    """Load, override, normalize and validate a YAML config; return its attribute view.
+
+    Overrides are keyword arguments: ``load_cfg("cfg.yml", learning_rate=1e-4,
+    fsdp={"offload_params": True})``; dotted names work through ``**{"fsdp.offload_params": True}``.
+    Every problem (unknown key, wrong type, missing key) is reported at once in a ConfigError.
+    """
+    normalized, problems = _normalize(read_yaml(path), str(path))
+    for dotted, value in _flatten(overrides).items():
+        _set_dotted(normalized, dotted, value)
+    return to_view(_validate(normalized, problems, str(path)))
+
+
+def to_view(model: ShardforgeConfig) -> DictDefault:
+    return DictDefault(model.model_dump(mode="python"))
+
+
+def coerce_cfg(cfg: Any) -> ShardforgeConfig:
+    """Accept what users pass as `cfg`: the view from load_cfg, a model, a mapping or a path."""
+    if isinstance(cfg, ShardforgeConfig):
+        return cfg
+    if isinstance(cfg, DictDefault):
+        return cfg.to_model()
+    if isinstance(cfg, str | Path):
+        return load_cfg(cfg).to_model()
+    if isinstance(cfg, Mapping):
+        return validate_cfg(cfg)
+    raise TypeError(f"cfg must be a config path, a mapping or load_cfg()'s result, got {type(cfg)}")

@@ -1,0 +1,203 @@
+"""The one schema for a shardforge YAML config. Every field carries a description.
+
+The schema is strict: an unknown key is an error (with a did-you-mean suggestion, see
+``config.errors``), never a silently ignored value.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class MixedPrecisionConfig(_Strict):
+    """FSDP2 mixed-precision policy (``torch.distributed.fsdp.MixedPrecisionPolicy``)."""
+
+    param_dtype: DType | None = Field(
+        None,
+        description="dtype parameters are cast to for forward/backward compute; null keeps the "
+        "stored dtype. Defaults to bfloat16/float16 when `bf16`/`fp16` is set.",
+    )
+    reduce_dtype: DType | None = Field(
+        None,
+        description="dtype gradients are reduce-scattered in; null uses param_dtype. float32 "
+        "is the safe choice for bf16 training.",
+    )
+
+
+class FsdpConfig(_Strict):
+    """The `fsdp:` block: how the model is sharded during training."""
+
+    fsdp_version: Literal[2] = Field(
+        2, description="FSDP implementation. Only FSDP2 (`fully_shard`) is supported."
+    )
+    reshard_after_forward: bool = Field(
+        True,
+        description="Free the gathered parameters after forward (ZeRO-3 style, less memory). "
+        "false keeps them until backward (ZeRO-2 style, less communication).",
+    )
+    offload_params: bool = Field(
+        False, description="Keep sharded parameters and gradients on CPU (CPUOffloadPolicy)."
+    )
+    transformer_layer_cls_to_wrap: list[str] | None = Field(
+        None,
+        description="Class name(s) of the transformer block each wrapped in its own FSDP unit, "
+        "e.g. LlamaDecoderLayer. Auto-detected from the model's `_no_split_modules` when absent.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each transformer block's activations in backward."
+    )
+    state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] = Field(
+        "SHARDED_STATE_DICT",
+        description="SHARDED_STATE_DICT writes DCP checkpoints (merge them with "
+        "`merge-sharded-fsdp-weights`); FULL_STATE_DICT makes the final save a regular "
+        "Hugging Face model directory.",
+    )
+    mixed_precision: MixedPrecisionConfig = Field(
+        default_factory=MixedPrecisionConfig,
+        description="Parameter and gradient-reduction dtypes for FSDP2 mixed precision.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_class_is_a_list(cls, data: object) -> object:
+        if isinstance(data, dict) and isinstance(data.get("transformer_layer_cls_to_wrap"), str):
+            names = data["transformer_layer_cls_to_wrap"]
+            data = {**data, "transformer_layer_cls_to_wrap": [n.strip() for n in names.split(",")]}
+        return data
+
+
+class DatasetConfig(_Strict):
+    """One entry of `datasets:`: a local data file and how to turn its rows into tokens."""
+
+    path: str = Field(
+        description="Path to a local .json, .jsonl, .parquet or .txt file (or a directory of them)."
+    )
+    type: Literal["completion", "chat_template"] = Field(
+        "completion",
+        description="completion: train on the raw text of `field`; chat_template: render the "
+        "conversation in `field_messages` with the tokenizer's chat template.",
+    )
+    ds_type: Literal["json", "parquet", "text"] | None = Field(
+        None, description="File format; inferred from the file extension when absent."
+    )
+    field: str = Field("text", description="Column holding the text, for type completion.")
+    field_messages: str = Field(
+        "messages",
+        description="Column holding the list of {role, content} messages, for type chat_template.",
+    )
+    split: str = Field("train", description="Split to read from the data files.")
+
+
+class ShardforgeConfig(_Strict):
+    """A shardforge config: one YAML file drives `train`, `merge-sharded-fsdp-weights` and more."""
+
+    # -- model -----------------------------------------------------------------------------------
+    base_model: str = Field(
+        description="Local directory or Hugging Face hub id of the base model (weights, config, "
+        "tokenizer)."
+    )
+    base_model_config: str | None = Field(
+        None, description="Where to read config.json from, when not from base_model."
+    )
+    tokenizer_config: str | None = Field(
+        None, description="Where to read the tokenizer from, when not from base_model."
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="Allow model/tokenizer code shipped with the model to run. Off by default.",
+    )
+    chat_template: str | None = Field(
+        None, description="Jinja chat template to use instead of the tokenizer's own."
+    )
+    output_dir: str = Field(
+        "./model-out",
+        description="Where training writes checkpoints; where the merge looks for them.",
+    )
+    seed: int = Field(42, description="Random seed for model init, data order and dropout.")
+
+    # -- data ------------------------------------------------------------------------------------
+    datasets: list[DatasetConfig] = Field(
+        default_factory=list, description="Training data sets (local files)."
+    )
+    sequence_len: int = Field(2048, gt=0, description="Maximum tokens per training sequence.")
+    sample_packing: bool = Field(
+        False,
+        description="Pack several samples into each sequence_len window instead of padding each.",
+    )
+    micro_batch_size: int = Field(1, gt=0, description="Sequences per rank per forward pass.")
+    gradient_accumulation_steps: int = Field(
+        1, gt=0, description="Micro-batches accumulated per optimizer step."
+    )
+    num_epochs: float = Field(1, gt=0, description="Passes over the data set (if max_steps unset).")
+    max_steps: int | None = Field(
+        None, gt=0, description="Stop after this many optimizer steps (overrides num_epochs)."
+    )
+
+    # -- optimization ----------------------------------------------------------------------------
+    learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after warmup: cosine, linear or constant."
+    )
+    warmup_steps: int | None = Field(
+        None, ge=0, description="Linear warmup length in optimizer steps."
+    )
+    warmup_ratio: float | None = Field(
+        None, ge=0, lt=1, description="Warmup length as a fraction of all steps."
+    )
+    optimizer: Literal["adamw_torch", "adamw_torch_fused", "sgd"] = Field(
+        "adamw_torch", description="Optimizer: AdamW (default) or plain SGD."
+    )
+    adam_beta1: float = Field(0.9, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, description="AdamW beta2.")
+    adam_epsilon: float = Field(1e-8, description="AdamW epsilon.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    max_grad_norm: float | None = Field(
+        1.0,
+        description="Clip gradients to this global L2 norm over all shards (null or 0: no clip).",
+    )
+
+    # -- precision -------------------------------------------------------------------------------
+    bf16: bool | Literal["auto"] = Field(
+        False, description="Train in bfloat16 mixed precision (`auto`: when the GPU supports it)."
+    )
+    fp16: bool = Field(False, description="Train in float16 mixed precision.")
+    tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere+ GPUs.")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in backward (same as fsdp.activation_checkpointing).",
+    )
+
+    # -- checkpoints and logging -----------------------------------------------------------------
+    save_steps: int | None = Field(
+        None, gt=0, description="Save a checkpoint every N optimizer steps (and always at the end)."
+    )
+    save_total_limit: int | None = Field(
+        None, gt=0, description="Keep at most this many checkpoints; older ones are deleted."
+    )
+    logging_steps: int = Field(1, gt=0, description="Log loss, lr, grad norm every N steps.")
+    resume_from_checkpoint: str | None = Field(
+        None,
+        description="`auto` resumes from the latest complete checkpoint in output_dir; a path "
+        "resumes from that checkpoint.",
+    )
+
+    # -- sharding --------------------------------------------------------------------------------
+    fsdp: FsdpConfig = Field(
+        default_factory=FsdpConfig, description="FSDP2 sharding settings (see FsdpConfig)."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ShardforgeConfig:
+        if self.bf16 is True and self.fp16:
+            raise ValueError("bf16 and fp16 are both set; choose one")
+        if self.warmup_steps is not None and self.warmup_ratio is not None:
+            raise ValueError("warmup_steps and warmup_ratio are both set; choose one")
+        return self

@@ -1,0 +1,178 @@
+"""Tiny models, tokenizers and data made locally (nothing is downloaded).
+
+Used by the tests, the benchmarks and the shipped example. Run as a module to (re)create the
+example's base model and data:
+
+    python -m shardforge.testing.tiny examples/tiny-llama
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}</s>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
+
+_SUBJECTS = ["the cat", "a dog", "the small bird", "my friend", "the old man", "a child", "the robot"]
+_VERBS = ["sees", "likes", "finds", "carries", "paints", "follows", "builds"]
+_OBJECTS = ["a red ball", "the green tree", "a blue box", "the big house", "a yellow kite", "the moon"]
+_PLACES = ["in the park", "by the river", "at home", "near the school", "under the bridge"]
+
+
+def tiny_sentences(n: int, seed: int = 0) -> list[str]:
+    """`n` short, deterministic English-like sentences."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = [rng.choice(_SUBJECTS), rng.choice(_VERBS), rng.choice(_OBJECTS)]
+        if rng.random() < 0.5:
+            words.append(rng.choice(_PLACES))
+        out.append(" ".join(words).capitalize() + ".")
+    return out
+
+
+def tiny_texts(n: int, seed: int = 0) -> list[str]:
+    """`n` short paragraphs of 2-4 sentences."""
+    rng = random.Random(seed + 1)
+    sentences = tiny_sentences(4 * n, seed)
+    return [" ".join(sentences[4 * i : 4 * i + rng.randint(2, 4)]) for i in range(n)]
+
+
+def tiny_conversations(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """`n` one-turn conversations about the tiny sentences."""
+    rng = random.Random(seed + 2)
+    out = []
+    for s in tiny_sentences(n, seed + 3):
+        q = rng.choice(["Tell me a story.", "What happened?", "Say something."])
+        out.append([{"role": "user", "content": q}, {"role": "assistant", "content": s}])
+    return out
+
+
+def make_tokenizer(vocab_size: int = 320, seed: int = 0) -> Any:
+    """A byte-level BPE tokenizer trained on the tiny corpus, as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = tiny_texts(400, seed)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=SPECIAL_TOKENS[4:],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+# model_type -> config kwargs for a tiny model of that family (shapes chosen to be awkward:
+# hidden and vocab sizes are not divisible by 2 or 3 world sizes in the tests that override them).
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    },
+    "qwen2": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def make_config(model_type: str = "llama", vocab_size: int = 320, **overrides: Any) -> Any:
+    from transformers import AutoConfig
+
+    kwargs = {**TINY_CONFIGS[model_type], **overrides}
+    return AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        **kwargs,
+    )
+
+
+def make_model(
+    out_dir: str | Path,
+    model_type: str = "llama",
+    vocab_size: int = 320,
+    seed: int = 0,
+    dtype: str = "float32",
+    with_tokenizer: bool = True,
+    **config_overrides: Any,
+) -> Path:
+    """Write a randomly initialised tiny model directory (config, weights, tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(vocab_size, seed) if with_tokenizer else None
+    if tok is not None and len(tok) > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tok)})")
+    config = make_config(model_type, vocab_size, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=1, eos_token_id=2, pad_token_id=3, max_new_tokens=20
+    )
+    model.save_pretrained(out)
+    if tok is not None:
+        tok.save_pretrained(out)
+    return out
+
+
+def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return p
+
+
+def make_example(root: str | Path) -> None:
+    """Create the shipped example: base model, completion data and chat data."""
+    root = Path(root)
+    make_model(root / "base", "llama", vocab_size=320, seed=0)
+    write_jsonl(root / "data" / "stories.jsonl", [{"text": t} for t in tiny_texts(256, seed=0)])
+    write_jsonl(
+        root / "data" / "chats.jsonl", [{"messages": m} for m in tiny_conversations(64, seed=0)]
+    )
+
+
+if __name__ == "__main__":
+    import sys
+
+    make_example(sys.argv[1] if len(sys.argv) > 1 else "examples/tiny-llama")
