@@ -57,8 +57,25 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(str(p), [f"expected a mapping of keys at the top, got {type(data).__name__}"])
+        raise ConfigError(
+            str(p), [f"expected a mapping of keys at the top, got {type(data).__name__}"]
+        )
     return data
+
+
+def _parse_value(text: str) -> Any:
+    """A YAML scalar, with numbers such as `2e-5` (a string to YAML 1.1) read as numbers."""
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        for number in (int, float):
+            try:
+                return number(value)
+            except ValueError:
+                pass
+    return value
 
 
 def parse_override_args(args: Sequence[str], source: str = "command line") -> dict[str, Any]:
@@ -86,11 +103,7 @@ def parse_override_args(args: Sequence[str], source: str = "command line") -> di
         else:
             key, text = body, "true"
             i += 1
-        key = key.replace("-", "_")
-        try:
-            out[key] = yaml.safe_load(text) if text != "" else ""
-        except yaml.YAMLError:
-            out[key] = text
+        out[key.replace("-", "_")] = _parse_value(text)
     if problems:
         raise ConfigError(source, problems)
     return out

@@ -22,9 +22,24 @@ CHAT_TEMPLATE = (
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
 
-_SUBJECTS = ["the cat", "a dog", "the small bird", "my friend", "the old man", "a child", "the robot"]
+_SUBJECTS = [
+    "the cat",
+    "a dog",
+    "the small bird",
+    "my friend",
+    "the old man",
+    "a child",
+    "the robot",
+]
 _VERBS = ["sees", "likes", "finds", "carries", "paints", "follows", "builds"]
-_OBJECTS = ["a red ball", "the green tree", "a blue box", "the big house", "a yellow kite", "the moon"]
+_OBJECTS = [
+    "a red ball",
+    "the green tree",
+    "a blue box",
+    "the big house",
+    "a yellow kite",
+    "the moon",
+]
 _PLACES = ["in the park", "by the river", "at home", "near the school", "under the bridge"]
 
 

@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from shardforge import __version__
+from shardforge.cli.main import COMMANDS, SUMMARIES, cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_help_lists_every_command() -> None:
+    result = CliRunner().invoke(cli, ["--help"])
+    assert result.exit_code == 0
+    for name in COMMANDS:
+        assert name in result.output
+    assert set(SUMMARIES) == set(COMMANDS)
+    assert "Examples:" in result.output
+
+
+def test_every_command_has_help_with_examples() -> None:
+    for name in COMMANDS:
+        result = CliRunner().invoke(cli, [name, "--help"])
+        assert result.exit_code == 0, (name, result.output)
+        assert "Examples:" in result.output, name
+
+
+def test_version() -> None:
+    result = CliRunner().invoke(cli, ["--version"])
+    assert result.exit_code == 0
+    assert __version__ in result.output
+
+
+def test_unknown_command() -> None:
+    result = CliRunner().invoke(cli, ["trian"])
+    assert result.exit_code == 2
+    assert "No such command 'trian'" in result.output
+
+
+def _console_script() -> str:
+    found = shutil.which("shardforge", path=str(Path(sys.executable).parent))
+    assert found, "the console script is installed beside the interpreter"
+    return found
+
+
+def test_installed_console_script_runs_in_a_subprocess() -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    ok = subprocess.run(
+        [_console_script(), "validate", "examples/tiny-llama.yml"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "base_model: examples/tiny-llama/base" in ok.stdout
+
+
+def test_typo_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
+    cfg = tmp_path / "typo.yml"
+    cfg.write_text("base_model: m\nlearnig_rate: 1e-4\n")
+    bad = subprocess.run(
+        [_console_script(), "validate", str(cfg)], capture_output=True, text=True, check=False
+    )
+    assert bad.returncode == 2
+    assert bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [
+        f"error: {cfg}: learnig_rate: unknown key; did you mean 'learning_rate'?"
+    ]
+    assert "Traceback" not in bad.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    cfg = tmp_path / "typo.yml"
+    cfg.write_text("base_model: m\nlearnig_rate: 1e-4\n")
+    bad = subprocess.run(
+        [_console_script(), "validate", str(cfg), "--debug"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode != 0
+    assert "Traceback" in bad.stderr
+    assert "ConfigError" in bad.stderr
+
+
+def test_python_dash_m_shardforge() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "shardforge", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert __version__ in out.stdout

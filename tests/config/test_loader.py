@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardforge.config import DictDefault, coerce_cfg, load_cfg, parse_override_args
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "cfg.yml"
+    p.write_text(text)
+    return p
+
+
+def test_minimal_config_gets_defaults(tmp_path: Path) -> None:
+    cfg = load_cfg(write(tmp_path, "base_model: some/model\n"))
+    assert isinstance(cfg, DictDefault)
+    assert cfg.base_model == "some/model"
+    assert cfg.output_dir == "./model-out"
+    assert cfg.trust_remote_code is False
+    assert cfg.fsdp.fsdp_version == 2
+    assert cfg.fsdp.state_dict_type == "SHARDED_STATE_DICT"
+    assert cfg.fsdp.mixed_precision.param_dtype is None
+
+
+def test_attribute_view_refuses_unknown_attribute(tmp_path: Path) -> None:
+    cfg = load_cfg(write(tmp_path, "base_model: m\n"))
+    with pytest.raises(AttributeError, match="did you mean 'base_model'"):
+        _ = cfg.base_modle
+    with pytest.raises(KeyError):
+        _ = cfg["nope"]
+
+
+def test_view_round_trips_to_model(tmp_path: Path) -> None:
+    cfg = load_cfg(write(tmp_path, "base_model: m\nlearning_rate: 0.1\n"))
+    model = coerce_cfg(cfg)
+    assert isinstance(model, ShardforgeConfig)
+    assert model.learning_rate == 0.1
+    assert coerce_cfg(str(tmp_path / "cfg.yml")).base_model == "m"
+    assert coerce_cfg({"base_model": "x"}).base_model == "x"
+    with pytest.raises(TypeError):
+        coerce_cfg(42)
+
+
+def test_all_problems_reported_at_once_with_user_keys(tmp_path: Path) -> None:
+    p = write(
+        tmp_path,
+        "learnig_rate: 1\n"
+        "fsdp:\n  reshard_after_forward: maybe\n"
+        "sequence_len: 0\n"
+        "datasets:\n  - path: a.jsonl\n    typ: completion\n",
+    )
+    with pytest.raises(ConfigError) as info:
+        load_cfg(p)
+    problems = info.value.problems
+    assert "base_model: required key is missing" in problems
+    assert "learnig_rate: unknown key; did you mean 'learning_rate'?" in problems
+    assert "fsdp.reshard_after_forward: expected a boolean (true/false), got 'maybe'" in problems
+    assert "sequence_len: must be > 0, got 0" in problems
+    assert "datasets[0].typ: unknown key; did you mean 'type'?" in problems
+    assert len(problems) == 5
+    assert str(p) in str(info.value)
+
+
+def test_unknown_key_without_close_match_points_to_schema(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="zzz: unknown key; see `shardforge config-schema`"):
+        load_cfg(write(tmp_path, "base_model: m\nzzz: 1\n"))
+
+
+def test_literal_and_cross_field_errors(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError,
+        match="lr_scheduler: expected one of 'cosine', 'linear' or 'constant', got 'step'",
+    ):
+        load_cfg(write(tmp_path, "base_model: m\nlr_scheduler: step\n"))
+    with pytest.raises(ConfigError, match="bf16 and fp16 are both set"):
+        load_cfg(write(tmp_path, "base_model: m\nbf16: true\nfp16: true\n"))
+
+
+def test_yaml_syntax_error_names_line_and_column(tmp_path: Path) -> None:
+    p = write(tmp_path, "base_model: m\nfsdp:\n  offload_params: [true\n")
+    with pytest.raises(ConfigError) as info:
+        load_cfg(p)
+    assert f"{p}:4:1: invalid YAML" in str(info.value)
+
+
+def test_non_mapping_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="expected a mapping of keys at the top, got list"):
+        load_cfg(write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_cfg(tmp_path / "missing.yml")
+
+
+def test_overrides_flat_nested_and_dotted(tmp_path: Path) -> None:
+    p = write(tmp_path, "base_model: m\n")
+    cfg = load_cfg(p, learning_rate=1e-4, fsdp={"offload_params": True})
+    assert cfg.learning_rate == 1e-4
+    assert cfg.fsdp.offload_params is True
+    assert cfg.fsdp.reshard_after_forward is True
+    cfg = load_cfg(p, **{"fsdp.reshard_after_forward": False})
+    assert cfg.fsdp.reshard_after_forward is False
+
+
+def test_overrides_are_validated(tmp_path: Path) -> None:
+    p = write(tmp_path, "base_model: m\n")
+    with pytest.raises(ConfigError, match=r"fsdp\.offload_params: expected a boolean"):
+        load_cfg(p, **{"fsdp.offload_params": "maybe"})
+    with pytest.raises(
+        ConfigError, match="learnign_rate: unknown key; did you mean 'learning_rate'"
+    ):
+        load_cfg(p, learnign_rate=1.0)
+
+
+def test_parse_override_args() -> None:
+    assert parse_override_args(
+        ["--learning_rate", "2e-5", "--fsdp.offload_params=true", "--bf16", "--max-steps", "3"]
+    ) == {"learning_rate": 2e-5, "fsdp.offload_params": True, "bf16": True, "max_steps": 3}
+    with pytest.raises(ConfigError, match="expected an override like --key value"):
+        parse_override_args(["stray"])
