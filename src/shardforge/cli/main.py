@@ -15,11 +15,13 @@ from shardforge import __version__
 COMMANDS: dict[str, str] = {
     "validate": "validate",
     "config-schema": "config_schema",
+    "train": "train",
 }
 
 SUMMARIES: dict[str, str] = {
     "validate": "Validate a config and print it with defaults resolved.",
     "config-schema": "Print the JSON schema of the config.",
+    "train": "Train with FSDP2 (starts torchrun itself); resumable sharded checkpoints.",
 }
 
 

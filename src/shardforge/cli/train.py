@@ -1,0 +1,88 @@
+"""`shardforge train CONFIG`: FSDP2 training of the config's base model on its data sets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from shardforge.cli._common import (
+    OVERRIDE_CONTEXT,
+    OVERRIDES_HELP,
+    fire_overrides,
+    run_guarded,
+    setup_logging,
+    split_debug,
+)
+
+EPILOG = """\b
+Examples:
+  shardforge train examples/tiny-llama.yml                    # 2 CPU ranks (gloo), or 1 per GPU
+  shardforge train examples/tiny-llama.yml --max_steps 10 --learning_rate 1e-3
+  shardforge train examples/tiny-llama.yml --launcher python  # one rank, in this process
+  shardforge train cfg.yml --nproc_per_node 8 --nnodes 2 --node_rank 0 \\
+      --rdzv_endpoint host0:29500 --rdzv_id job1              # run the same on every machine
+  torchrun --nproc_per_node 4 -m shardforge.cli.train cfg.yml # under torchrun: used as given
+  python -m shardforge.cli.train examples/tiny-llama.yml --max_steps 5
+"""
+
+
+def do_train(
+    config: str | Path,
+    override_args: list[str] | None = None,
+    launcher: str = "torchrun",
+    **launch: Any,
+) -> int:
+    """Check the config and train (see `shardforge.train.launch.do_train`)."""
+    from shardforge.train.launch import LaunchOptions
+    from shardforge.train.launch import do_train as launch_train
+
+    opts = LaunchOptions(**{k: v for k, v in launch.items() if v is not None})
+    return launch_train(config, override_args, launcher, opts)  # type: ignore[arg-type]
+
+
+@click.command(
+    "train",
+    context_settings=OVERRIDE_CONTEXT,
+    epilog=EPILOG,
+    help="Train the base model of CONFIG with FSDP2. Outside torchrun it starts torchrun itself "
+    "(one rank per GPU, or 2 CPU ranks on gloo); every problem the config has is reported "
+    "before any rank starts. Checkpoints go to output_dir/checkpoint-<step>/. " + OVERRIDES_HELP,
+)
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option(
+    "--launcher",
+    type=click.Choice(["torchrun", "python"]),
+    default="torchrun",
+    show_default=True,
+    help="torchrun: start the ranks with torchrun; python: one rank in this process.",
+)
+@click.option("--nproc_per_node", "--nproc-per-node", type=int, help="Ranks on this machine.")
+@click.option("--nnodes", help="Number of machines (or MIN:MAX), passed to torchrun.")
+@click.option("--node_rank", "--node-rank", type=int, help="This machine's rank (torchrun).")
+@click.option("--rdzv_endpoint", "--rdzv-endpoint", help="host:port of the rendezvous.")
+@click.option("--rdzv_backend", "--rdzv-backend", help="Rendezvous backend (default c10d).")
+@click.option("--rdzv_id", "--rdzv-id", help="Job id shared by all machines.")
+@click.option("--master_addr", "--master-addr", help="Address of rank 0's machine (static).")
+@click.option("--master_port", "--master-port", type=int, help="Port on rank 0's machine.")
+@click.option("--max_restarts", "--max-restarts", type=int, help="Restarts torchrun may make.")
+@click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+@click.pass_context
+def command(ctx: click.Context, config: str, launcher: str, debug: bool, **launch: Any) -> None:
+    args, stray_debug = split_debug(list(ctx.args))
+    setup_logging(quiet=os.environ.get("RANK", "0") != "0")
+    run_guarded(lambda: do_train(config, args, launcher, **launch), debug or stray_debug)
+
+
+def do_cli(config: str, launcher: str = "torchrun", debug: bool = False, **kwargs: Any) -> None:
+    """fire entry point: python -m shardforge.cli.train CONFIG [--key value ...]."""
+    setup_logging(quiet=os.environ.get("RANK", "0") != "0")
+    run_guarded(lambda: do_train(config, fire_overrides(kwargs), launcher), debug)
+
+
+if __name__ == "__main__":
+    import fire
+
+    fire.Fire(do_cli)

@@ -1,0 +1,24 @@
+"""One training rank, as torchrun starts it: `python -m shardforge.train CONFIG [overrides]`."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from shardforge.cli._common import run_guarded, setup_logging, split_debug
+
+
+def main(argv: list[str]) -> None:
+    from shardforge.train.launch import load_checked
+    from shardforge.train.loop import run_training
+
+    args, debug = split_debug(argv)
+    if not args:
+        print("usage: python -m shardforge.train CONFIG [--key value ...]", file=sys.stderr)
+        raise SystemExit(2)
+    setup_logging(quiet=os.environ.get("RANK", "0") != "0")
+    run_guarded(lambda: run_training(load_checked(args[0], args[1:])), debug)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,265 @@
+"""Resumable sharded checkpoints under output_dir (the layout the merge reads; see docs/train.md).
+
+    output_dir/checkpoint-<step>/
+      model/                DCP of get_model_state_dict(model): plain HF keys
+      optimizer/            DCP of get_optimizer_state_dict(model, optimizer)
+      trainer_state.json    step, world size, versions, scheduler, data position
+      rng_state_<rank>.pt   tensors and ints only (torch.load(weights_only=True))
+
+A checkpoint is written into `checkpoint-<step>.tmp` and renamed once every rank has finished,
+so a crash mid-save leaves the previous complete checkpoint as the latest one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardforge.errors import CheckpointError
+
+log = logging.getLogger("shardforge")
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+MODEL_DIR = "model"
+OPTIMIZER_DIR = "optimizer"
+STATE_FILE = "trainer_state.json"
+FORMAT = "shardforge"
+FORMAT_VERSION = 1
+# test hook: rank 0 stops in the middle of saving this step (after the model shards are written,
+# before the checkpoint is complete) and waits to be killed; see tests/train/test_kill_during_save.py
+PAUSE_ENV = "SHARDFORGE_TEST_PAUSE_DURING_SAVE"
+PAUSED_MARKER = "PAUSED"
+
+
+@dataclass
+class TrainerState:
+    """trainer_state.json of one checkpoint."""
+
+    step: int
+    world_size: int
+    consumed: int
+    global_batch_size: int
+    total_steps: int
+    seed: int
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+    torch_version: str = ""
+    transformers_version: str = ""
+    shardforge_version: str = ""
+
+    @classmethod
+    def read(cls, path: Path) -> TrainerState:
+        try:
+            data = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{path / STATE_FILE}: unreadable ({exc})") from None
+        if data.get("format") != FORMAT or data.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{path / STATE_FILE}: not a shardforge v1 trainer state")
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def versions() -> dict[str, Any]:
+    import transformers
+
+    from shardforge import __version__
+
+    return {
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "shardforge_version": __version__,
+    }
+
+
+def stamped(state: TrainerState) -> TrainerState:
+    """`state` with the torch, transformers and shardforge versions filled in."""
+    return replace(state, **versions())
+
+
+def is_complete(path: Path) -> bool:
+    return (
+        CHECKPOINT_RE.match(path.name) is not None
+        and (path / STATE_FILE).is_file()
+        and (path / MODEL_DIR / ".metadata").is_file()
+    )
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """Complete checkpoints under output_dir, oldest first (by step)."""
+    if not output_dir.is_dir():
+        return []
+    found = [p for p in output_dir.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: int(CHECKPOINT_RE.match(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
+    """The checkpoint to resume from: None, `auto` (latest complete, or None) or a path."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"resume_from_checkpoint: {path} is not a directory")
+    if not is_complete(path):
+        raise CheckpointError(
+            f"resume_from_checkpoint: {path} is not a complete checkpoint-<step> directory "
+            f"(needs {STATE_FILE} and {MODEL_DIR}/.metadata)"
+        )
+    return path
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(path: Path, rank: int, same_world: bool, seed: int, step: int) -> None:
+    """Restore this rank's RNG states; at another world size re-seed deterministically instead."""
+    file = path / f"rng_state_{rank}.pt"
+    if not same_world or not file.is_file():
+        torch.manual_seed(seed + 1_000 * step + rank)
+        random.seed(seed + 1_000 * step + rank)
+        return
+    state = torch.load(file, weights_only=True)
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _pause_for_test(tmp: Path, step: int, rank: int) -> None:
+    if rank == 0 and os.environ.get(PAUSE_ENV) == str(step):
+        (tmp / PAUSED_MARKER).touch()
+        while True:  # the test kills the whole job with SIGKILL now
+            time.sleep(1)
+
+
+def save_checkpoint(
+    output_dir: Path,
+    state: TrainerState,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    save_total_limit: int | None,
+) -> Path:
+    """Write checkpoint-<step> on every rank; complete (renamed) only once all ranks are done."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    rank = dist.get_rank()
+    final = output_dir / f"checkpoint-{state.step}"
+    tmp = output_dir / f"checkpoint-{state.step}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(tmp / MODEL_DIR))
+    _pause_for_test(tmp, state.step, rank)
+    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_DIR))
+    torch.save(rng_state(), tmp / f"rng_state_{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        _write_json(tmp / STATE_FILE, asdict(state))
+        _fsync_dir(tmp)
+        if final.exists():
+            stale = output_dir / f"checkpoint-{state.step}.old"
+            shutil.rmtree(stale, ignore_errors=True)
+            final.rename(stale)
+            shutil.rmtree(stale)
+        tmp.rename(final)
+        _fsync_dir(output_dir)
+        prune(output_dir, save_total_limit)
+        log.info("saved %s", final)
+    dist.barrier()
+    return final
+
+
+def prune(output_dir: Path, limit: int | None) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond `limit`; return what was deleted."""
+    if limit is None:
+        return []
+    found = complete_checkpoints(output_dir)
+    doomed = found[: max(0, len(found) - limit)]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def load_checkpoint(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> TrainerState:
+    """Load model and optimizer shards (resharding to this world size) and the trainer state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = TrainerState.read(path)
+    model_sd = get_model_state_dict(model)
+    dcp.load(model_sd, checkpoint_id=str(path / MODEL_DIR))
+    set_model_state_dict(model, model_sd)
+    optim_sd = get_optimizer_state_dict(model, optimizer)
+    dcp.load(optim_sd, checkpoint_id=str(path / OPTIMIZER_DIR))
+    set_optimizer_state_dict(model, optimizer, optim_sd)
+    return state
+
+
+def save_full_model(output_dir: Path, model: torch.nn.Module, model_config: Any) -> None:
+    """FULL_STATE_DICT: gather the full model on rank 0 and write it as a regular HF directory."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if dist.get_rank() != 0:
+        return
+    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), torch.float32)
+    if getattr(model_config, "tie_word_embeddings", False):
+        full.pop("lm_head.weight", None)
+    tensors = {
+        k: v.detach().to(dtype).contiguous() for k, v in full.items() if isinstance(v, torch.Tensor)
+    }
+    tmp = output_dir / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.rename(output_dir / "model.safetensors")
+    log.info("saved the full model to %s", output_dir / "model.safetensors")

@@ -1,0 +1,273 @@
+"""One training rank from start to finish: set up, (resume,) step, log, checkpoint.
+
+The loss of an optimizer step is the mean over every target token of the whole global batch
+(all micro-batches on all ranks), so a run at any world size with the same global batch computes
+the same loss and the same gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import ShardforgeError
+from shardforge.train import checkpointing as ckpt
+from shardforge.train.data import (
+    IGNORE_INDEX,
+    GlobalOrder,
+    Sequences,
+    build_sequences,
+    load_tokenizer,
+    rank_slice,
+)
+from shardforge.train.model import (
+    build_meta_model,
+    load_model_config,
+    materialize_and_load,
+    model_config_source,
+    shard_model,
+)
+from shardforge.train.optim import build_optimizer, build_scheduler, scheduler_state
+from shardforge.train.runtime import Runtime, device_mesh, init_distributed
+
+log = logging.getLogger("shardforge")
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports (rank 0 has the metrics of the steps it ran)."""
+
+    steps: int
+    output_dir: Path
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    resumed_from: Path | None = None
+
+
+def write_output_metadata(cfg: ShardforgeConfig, model_config: Any, tokenizer: Any) -> None:
+    """config.json, generation_config.json (if the base has one) and the tokenizer (rank 0)."""
+    from transformers import GenerationConfig
+
+    out = Path(cfg.output_dir)
+    model_config.save_pretrained(out)
+    with contextlib.suppress(OSError):
+        GenerationConfig.from_pretrained(model_config_source(cfg)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _micro_batches(
+    seqs: Sequences, order: GlobalOrder, consumed: int, cfg: ShardforgeConfig, rt: Runtime
+) -> list[Sequences]:
+    out = []
+    for micro in range(cfg.gradient_accumulation_steps):
+        start, count = rank_slice(consumed, micro, rt.rank, rt.world_size, cfg.micro_batch_size)
+        out.append(seqs.select(order.indices(start, count)))
+    return out
+
+
+def _loss_sum(model: torch.nn.Module, batch: Sequences, device: torch.device) -> torch.Tensor:
+    ids = batch.input_ids.to(device)
+    logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device)).logits
+    labels = batch.labels.to(device)[:, 1:]
+    return F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def _grad_norm_and_clip(model: torch.nn.Module, max_norm: float | None) -> float:
+    """Clip by the global L2 norm over all shards; return that norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    limit = max_norm if max_norm else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
+
+
+class _Progress:
+    """tqdm bar on rank 0 when stderr is a TTY; otherwise nothing."""
+
+    def __init__(self, rt: Runtime, total: int, initial: int) -> None:
+        self.bar: Any = None
+        if rt.is_main and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step")
+
+    def update(self, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}")
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_training(cfg: ShardforgeConfig) -> TrainResult:
+    """Train on this rank (joining or creating the process group); destroy the group after."""
+    rt = init_distributed()
+    try:
+        return _train(cfg, rt)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
+    torch.manual_seed(cfg.seed)
+    if cfg.tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    out = Path(cfg.output_dir)
+    tokenizer = load_tokenizer(cfg)
+    model_config = load_model_config(cfg)
+    if rt.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        write_output_metadata(cfg, model_config, tokenizer)
+    dist.barrier()
+
+    seqs = build_sequences(cfg, tokenizer)
+    global_batch = cfg.micro_batch_size * rt.world_size * cfg.gradient_accumulation_steps
+    if len(seqs) < global_batch:
+        raise ShardforgeError(
+            f"datasets: {len(seqs)} sequences of sequence_len {cfg.sequence_len}, fewer than one "
+            f"global batch ({global_batch} = micro_batch_size x world size x "
+            "gradient_accumulation_steps); add data or lower micro_batch_size"
+        )
+    total_steps = cfg.max_steps or math.ceil(cfg.num_epochs * len(seqs) / global_batch)
+
+    model = build_meta_model(cfg, model_config)
+    shard_model(model, cfg, device_mesh(rt))
+    materialize_and_load(model, cfg, rt.device, rt.rank)
+    model.train()
+    optimizer = build_optimizer(model.parameters(), cfg)
+    scheduler = build_scheduler(optimizer, cfg, total_steps)
+
+    step, consumed = 0, 0
+    resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
+    if resume is not None:
+        state = ckpt.load_checkpoint(resume, model, optimizer)
+        scheduler.load_state_dict({**scheduler.state_dict(), **state.scheduler})
+        step, consumed = state.step, state.consumed
+        if state.global_batch_size != global_batch:
+            log.warning(
+                "resuming with a global batch of %d sequences (checkpoint: %d); the data "
+                "order continues from sample %d",
+                global_batch,
+                state.global_batch_size,
+                consumed,
+            )
+        ckpt.restore_rng(resume, rt.rank, state.world_size == rt.world_size, cfg.seed, step)
+        if rt.is_main:
+            log.info("resumed from %s at step %d", resume, step)
+    elif cfg.resume_from_checkpoint == "auto" and rt.is_main:
+        log.info("resume_from_checkpoint: auto found no checkpoint in %s; starting fresh", out)
+
+    order = GlobalOrder(len(seqs), cfg.seed)
+    result = TrainResult(steps=step, output_dir=out, resumed_from=resume)
+    metrics_file = (out / METRICS_FILE).open("a" if resume else "w") if rt.is_main else None
+    progress = _Progress(rt, total_steps, step)
+    if rt.is_main:
+        log.info(
+            "training: %d sequences, %d steps, global batch %d on %d rank(s) (%s)",
+            len(seqs),
+            total_steps,
+            global_batch,
+            rt.world_size,
+            rt.device.type,
+        )
+    try:
+        while step < total_steps:
+            started = time.perf_counter()
+            batches = _micro_batches(seqs, order, consumed, cfg, rt)
+            counts = torch.tensor(
+                [
+                    float(sum(int((b.labels[:, 1:] != IGNORE_INDEX).sum()) for b in batches)),
+                    float(sum(int(b.attention_mask.sum()) for b in batches)),
+                ],
+                device=rt.device,
+            )
+            dist.all_reduce(counts)
+            targets = max(counts[0].item(), 1.0)
+            loss_total = torch.zeros((), device=rt.device)
+            for micro, batch in enumerate(batches):
+                model.set_requires_gradient_sync(micro == len(batches) - 1)  # type: ignore[operator]
+                loss_sum = _loss_sum(model, batch, rt.device)
+                # FSDP averages gradients over ranks; scale back so they are exact sums / targets
+                (loss_sum * (rt.world_size / targets)).backward()
+                loss_total += loss_sum.detach()
+            grad_norm = _grad_norm_and_clip(model, cfg.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            dist.all_reduce(loss_total)
+            step += 1
+            consumed += global_batch
+            loss = loss_total.item() / targets
+            elapsed = time.perf_counter() - started
+            record = {
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens": int(counts[1].item()),
+                "tokens_per_s": counts[1].item() / max(elapsed, 1e-9),
+                "epoch": consumed / len(seqs),
+            }
+            if rt.is_main:
+                result.metrics.append(record)
+                assert metrics_file is not None
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                if step % cfg.logging_steps == 0 or step == total_steps:
+                    log.info(
+                        "step %d/%d  loss %.4f  lr %.3g  grad_norm %.4f  tokens/s %.0f",
+                        step,
+                        total_steps,
+                        loss,
+                        lr,
+                        grad_norm,
+                        record["tokens_per_s"],
+                    )
+            progress.update(loss)
+            final = step == total_steps
+            periodic = cfg.save_steps is not None and step % cfg.save_steps == 0
+            full_final = final and cfg.fsdp.state_dict_type == "FULL_STATE_DICT"
+            if (periodic or final) and not full_final:
+                state = ckpt.stamped(
+                    ckpt.TrainerState(
+                        step=step,
+                        world_size=rt.world_size,
+                        consumed=consumed,
+                        global_batch_size=global_batch,
+                        total_steps=total_steps,
+                        seed=cfg.seed,
+                        scheduler=scheduler_state(scheduler),
+                    )
+                )
+                ckpt.save_checkpoint(out, state, model, optimizer, cfg.save_total_limit)
+            if full_final:
+                ckpt.save_full_model(out, model, model_config)
+                dist.barrier()
+    finally:
+        progress.close()
+        if metrics_file is not None:
+            metrics_file.close()
+    result.steps = step
+    return result

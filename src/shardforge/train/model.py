@@ -1,0 +1,225 @@
+"""The model for training: built without weights, sharded with FSDP2, then given its base weights.
+
+build_meta_model(cfg)        parameters on the meta device, buffers real (rotary inv_freq ...)
+wrap_classes(model, names)   the transformer block classes to shard one by one
+shard_model(model, cfg, ...) fully_shard per block and the root; mixed precision, offload
+load_base_weights(model, ..) rank 0 reads the safetensors, FSDP scatters the slices
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import ConfigError
+
+log = logging.getLogger("shardforge")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+WEIGHT_INDEX_FILES = ("model.safetensors.index.json",)
+WEIGHT_FILES = ("model.safetensors",)
+
+
+def model_config_source(cfg: ShardforgeConfig) -> str:
+    return cfg.base_model_config or cfg.base_model
+
+
+def tokenizer_source(cfg: ShardforgeConfig) -> str:
+    return cfg.tokenizer_config or cfg.base_model
+
+
+def load_model_config(cfg: ShardforgeConfig) -> Any:
+    """The base model's transformers config; a missing or unreadable one names the config key."""
+    from transformers import AutoConfig
+
+    key = "base_model_config" if cfg.base_model_config else "base_model"
+    source = model_config_source(cfg)
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            key, [f"cannot read a model config from {source!r} ({first}); check the path"]
+        ) from None
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Create every nn.Parameter on the meta device; buffers stay real (they are computed)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            meta = nn.Parameter(param.to(torch.device("meta")), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def build_meta_model(cfg: ShardforgeConfig, model_config: Any | None = None) -> nn.Module:
+    """The causal LM of `base_model` with all parameters on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    model_config = model_config if model_config is not None else load_model_config(cfg)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(
+            model_config, trust_remote_code=cfg.trust_remote_code, dtype=torch.float32
+        )
+    return model
+
+
+def wrap_classes(model: nn.Module, names: list[str] | None) -> set[type[nn.Module]]:
+    """Classes to shard block by block: the configured names, else the model's _no_split_modules.
+
+    A configured name the model does not contain is a ConfigError naming
+    `fsdp.transformer_layer_cls_to_wrap` and listing the classes that do exist.
+    """
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    key = "fsdp.transformer_layer_cls_to_wrap"
+    if names is None:
+        names = list(getattr(model, "_no_split_modules", None) or [])
+        key = "_no_split_modules of the model (set fsdp.transformer_layer_cls_to_wrap)"
+        names = [n for n in names if n in present]
+        if not names:
+            raise ConfigError(
+                "fsdp.transformer_layer_cls_to_wrap",
+                ["cannot auto-detect the transformer block class; set it explicitly"],
+            )
+    missing = [n for n in names if n not in present]
+    if missing:
+        blocks = sorted(n for n in present if n.endswith(("Layer", "Block")))
+        raise ConfigError(
+            key,
+            [
+                f"class(es) {', '.join(missing)} not in the model "
+                f"({type(model).__name__}); blocks it has: {', '.join(blocks) or 'none'}"
+            ],
+        )
+    return {present[n] for n in names}
+
+
+def use_bf16(cfg: ShardforgeConfig) -> bool:
+    """`bf16: auto` means bf16 where the GPU supports it (never on CPU)."""
+    if cfg.bf16 == "auto":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return bool(cfg.bf16)
+
+
+def compute_dtypes(cfg: ShardforgeConfig) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(param_dtype, reduce_dtype) of the FSDP2 mixed-precision policy."""
+    mp = cfg.fsdp.mixed_precision
+    default = "bfloat16" if use_bf16(cfg) else "float16" if cfg.fp16 else None
+    param = mp.param_dtype or default
+    reduce = mp.reduce_dtype or ("float32" if param in ("bfloat16", "float16") else None)
+    return (DTYPES[param] if param else None, DTYPES[reduce] if reduce else None)
+
+
+def shard_model(model: nn.Module, cfg: ShardforgeConfig, mesh: Any) -> nn.Module:
+    """Apply fully_shard to every transformer block, then to the root module."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    classes = wrap_classes(model, cfg.fsdp.transformer_layer_cls_to_wrap)
+    param_dtype, reduce_dtype = compute_dtypes(cfg)
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": cfg.fsdp.reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        "offload_policy": CPUOffloadPolicy() if cfg.fsdp.offload_params else OffloadPolicy(),
+    }
+    if cfg.fsdp.activation_checkpointing or cfg.gradient_checkpointing:
+        enable = getattr(model, "gradient_checkpointing_enable", None)
+        if enable is None:
+            raise ConfigError("fsdp.activation_checkpointing", ["the model does not support it"])
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    blocks = [m for m in model.modules() if type(m) in classes]
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    log.info("sharded %d transformer blocks plus the root", len(blocks))
+    return model
+
+
+def _weight_files(base: Path) -> list[Path]:
+    for name in WEIGHT_INDEX_FILES:
+        index = base / name
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [base / f for f in sorted(set(weight_map.values()))]
+    files = [base / n for n in WEIGHT_FILES if (base / n).is_file()]
+    if not files:
+        raise ConfigError(
+            "base_model", [f"no model.safetensors (or index) in {base}; train needs local weights"]
+        )
+    return files
+
+
+def read_full_state_dict(base_model: str, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base weights as float32 tensors keyed like `model`'s state dict (rank 0 only)."""
+    from safetensors.torch import load_file
+
+    base = Path(base_model)
+    if not base.is_dir():
+        from huggingface_hub import snapshot_download
+
+        base = Path(snapshot_download(base_model, allow_patterns=["*.safetensors", "*.json"]))
+    expected = set(model.state_dict().keys())
+    out: dict[str, torch.Tensor] = {}
+    for file in _weight_files(base):
+        for key, tensor in load_file(str(file)).items():
+            if key in expected:
+                out[key] = tensor.to(torch.float32)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if tied and "lm_head.weight" in expected and "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    missing = sorted(expected - set(out))
+    if missing:
+        raise ConfigError("base_model", [f"weights missing from {base}: {', '.join(missing[:5])}"])
+    return out
+
+
+def materialize_and_load(
+    model: nn.Module, cfg: ShardforgeConfig, device: torch.device, rank: int
+) -> None:
+    """Allocate the local shards on `device` and fill them with the base weights.
+
+    Only rank 0 reads the files; `set_model_state_dict(broadcast_from_rank0=True)` sends each
+    rank its slices. Non-persistent buffers (rotary inv_freq ...) were computed at build time and
+    are restored after `to_empty`, which would otherwise leave them uninitialised.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    model.to_empty(device="cpu" if cfg.fsdp.offload_params else device)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(buffers[name].to(buf.device))
+    full: dict[str, Any] = read_full_state_dict(cfg.base_model, model) if rank == 0 else {}
+    set_model_state_dict(
+        model,
+        full,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )

@@ -1,0 +1,117 @@
+"""Everything about a training config that can be checked before any process group starts.
+
+Each check is a function `(cfg) -> list of (config key, problem)`; `preflight` runs them all and
+raises one ConfigError that names every failing key. The model check builds the architecture on
+the meta device only (no weights are read).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import ConfigError, ShardforgeError
+from shardforge.train import checkpointing as ckpt
+from shardforge.train.data import data_files
+from shardforge.train.model import (
+    WEIGHT_FILES,
+    WEIGHT_INDEX_FILES,
+    build_meta_model,
+    load_model_config,
+    wrap_classes,
+)
+
+log = logging.getLogger("shardforge")
+
+Problem = tuple[str, str]
+
+
+def _problems_of(exc: ShardforgeError) -> list[Problem]:
+    if isinstance(exc, ConfigError):
+        return [(exc.source, p) for p in exc.problems]
+    return [("", str(exc))]
+
+
+def check_datasets(cfg: ShardforgeConfig) -> list[Problem]:
+    if not cfg.datasets:
+        return [("datasets", "no training data; add at least one entry with a local `path`")]
+    out: list[Problem] = []
+    for i, ds in enumerate(cfg.datasets):
+        try:
+            data_files(ds, f"datasets[{i}]")
+        except ConfigError as exc:
+            out += _problems_of(exc)
+    return out
+
+
+def check_model(cfg: ShardforgeConfig) -> list[Problem]:
+    """The base config loads, local weights exist and the wrap classes are in the model."""
+    try:
+        model_config = load_model_config(cfg)
+        base = Path(cfg.base_model)
+        if base.is_dir() and not any(
+            (base / n).is_file() for n in (*WEIGHT_FILES, *WEIGHT_INDEX_FILES)
+        ):
+            return [("base_model", f"no model.safetensors (or its index) in {base}")]
+        model = build_meta_model(cfg, model_config)
+        wrap_classes(model, cfg.fsdp.transformer_layer_cls_to_wrap)
+    except ConfigError as exc:
+        return _problems_of(exc)
+    max_pos = getattr(model_config, "max_position_embeddings", None)
+    if max_pos is not None and cfg.sequence_len > max_pos:
+        log.warning(
+            "sequence_len %d is longer than the model's max_position_embeddings %d",
+            cfg.sequence_len,
+            max_pos,
+        )
+    return []
+
+
+def check_tokenizer(cfg: ShardforgeConfig) -> list[Problem]:
+    from shardforge.train.data import load_tokenizer
+
+    try:
+        tok = load_tokenizer(cfg)
+    except ConfigError as exc:
+        return _problems_of(exc)
+    out: list[Problem] = []
+    for i, ds in enumerate(cfg.datasets):
+        if ds.type == "chat_template" and not getattr(tok, "chat_template", None):
+            out.append(
+                (f"datasets[{i}].type", "the tokenizer has no chat template; set `chat_template`")
+            )
+    return out
+
+
+def check_resume(cfg: ShardforgeConfig) -> list[Problem]:
+    try:
+        ckpt.resolve_resume(cfg.resume_from_checkpoint, Path(cfg.output_dir))
+    except ShardforgeError as exc:
+        return [("resume_from_checkpoint", str(exc).removeprefix("resume_from_checkpoint: "))]
+    return []
+
+
+def check_precision(cfg: ShardforgeConfig) -> list[Problem]:
+    import torch
+
+    if cfg.fp16 and not torch.cuda.is_available():
+        return [("fp16", "float16 training needs a GPU; use bf16 or float32 on CPU")]
+    return []
+
+
+CHECKS: tuple[Callable[[ShardforgeConfig], list[Problem]], ...] = (
+    check_datasets,
+    check_model,
+    check_tokenizer,
+    check_resume,
+    check_precision,
+)
+
+
+def preflight(cfg: ShardforgeConfig, source: str = "config") -> None:
+    """Run every check; raise one ConfigError listing all problems, each with its key."""
+    problems = [p for check in CHECKS for p in check(cfg)]
+    if problems:
+        raise ConfigError(source, [f"{key}: {text}" if key else text for key, text in problems])
