@@ -16,12 +16,14 @@ COMMANDS: dict[str, str] = {
     "validate": "validate",
     "config-schema": "config_schema",
     "train": "train",
+    "merge-sharded-fsdp-weights": "merge_sharded_fsdp_weights",
 }
 
 SUMMARIES: dict[str, str] = {
     "validate": "Validate a config and print it with defaults resolved.",
     "config-schema": "Print the JSON schema of the config.",
     "train": "Train with FSDP2 (starts torchrun itself); resumable sharded checkpoints.",
+    "merge-sharded-fsdp-weights": "Merge a sharded FSDP checkpoint into a Hugging Face model.",
 }
 
 

@@ -1,0 +1,8 @@
+"""Reading sharded torch.distributed.checkpoint (DCP) checkpoints and writing Hugging Face files.
+
+The merge is a pipeline of small stages, one module each:
+locate (`layouts`) -> read metadata safely (`safe_pickle`, `metadata`) -> map keys (`keys`)
+-> check against the meta-device model (`architecture`) -> plan the output (`plan`)
+-> stream chunks into place (`chunk_record`, `stream`) -> verify (`verify`).
+Nothing here imports the training code.
+"""

@@ -1,0 +1,140 @@
+"""The expected tensors of the model, from its config on the meta device (no weights loaded)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardforge.checkpoint.metadata import TensorEntry
+from shardforge.errors import MergeError
+
+log = logging.getLogger("shardforge")
+
+FSDP_ARCH_PREFIX = "FSDP"
+MAX_LISTED = 20
+
+
+@dataclass(frozen=True)
+class ExpectedModel:
+    """Names, shapes and dtypes the model's state dict has, in its order, and its tied pairs."""
+
+    config: Any
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+    tied: dict[str, str]  # target (dropped on save) -> source (kept)
+    total_parameters: int
+
+    @property
+    def saved_names(self) -> list[str]:
+        """Names written to disk: tied targets are stored once, under their source."""
+        return [n for n in self.shapes if n not in self.tied]
+
+
+def clean_architectures(config: Any) -> None:
+    """Remove an `FSDP` prefix (left by some wrappers) from `config.architectures`."""
+    archs = getattr(config, "architectures", None)
+    if archs:
+        config.architectures = [
+            a[len(FSDP_ARCH_PREFIX) :] if a.startswith(FSDP_ARCH_PREFIX) else a for a in archs
+        ]
+
+
+def load_config(source: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise MergeError(
+            f"cannot read the model config from {source!r} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); set base_model or base_model_config"
+        ) from None
+    clean_architectures(config)
+    return config
+
+
+def _tied_pairs(model: Any, config: Any) -> dict[str, str]:
+    tied = getattr(model, "all_tied_weights_keys", None)  # transformers 5.x: target -> source
+    if isinstance(tied, Mapping):
+        return {str(k): str(v) for k, v in tied.items()}
+    keys = getattr(model, "_tied_weights_keys", None)  # transformers 4.x: list of targets
+    tie = getattr(config, "tie_word_embeddings", False)
+    get_tie_config = getattr(config, "get_text_config", None)
+    if callable(get_tie_config):
+        tie = getattr(get_tie_config(), "tie_word_embeddings", tie)
+    if tie and keys:
+        emb = model.get_input_embeddings()
+        source = next(n for n, p in model.named_parameters() if p is emb.weight)
+        return {str(k): source for k in keys}
+    return {}
+
+
+def build_expected(config: Any, trust_remote_code: bool) -> ExpectedModel:
+    """Instantiate the architecture on the meta device and record what its state dict holds."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise MergeError(
+            f"cannot build the model from its config ({type(exc).__name__}: {exc})"
+        ) from None
+    sd = model.state_dict()
+    shapes = {k: tuple(v.shape) for k, v in sd.items()}
+    dtypes = {k: v.dtype for k, v in sd.items()}
+    tied = {t: s for t, s in _tied_pairs(model, config).items() if t in shapes and s in shapes}
+    total = sum(p.numel() for p in model.parameters())
+    return ExpectedModel(config, shapes, dtypes, tied, total)
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype.is_floating_point:
+        return "float"
+    if dtype.is_complex:
+        return "complex"
+    return "bool" if dtype == torch.bool else "int"
+
+
+def _listing(title: str, items: list[str]) -> str:
+    shown = ", ".join(items[:MAX_LISTED])
+    more = f" (+{len(items) - MAX_LISTED} more)" if len(items) > MAX_LISTED else ""
+    return f"{len(items)} {title}: {shown}{more}"
+
+
+def check_against(
+    expected: ExpectedModel,
+    entries: Mapping[str, TensorEntry],
+    to_hf: Mapping[str, str],
+    unexpected: list[str],
+    source: str,
+) -> None:
+    """Raise one MergeError listing every missing, unexpected, mis-shaped or mis-typed tensor."""
+    problems: list[str] = []
+    present = set(to_hf.values())
+    missing = [n for n in expected.saved_names if n not in present]
+    if missing:
+        problems.append(_listing("missing", missing))
+    if unexpected:
+        problems.append(_listing("unexpected", unexpected))
+    bad_shape, bad_dtype = [], []
+    for key, name in to_hf.items():
+        e = entries[key]
+        if e.shape != expected.shapes[name]:
+            bad_shape.append(f"{name} {list(e.shape)} vs {list(expected.shapes[name])}")
+        elif _kind(e.dtype) != _kind(expected.dtypes[name]):
+            bad_dtype.append(f"{name} {e.dtype} vs {expected.dtypes[name]}")
+    if bad_shape:
+        problems.append(_listing("shape mismatches (checkpoint vs config)", bad_shape))
+    if bad_dtype:
+        problems.append(_listing("dtype mismatches (checkpoint vs config)", bad_dtype))
+    if problems:
+        raise MergeError(
+            f"the checkpoint does not match the architecture from {source}: "
+            + "; ".join(problems)
+            + ". Check base_model / base_model_config."
+        )

@@ -1,0 +1,63 @@
+"""The files that make a weights directory a complete Hugging Face model directory:
+config.json (dtype updated), generation_config.json, tokenizer with its chat template."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardforge.errors import MergeError
+
+log = logging.getLogger("shardforge")
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(directory: Path) -> bool:
+    return any((directory / f).is_file() for f in TOKENIZER_FILES)
+
+
+def write_config(config: Any, dtype: torch.dtype | None, out: Path) -> None:
+    """Save `config` with its dtype set to the output dtype."""
+    if dtype is not None:
+        if hasattr(config, "dtype"):
+            config.dtype = dtype
+        else:  # transformers 4.x
+            config.torch_dtype = dtype
+    config.save_pretrained(out)
+
+
+def write_generation_config(sources: list[str], out: Path) -> bool:
+    """Copy the first generation config found among `sources`; False when none has one."""
+    from transformers import GenerationConfig
+
+    for src in sources:
+        if Path(src).is_dir() and not (Path(src) / "generation_config.json").is_file():
+            continue
+        try:
+            gen = GenerationConfig.from_pretrained(src)
+        except Exception:
+            continue
+        gen.save_pretrained(out)
+        return True
+    return False
+
+
+def write_tokenizer(
+    source: str, out: Path, trust_remote_code: bool, chat_template: str | None
+) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise MergeError(
+            f"cannot load the tokenizer from {source!r} ({type(exc).__name__}); set "
+            "tokenizer_config, or pass --no-save-tokenizer"
+        ) from None
+    if chat_template:
+        tok.chat_template = chat_template
+    tok.save_pretrained(out)

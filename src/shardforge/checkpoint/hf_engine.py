@@ -1,0 +1,49 @@
+"""`--engine transformers`: the literal path (meta-device model, `to_empty`, `dcp.load`,
+`save_pretrained`). It holds the whole model in memory; the default engine streams."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from shardforge.checkpoint.metadata import METADATA_FILE
+from shardforge.checkpoint.safe_pickle import load_metadata_pickle
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch's FileSystemReader, reading `.metadata` through the allow-list unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = load_metadata_pickle(Path(str(self.path)) / METADATA_FILE)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        assert isinstance(metadata, Metadata)
+        return metadata
+
+
+def merge_with_transformers(
+    config: Any,
+    model_dir: Path,
+    to_hf: dict[str, str],
+    dtype: torch.dtype,
+    out: Path,
+    max_shard_size: int | str,
+    trust_remote_code: bool,
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, trust_remote_code=trust_remote_code, dtype=dtype
+        )
+    model.to_empty(device="cpu")
+    sd = model.state_dict()
+    target = {key: sd[hf] for key, hf in to_hf.items()}
+    dcp.load(target, storage_reader=SafeFileSystemReader(str(model_dir)), no_dist=True)
+    model.save_pretrained(out, max_shard_size=max_shard_size)

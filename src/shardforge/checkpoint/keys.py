@@ -1,0 +1,84 @@
+"""Map DCP keys to Hugging Face parameter names: constant tables and pure functions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from shardforge.errors import CheckpointError
+
+# segments that wrappers insert anywhere in a module path
+WRAPPER_SEGMENTS: frozenset[str] = frozenset(
+    {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+)
+# segments that wrappers put in front of the module path (DDP)
+LEADING_SEGMENTS: frozenset[str] = frozenset({"module"})
+# first path elements (or key prefixes) of optimizer state
+OPTIMIZER_ROOTS: tuple[str, ...] = ("optim", "optimizer", "state", "param_groups")
+# how deep a wrapper prefix (model., state_dict., Lightning attribute, ...) may go
+MAX_WRAPPER_DEPTH = 3
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """DCP key -> HF name for the tensors kept; the rest listed by reason."""
+
+    to_hf: dict[str, str]
+    prefix: str
+    skipped_optimizer: tuple[str, ...]
+    unexpected: tuple[str, ...]
+
+
+def is_optimizer_key(path: tuple[str, ...]) -> bool:
+    first = path[0].split(".", 1)[0] if path else ""
+    return first.startswith(OPTIMIZER_ROOTS)
+
+
+def clean_name(name: str) -> str:
+    """Drop wrapper segments (`_orig_mod.`, `_fsdp_wrapped_module.`, ...) and a leading `module.`."""
+    parts = [p for p in name.split(".") if p not in WRAPPER_SEGMENTS]
+    while len(parts) > 1 and parts[0] in LEADING_SEGMENTS:
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def _prefixes(names: Iterable[str]) -> set[str]:
+    out = {""}
+    for n in names:
+        parts = n.split(".")
+        for depth in range(1, min(MAX_WRAPPER_DEPTH, len(parts) - 1) + 1):
+            out.add(".".join(parts[:depth]) + ".")
+    return out
+
+
+def map_keys(paths: Mapping[str, tuple[str, ...]], expected: Iterable[str]) -> KeyMap:
+    """Choose the wrapper prefix that maps most keys onto `expected` HF names and apply it.
+
+    `paths` maps each tensor's DCP key to its original path tuple (planner data). Optimizer
+    entries are skipped; keys that do not map are returned as unexpected.
+    """
+    wanted = set(expected)
+    optimizer = tuple(k for k, p in paths.items() if is_optimizer_key(p))
+    cleaned = {k: clean_name(".".join(p)) for k, p in paths.items() if not is_optimizer_key(p)}
+    best_prefix, best_hits = "", -1
+    for prefix in sorted(_prefixes(cleaned.values()), key=len):
+        hits = sum(
+            1 for n in cleaned.values() if n.startswith(prefix) and n[len(prefix) :] in wanted
+        )
+        if hits > best_hits:
+            best_prefix, best_hits = prefix, hits
+    to_hf: dict[str, str] = {}
+    unexpected: list[str] = []
+    seen: dict[str, str] = {}
+    for key, name in cleaned.items():
+        hf = name[len(best_prefix) :] if name.startswith(best_prefix) else None
+        if hf is None or hf not in wanted:
+            unexpected.append(key)
+            continue
+        if hf in seen:
+            raise CheckpointError(
+                f"checkpoint keys {seen[hf]!r} and {key!r} both map to {hf!r}; ambiguous"
+            )
+        seen[hf] = key
+        to_hf[key] = hf
+    return KeyMap(to_hf, best_prefix, optimizer, tuple(sorted(unexpected)))

@@ -1,0 +1,197 @@
+"""A DCP checkpoint's `.metadata` as plain, checked records (nothing downstream touches pickle)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+from typing import Any
+
+import torch
+
+from shardforge.checkpoint.safe_pickle import load_metadata_pickle
+from shardforge.errors import CheckpointError
+
+METADATA_FILE = ".metadata"
+TORCH_ZIP_MAGIC = b"PK\x03\x04"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a tensor: where it sits in the global tensor and in which file."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: Path
+    byte_offset: int
+    byte_length: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the checkpoint under its flat DCP key."""
+
+    key: str
+    path: tuple[str, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class CheckpointMetadata:
+    """The tensors of a DCP directory (non-tensor entries are listed by key only)."""
+
+    directory: Path
+    tensors: dict[str, TensorEntry]
+    non_tensor_keys: tuple[str, ...]
+
+
+def _safe_relative(directory: Path, relative: Any, key: str) -> Path:
+    rel = PurePath(str(relative))
+    if rel.is_absolute() or ".." in rel.parts or str(relative).startswith(("/", "\\")):
+        raise CheckpointError(
+            f"{directory / METADATA_FILE}: storage path {str(relative)!r} of {key!r} leaves the "
+            "checkpoint directory; refusing to read it"
+        )
+    full = (directory / rel).resolve()
+    if not full.is_relative_to(directory.resolve()):
+        raise CheckpointError(
+            f"{directory / METADATA_FILE}: storage path {str(relative)!r} of {key!r} leaves the "
+            "checkpoint directory; refusing to read it"
+        )
+    return directory / rel
+
+
+def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk], where: Path) -> None:
+    total = 0
+    for c in chunks:
+        if len(c.offsets) != len(shape) or any(
+            o < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, shape, strict=True)
+        ):
+            raise CheckpointError(f"{where}: chunk {c.offsets} of {key!r} lies outside {shape}")
+        total += c.numel
+    nonempty = [c for c in chunks if c.numel > 0]
+    for i, a in enumerate(nonempty):
+        for b in nonempty[i + 1 :]:
+            if all(
+                ao < bo + bs and bo < ao + as_
+                for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
+            ):
+                raise CheckpointError(f"{where}: chunks of {key!r} overlap; corrupt checkpoint")
+    if total != math.prod(shape):
+        raise CheckpointError(
+            f"{where}: incomplete checkpoint: the chunks of {key!r} cover {total} of "
+            f"{math.prod(shape)} elements"
+        )
+
+
+def _check_files(directory: Path, tensors: dict[str, TensorEntry]) -> None:
+    sizes: dict[Path, int] = {}
+    for entry in tensors.values():
+        for c in entry.chunks:
+            if c.file not in sizes:
+                try:
+                    sizes[c.file] = c.file.stat().st_size
+                except OSError:
+                    raise CheckpointError(
+                        f"{c.file}: data file named in {directory / METADATA_FILE} is missing; "
+                        "the checkpoint is incomplete (copy every __*.distcp file)"
+                    ) from None
+                with c.file.open("rb") as f:
+                    head = f.read(4)
+                if head and head != TORCH_ZIP_MAGIC:
+                    fmt = "DCP safetensors format" if head[:1] != b"P" else "an unknown format"
+                    raise CheckpointError(
+                        f"{c.file}: stored in {fmt}, which this merge does not read; save with "
+                        "the default DCP format or use torch's own consolidation"
+                    )
+            end = c.byte_offset + c.byte_length
+            if end > sizes[c.file]:
+                raise CheckpointError(
+                    f"{c.file}: truncated: {entry.key!r} needs bytes up to {end} but the file has "
+                    f"{sizes[c.file]}; the checkpoint is incomplete or was cut off while copying"
+                )
+
+
+def read_metadata(directory: str | Path) -> CheckpointMetadata:
+    """Read and check a DCP directory's `.metadata`: every chunk's file exists, is long enough,
+    stays inside the directory and the chunks of each tensor tile it exactly."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    d = Path(directory)
+    meta_path = d / METADATA_FILE
+    if not meta_path.is_file():
+        per_rank = sorted(p.name for p in d.glob("__*.metadata"))
+        if per_rank:
+            raise CheckpointError(
+                f"{d}: has per-rank metadata ({per_rank[0]}, ...) from use_collectives=False and "
+                "no global .metadata; this layout is not supported"
+            )
+        raise CheckpointError(f"{d}: no {METADATA_FILE} file; not a complete DCP checkpoint")
+    raw = load_metadata_pickle(meta_path)
+    sd_meta = getattr(raw, "state_dict_metadata", None)
+    storage = getattr(raw, "storage_data", None)
+    if not isinstance(sd_meta, dict) or not isinstance(storage, dict):
+        raise CheckpointError(f"{meta_path}: not a DCP Metadata object")
+    planner = getattr(raw, "planner_data", None) or {}
+
+    # (fqn, offsets) -> storage info
+    where: dict[tuple[str, tuple[int, ...]], Any] = {}
+    for index, info in storage.items():
+        offset = tuple(int(x) for x in (index.offset or ()))
+        where[(str(index.fqn), offset)] = info
+
+    tensors: dict[str, TensorEntry] = {}
+    non_tensor: list[str] = []
+    for key, item in sd_meta.items():
+        if isinstance(item, BytesStorageMetadata):
+            non_tensor.append(key)
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            raise CheckpointError(f"{meta_path}: unknown entry type for {key!r}")
+        shape = tuple(int(x) for x in item.size)
+        chunks: list[Chunk] = []
+        for cm in item.chunks:
+            offsets = tuple(int(x) for x in cm.offsets)
+            sizes = tuple(int(x) for x in cm.sizes)
+            info = where.get((key, offsets))
+            if info is None and math.prod(sizes) == 0:
+                continue  # uneven sharding: an empty chunk need not be stored
+            if info is None:
+                raise CheckpointError(
+                    f"{meta_path}: no storage recorded for chunk {offsets} of {key!r}; corrupt"
+                )
+            if getattr(info, "transform_descriptors", None):
+                raise CheckpointError(
+                    f"{meta_path}: {key!r} is stored with transforms "
+                    f"{list(info.transform_descriptors)} (compression); not supported, save "
+                    "without compression or use torch's own loader"
+                )
+            chunks.append(
+                Chunk(
+                    offsets,
+                    sizes,
+                    _safe_relative(d, info.relative_path, key),
+                    int(info.offset),
+                    int(info.length),
+                )
+            )
+        _check_tiling(key, shape, chunks, meta_path)
+        path = planner.get(key)
+        path_t = tuple(str(p) for p in path) if isinstance(path, tuple | list) else (key,)
+        tensors[key] = TensorEntry(key, path_t, item.properties.dtype, shape, tuple(chunks))
+    _check_files(d, tensors)
+    return CheckpointMetadata(d, tensors, tuple(non_tensor))

@@ -1,0 +1,145 @@
+"""Plan the output safetensors files from names, shapes and dtypes alone.
+
+Shard assignment follows `save_pretrained` (huggingface_hub's greedy split in state-dict order,
+decimal units); inside a file, tensors are laid out as the safetensors library lays them out
+(by dtype, then name), so the bytes match what `save_pretrained` would write.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+FILENAME_PATTERN = "model{suffix}.safetensors"
+FILE_METADATA = {"format": "pt"}
+
+# torch dtype -> (safetensors name, rank in the safetensors Dtype enum; higher is laid out first)
+SAFETENSORS_DTYPES: dict[torch.dtype, tuple[str, int]] = {
+    torch.bool: ("BOOL", 0),
+    torch.uint8: ("U8", 4),
+    torch.int8: ("I8", 5),
+    torch.float8_e5m2: ("F8_E5M2", 6),
+    torch.float8_e4m3fn: ("F8_E4M3", 7),
+    torch.int16: ("I16", 9),
+    torch.uint16: ("U16", 10),
+    torch.float16: ("F16", 11),
+    torch.bfloat16: ("BF16", 12),
+    torch.int32: ("I32", 13),
+    torch.uint32: ("U32", 14),
+    torch.float32: ("F32", 15),
+    torch.complex64: ("C64", 16),
+    torch.float64: ("F64", 17),
+    torch.int64: ("I64", 18),
+    torch.uint64: ("U64", 19),
+}
+
+
+def default_max_shard_size() -> str:
+    """The default of the installed transformers' `save_pretrained`."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    default = inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"]
+    return str(default.default)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    spec: TensorSpec
+    offset: int  # absolute offset of the first byte in the file
+
+
+@dataclass
+class PlannedFile:
+    name: str
+    header: bytes  # 8-byte length + JSON header (padded)
+    tensors: list[PlannedTensor] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(t.spec.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    files: list[PlannedFile]
+    index: dict[str, Any] | None  # model.safetensors.index.json content when sharded
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def tensors(self) -> list[tuple[PlannedFile, PlannedTensor]]:
+        return [(f, t) for f in self.files for t in f.tensors]
+
+
+def _layout_file(name: str, specs: list[TensorSpec]) -> PlannedFile:
+    order = sorted(specs, key=lambda s: (-SAFETENSORS_DTYPES[s.dtype][1], s.name))
+    offsets: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for s in order:
+        offsets[s.name] = (pos, pos + s.nbytes)
+        pos += s.nbytes
+    header: dict[str, Any] = {"__metadata__": FILE_METADATA}
+    for s in sorted(specs, key=lambda s: s.name):
+        header[s.name] = {
+            "dtype": SAFETENSORS_DTYPES[s.dtype][0],
+            "shape": list(s.shape),
+            "data_offsets": list(offsets[s.name]),
+        }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    f = PlannedFile(name, head)
+    f.tensors = [PlannedTensor(s, len(head) + offsets[s.name][0]) for s in order]
+    return f
+
+
+def plan_output(
+    specs: list[TensorSpec], max_shard_size: int | str, total_parameters: int
+) -> OutputPlan:
+    """Assign every tensor (in state-dict order) its file and byte range."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    unknown = sorted({str(s.dtype) for s in specs if s.dtype not in SAFETENSORS_DTYPES})
+    if unknown:
+        from shardforge.errors import MergeError
+
+        raise MergeError(f"dtypes {unknown} cannot be stored in safetensors")
+    by_name = {s.name: s for s in specs}
+    split = split_state_dict_into_shards_factory(
+        by_name,
+        get_storage_size=lambda s: s.nbytes,
+        filename_pattern=FILENAME_PATTERN,
+        max_shard_size=max_shard_size,
+    )
+    files = [
+        _layout_file(fname, [by_name[n] for n in names])
+        for fname, names in split.filename_to_tensors.items()
+    ]
+    index = None
+    if split.is_sharded:
+        index = {
+            "metadata": {"total_parameters": total_parameters, **split.metadata},
+            "weight_map": split.tensor_to_filename,
+        }
+    return OutputPlan(files, index)
