@@ -1,0 +1,5 @@
+"""torchtitan -> Hugging Face state-dict adapters (names, RoPE permutation), chosen by model_type."""
+
+from shardforge.adapters.adapter import ADAPTERS, StateDictAdapter, get_adapter
+
+__all__ = ["ADAPTERS", "StateDictAdapter", "get_adapter"]
