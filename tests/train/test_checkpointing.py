@@ -1,0 +1,200 @@
+"""Checkpoints: layout, resume (same and other world size), kill -9 mid-save, FULL_STATE_DICT."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from train_helpers import ROOT, losses, read_metrics, run_train, train_cmd, train_env, write_config
+
+from shardforge.train import checkpointing as ckpt
+
+RTOL = 1e-6  # resumed steps vs uninterrupted steps, fp32 (see test_loop.py)
+
+
+@pytest.fixture(scope="module")
+def reference(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 2-rank run of 6 steps, checkpointing every 2 steps."""
+    root = tmp_path_factory.mktemp("reference")
+    cfg = {**base_cfg, "output_dir": str(root / "out")}
+    run_train(write_config(root / "cfg.yml", cfg), nproc=2)
+    return root / "out"
+
+
+def _stopped_after(reference: Path, step: int, dest: Path) -> Path:
+    """What output_dir looks like when the reference run stops right after saving `step`."""
+    shutil.copytree(reference, dest)
+    for path in dest.glob("checkpoint-*"):
+        if int(path.name.split("-")[1]) > step:
+            shutil.rmtree(path)
+    kept = [m for m in read_metrics(dest) if m["step"] <= step]
+    (dest / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
+    return dest
+
+
+def _assert_same_losses(got: dict[int, float], want: dict[int, float], steps: range) -> None:
+    for s in steps:
+        assert math.isclose(got[s], want[s], rel_tol=RTOL, abs_tol=0.0), (s, got[s], want[s])
+
+
+def test_layout_matches_the_merge_contract(reference: Path) -> None:
+    names = sorted(p.name for p in reference.iterdir())
+    assert names == [
+        "chat_template.jinja",
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+        "config.json",
+        "generation_config.json",
+        "metrics.jsonl",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    c6 = reference / "checkpoint-6"
+    assert ckpt.is_complete(c6)
+    assert sorted(p.name for p in (c6 / "model").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    assert (c6 / "optimizer" / ".metadata").is_file()
+    state = json.loads((c6 / "trainer_state.json").read_text())
+    assert state["format"] == "shardforge" and state["format_version"] == 1
+    assert state["step"] == 6 and state["world_size"] == 2 and state["consumed"] == 72
+    assert state["torch_version"] == torch.__version__
+    for rank in (0, 1):
+        rng = torch.load(c6 / f"rng_state_{rank}.pt", weights_only=True)
+        assert isinstance(rng["torch"], torch.Tensor)
+
+
+def test_dcp_model_holds_plain_hf_keys_and_the_trained_weights(
+    reference: Path, base_cfg: dict[str, Any], tmp_path: Path
+) -> None:
+    """The DCP model loads into a plain transformers model and equals the FULL_STATE_DICT save
+    of the same (deterministic) run, bit for bit; the HF directory loads and generates."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    full_out = tmp_path / "full"
+    cfg = {
+        **base_cfg,
+        "output_dir": str(full_out),
+        "fsdp": {**base_cfg["fsdp"], "state_dict_type": "FULL_STATE_DICT"},
+    }
+    run_train(write_config(tmp_path / "full.yml", cfg), nproc=2)
+    assert not (full_out / "checkpoint-6").exists()  # the final save is the HF directory
+    hf = AutoModelForCausalLM.from_pretrained(full_out)
+
+    from_dcp = AutoModelForCausalLM.from_pretrained(base_cfg["base_model"])
+    state = from_dcp.state_dict()
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(reference / "checkpoint-6" / "model"), no_dist=True)
+    from_dcp.load_state_dict(state)
+    base = AutoModelForCausalLM.from_pretrained(base_cfg["base_model"]).state_dict()
+    for key, tensor in hf.state_dict().items():
+        assert torch.equal(tensor, state[key]), key
+        assert not torch.equal(tensor, base[key]), f"{key} was not trained"
+    ids = torch.tensor([[5, 17, 42, 9, 100, 7]])
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, from_dcp(ids).logits)
+    assert hf.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 10)
+
+
+@pytest.mark.parametrize("nproc,micro", [(2, 3), (3, 2)])
+def test_resume_continues_like_an_uninterrupted_run(
+    reference: Path, base_cfg: dict[str, Any], tmp_path: Path, nproc: int, micro: int
+) -> None:
+    """Stopped after step 4 (at 2 ranks), resumed at `nproc` ranks with the same global batch:
+    steps 5 and 6 match the uninterrupted run."""
+    out = _stopped_after(reference, 4, tmp_path / "out")
+    cfg = {
+        **base_cfg,
+        "output_dir": str(out),
+        "micro_batch_size": micro,
+        "resume_from_checkpoint": "auto",
+    }
+    proc = run_train(write_config(tmp_path / "cfg.yml", cfg), nproc=nproc)
+    assert "resumed from" in proc.stderr and "checkpoint-4 at step 4" in proc.stderr
+    got = losses(out)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    _assert_same_losses(got, losses(reference), range(5, 7))
+    state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["world_size"] == nproc and state["step"] == 6
+
+
+def test_resume_from_an_explicit_path(
+    reference: Path, base_cfg: dict[str, Any], tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    cfg = {
+        **base_cfg,
+        "output_dir": str(out),
+        "resume_from_checkpoint": str(reference / "checkpoint-2"),
+    }
+    run_train(write_config(tmp_path / "cfg.yml", cfg), nproc=2)
+    _assert_same_losses(losses(out), losses(reference), range(3, 7))
+
+
+def _kill_tree(job: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the job and all its descendants at once (no chance to clean up)."""
+    children = psutil.Process(job.pid).children(recursive=True)
+    for p in [psutil.Process(job.pid), *children]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    job.wait(timeout=30)
+    psutil.wait_procs(children, timeout=30)
+
+
+def test_kill_9_during_save_resumes_from_the_last_complete_checkpoint(
+    reference: Path, base_cfg: dict[str, Any], tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    config = write_config(
+        tmp_path / "cfg.yml",
+        {**base_cfg, "output_dir": str(out), "resume_from_checkpoint": "auto"},
+    )
+    # rank 0 stops inside the save of step 4, after the model shards are written
+    env = train_env({ckpt.PAUSE_ENV: "4"})
+    job = subprocess.Popen(
+        train_cmd(config, nproc=2),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    marker = out / "checkpoint-4.tmp" / ckpt.PAUSED_MARKER
+    deadline = time.monotonic() + 240
+    while not marker.exists():
+        assert job.poll() is None, "training ended before reaching the save of step 4"
+        assert time.monotonic() < deadline, "timed out waiting for the save of step 4"
+        time.sleep(0.2)
+    _kill_tree(job)  # kill -9 of the launcher, torchrun and every rank
+    assert job.returncode == -signal.SIGKILL
+    assert (out / "checkpoint-4.tmp" / "model" / ".metadata").is_file()
+    assert not (out / "checkpoint-4").exists()
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
+
+    proc = run_train(config, nproc=2)
+    assert "checkpoint-2 at step 2" in proc.stderr
+    _assert_same_losses(losses(out), losses(reference), range(3, 7))
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+    ]
+    assert not (out / "checkpoint-4.tmp").exists()
+    assert os.listdir(out / "checkpoint-4" / "model")

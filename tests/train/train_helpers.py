@@ -1,0 +1,92 @@
+"""Helpers for the training tests: a tiny base model and data, and `shardforge train` runs.
+
+Imported by name (`from train_helpers import ...`); the name is unique across the test tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shardforge.testing.tiny import make_model, tiny_conversations, tiny_texts, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_base(root: Path) -> dict[str, Any]:
+    """A tiny Llama base model, completion data and chat data under `root`; return a config.
+
+    The global batch is 12 sequences, so 1, 2 and 3 ranks can all run it (micro batch 12, 6, 4
+    with gradient_accumulation_steps 1; or as set by the caller).
+    """
+    base = make_model(root / "base", "llama", vocab_size=320, seed=0)
+    data = write_jsonl(root / "data.jsonl", [{"text": t} for t in tiny_texts(48, seed=1)])
+    write_jsonl(root / "chats.jsonl", [{"messages": m} for m in tiny_conversations(16, seed=1)])
+    return {
+        "base_model": str(base),
+        "output_dir": str(root / "out"),
+        "seed": 7,
+        "datasets": [{"path": str(data), "type": "completion", "field": "text"}],
+        "sequence_len": 32,
+        "sample_packing": True,
+        "micro_batch_size": 3,
+        "gradient_accumulation_steps": 2,
+        "max_steps": 6,
+        "learning_rate": 3.0e-3,
+        "lr_scheduler": "cosine",
+        "warmup_steps": 2,
+        "max_grad_norm": 1.0,
+        "logging_steps": 1,
+        "save_steps": 2,
+        "fsdp": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+    }
+
+
+def write_config(path: Path, cfg: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def train_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def train_cmd(config: Path, *args: str, nproc: int = 2) -> list[str]:
+    launch = ["--launcher", "python"] if nproc == 1 else ["--nproc_per_node", str(nproc)]
+    return [sys.executable, "-m", "shardforge", "train", str(config), *launch, *args]
+
+
+def run_train(
+    config: Path, *args: str, nproc: int = 2, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the real `shardforge train` CLI in a subprocess (torchrun for nproc > 1)."""
+    proc = subprocess.run(
+        train_cmd(config, *args, nproc=nproc),
+        capture_output=True,
+        text=True,
+        env=train_env(env),
+        cwd=ROOT,
+        timeout=300,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(output_dir)}
