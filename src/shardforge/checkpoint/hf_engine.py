@@ -43,6 +43,7 @@ def merge_with_transformers(
             config, trust_remote_code=trust_remote_code, dtype=dtype
         )
     model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives tied parameters separate storage; tie them again
     sd = model.state_dict()
     target = {key: sd[hf] for key, hf in to_hf.items()}
     dcp.load(target, storage_reader=SafeFileSystemReader(str(model_dir)), no_dist=True)

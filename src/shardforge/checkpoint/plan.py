@@ -114,10 +114,20 @@ def _layout_file(name: str, specs: list[TensorSpec]) -> PlannedFile:
     return f
 
 
+def save_order(names: list[str]) -> list[str]:
+    """The order save_pretrained shards a loaded model's tensors in: transformers 5.x sorts
+    them by dotted natural key (layer numbers numerically); 4.x keeps state-dict order."""
+    try:
+        from transformers.core_model_loading import dot_natural_key
+    except ImportError:
+        return list(names)
+    return sorted(names, key=dot_natural_key)
+
+
 def plan_output(
     specs: list[TensorSpec], max_shard_size: int | str, total_parameters: int
 ) -> OutputPlan:
-    """Assign every tensor (in state-dict order) its file and byte range."""
+    """Assign every tensor its file and byte range, in `save_order`."""
     from huggingface_hub import split_state_dict_into_shards_factory
 
     unknown = sorted({str(s.dtype) for s in specs if s.dtype not in SAFETENSORS_DTYPES})
@@ -126,6 +136,7 @@ def plan_output(
 
         raise MergeError(f"dtypes {unknown} cannot be stored in safetensors")
     by_name = {s.name: s for s in specs}
+    by_name = {n: by_name[n] for n in save_order(list(by_name))}
     split = split_state_dict_into_shards_factory(
         by_name,
         get_storage_size=lambda s: s.nbytes,

@@ -9,6 +9,7 @@ memory. Peak memory is therefore about one tensor, whatever the model size.
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 from collections import OrderedDict
@@ -19,7 +20,7 @@ import torch
 
 from shardforge.checkpoint.chunk_record import RawChunk, locate, read_chunk
 from shardforge.checkpoint.metadata import Chunk, TensorEntry
-from shardforge.checkpoint.plan import OutputPlan, PlannedTensor
+from shardforge.checkpoint.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan, PlannedTensor
 from shardforge.errors import CheckpointError
 
 COPY_BLOCK = 64 << 20
@@ -155,7 +156,7 @@ def write_plan(
     directory: Path,
     progress: Progress,
 ) -> None:
-    """Create every planned file in `directory` and fill it; files are fsynced."""
+    """Create every planned file (and the index when sharded) in `directory`; fsync them."""
     with ChunkReader() as reader:
         for pf in plan.files:
             fd = os.open(directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -168,6 +169,9 @@ def write_plan(
                 os.fsync(fd)
             finally:
                 os.close(fd)
+    if plan.index is not None:
+        text = json.dumps(plan.index, indent=2, sort_keys=True) + "\n"
+        (directory / SAFE_WEIGHTS_INDEX_NAME).write_text(text, encoding="utf-8")
 
 
 def iter_tensors(
