@@ -102,7 +102,7 @@ def do_merge_sharded_fsdp_weights(
     help="stream (bounded memory, default) or transformers (meta model + dcp.load + "
     "save_pretrained; whole model in memory).",
 )
-@click.option("--quiet", is_flag=True, help="No progress bar, warnings only.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @click.pass_context
 def command(
@@ -122,7 +122,7 @@ def command(
     debug: bool,
 ) -> None:
     args, stray_debug = split_debug(list(ctx.args))
-    setup_logging(quiet)
+    setup_logging()  # --quiet hides the progress bar; the chosen checkpoint is still printed
     out = run_guarded(
         lambda: do_merge_sharded_fsdp_weights(
             config,
@@ -160,7 +160,7 @@ def do_cli(
     """fire entry point: python -m shardforge.cli.merge_sharded_fsdp_weights CONFIG --output_path DIR."""
     from shardforge.cli._common import fail
 
-    setup_logging(quiet)
+    setup_logging()  # --quiet hides the progress bar; the chosen checkpoint is still printed
     known = {
         "checkpoint",
         "step",

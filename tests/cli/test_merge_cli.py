@@ -1,0 +1,320 @@
+"""`shardforge merge-sharded-fsdp-weights`: bad inputs each give a one-line error, a non-zero
+exit, no output directory and unchanged input bytes; plus the CLI's spellings and --help."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from shardforge.cli.main import cli
+from shardforge.testing.tiny import make_model
+
+CMD = "merge-sharded-fsdp-weights"
+
+
+def _save_run(base: Path, run: Path) -> None:
+    """A real single-process DCP save in shardforge's layout (model + optimizer) and the
+    HF Trainer layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    ckpt = run / "checkpoint-1"
+    dcp.save(model.state_dict(), checkpoint_id=ckpt / "model", no_dist=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    opt.step()
+    osd = get_optimizer_state_dict(model, opt)
+    dcp.save(osd, checkpoint_id=ckpt / "optimizer", no_dist=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"format": "shardforge", "step": 1}))
+    hf = run / "hf" / "checkpoint-1"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=hf / "pytorch_model_fsdp_0", no_dist=True)
+    dcp.save({"optimizer": osd}, checkpoint_id=hf / "optimizer_0", no_dist=True)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    base = make_model(root / "base", "llama", vocab_size=320)
+    make_model(root / "other", "llama", vocab_size=320, hidden_size=32, num_attention_heads=2)
+    _save_run(base, root / "run")
+    return root
+
+
+@pytest.fixture
+def env(pristine: Path, tmp_path: Path) -> Path:
+    """A private copy of the run (so a test may corrupt it) and a config pointing at it."""
+    shutil.copytree(pristine / "run", tmp_path / "run")
+    cfg = {"base_model": str(pristine / "base"), "output_dir": str(tmp_path / "run")}
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump(cfg))
+    return tmp_path
+
+
+def tree_hash(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def invoke(env: Path, *args: str) -> Any:
+    return CliRunner().invoke(cli, [CMD, str(env / "cfg.yml"), "--quiet", *args])
+
+
+def one_line_error(stderr: str) -> str:
+    """The error is the last line, the only one starting with `error:`; no traceback.
+    (Lines before it are progress information, such as the chosen checkpoint.)"""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: "), stderr
+    assert sum(line.startswith("error") for line in lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[-1]
+
+
+def assert_refused(env: Path, result: Any, before: str, *words: str) -> None:
+    """Non-zero exit; `error: ...` on one line naming `words`; no output; input unchanged."""
+    assert result.exit_code != 0, result.output
+    error = one_line_error(result.stderr)
+    for w in words:
+        assert w in error, (w, error)
+    assert not (env / "out").exists()
+    assert not list(env.glob(".out.*"))  # no temp sibling left behind
+    assert tree_hash(env / "run") == before
+
+
+def _model_dir(env: Path) -> Path:
+    return env / "run" / "checkpoint-1" / "model"
+
+
+def test_merges_and_prints_the_output(env: Path) -> None:
+    result = invoke(env, "--output-path", str(env / "out"), "--verify")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == str(env / "out")
+    assert "checkpoint-1/model" in result.stderr  # the chosen checkpoint is printed
+    assert (env / "out" / "model.safetensors").is_file()
+    assert (env / "out" / "tokenizer.json").is_file()
+
+
+def test_config_overrides_after_the_config(env: Path, pristine: Path) -> None:
+    result = invoke(env, "--output_path", str(env / "out"), "--base_model", str(pristine / "other"))
+    assert result.exit_code != 0  # the override took effect: the architecture does not match
+    assert "does not match the architecture" in result.stderr
+
+
+def test_help_shows_examples() -> None:
+    result = CliRunner().invoke(cli, [CMD, "--help"])
+    assert result.exit_code == 0
+    assert "Examples:" in result.output
+    for option in ("--output_path", "--checkpoint", "--step", "--dtype", "--verify"):
+        assert option in result.output
+    assert "pytorch_model_fsdp_0" in result.output and "last.ckpt" in result.output
+
+
+def test_missing_metadata(env: Path) -> None:
+    (_model_dir(env) / ".metadata").unlink()
+    before = tree_hash(env / "run")
+    result = invoke(env, "--output_path", str(env / "out"), "--checkpoint", str(_model_dir(env)))
+    assert_refused(env, result, before, "no .metadata")
+    # searched from output_dir: the checkpoint is no longer complete
+    assert_refused(env, invoke(env, "--output_path", str(env / "out")), before, "no complete")
+
+
+def test_truncated_shard(env: Path) -> None:
+    shard = _model_dir(env) / "__0_0.distcp"
+    with shard.open("r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    before = tree_hash(env / "run")
+    result = invoke(env, "--output_path", str(env / "out"))
+    assert_refused(env, result, before, "truncated", "__0_0.distcp")
+
+
+class _Payload:
+    def __init__(self, fn: Callable[..., Any], arg: str) -> None:
+        self.fn, self.arg = fn, arg
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.fn, (self.arg,))
+
+
+@pytest.mark.parametrize("kind", ["os.system", "builtins.eval"])
+def test_metadata_pickle_with_code_execution_payload(env: Path, kind: str) -> None:
+    marker = env / "pwned"
+    meta_path = _model_dir(env) / ".metadata"
+    with meta_path.open("rb") as f:
+        meta = pickle.load(f)  # our own test file
+    if kind == "os.system":
+        payload = _Payload(os.system, f"touch {marker}")
+    else:
+        payload = _Payload(eval, f"open({str(marker)!r}, 'w').close()")
+    meta.planner_data["evil"] = payload  # inside an otherwise valid metadata object
+    meta_path.write_bytes(pickle.dumps(meta, protocol=4))
+    before = tree_hash(env / "run")
+    result = invoke(env, "--output_path", str(env / "out"))
+    assert_refused(env, result, before, "refused", ".metadata")
+    assert not marker.exists()  # the payload did not run
+
+
+def test_storage_path_escaping_the_directory(env: Path) -> None:
+    meta_path = _model_dir(env) / ".metadata"
+    with meta_path.open("rb") as f:
+        meta = pickle.load(f)
+    outside = env / "outside.distcp"
+    shutil.copy(_model_dir(env) / "__0_0.distcp", outside)  # readable, but outside
+    index = next(iter(meta.storage_data))
+    info = meta.storage_data[index]
+    info.relative_path = "../../../outside.distcp"
+    meta_path.write_bytes(pickle.dumps(meta, protocol=4))
+    before = tree_hash(env / "run")
+    result = invoke(env, "--output_path", str(env / "out"))
+    assert_refused(env, result, before, "leaves the checkpoint directory")
+
+
+def test_architecture_mismatch(env: Path, pristine: Path) -> None:
+    cfg = yaml.safe_load((env / "cfg.yml").read_text())
+    cfg["base_model"] = str(pristine / "other")
+    (env / "cfg.yml").write_text(yaml.safe_dump(cfg))
+    before = tree_hash(env / "run")
+    result = invoke(env, "--output_path", str(env / "out"))
+    assert_refused(env, result, before, "shape mismatches", "model.embed_tokens.weight")
+
+
+def test_existing_output(env: Path) -> None:
+    (env / "out").mkdir()
+    (env / "out" / "keep.txt").write_text("mine")
+    before = tree_hash(env / "run")
+    result = invoke(env, "--output_path", str(env / "out"))
+    assert result.exit_code != 0
+    assert "--overwrite" in one_line_error(result.stderr)
+    assert (env / "out" / "keep.txt").read_text() == "mine"
+    assert tree_hash(env / "run") == before
+    # --overwrite replaces it, only after success
+    result = invoke(env, "--output_path", str(env / "out"), "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert not (env / "out" / "keep.txt").exists()
+    assert (env / "out" / "model.safetensors").is_file()
+
+
+def test_empty_directory(env: Path) -> None:
+    (env / "empty").mkdir()
+    before = tree_hash(env / "run")
+    result = invoke(env, "--output_path", str(env / "out"), "--checkpoint", str(env / "empty"))
+    assert_refused(env, result, before, "empty")
+
+
+def test_output_dir_without_checkpoints(env: Path) -> None:
+    shutil.rmtree(env / "run" / "checkpoint-1")
+    shutil.rmtree(env / "run" / "hf")
+    (env / "run" / "notes.txt").write_text("x")
+    before = tree_hash(env / "run")
+    result = invoke(env, "--output_path", str(env / "out"))
+    assert_refused(env, result, before, "no complete checkpoint", "pytorch_model_fsdp_0")
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "model"),
+    [
+        ("checkpoint-1/optimizer", "checkpoint-1/model"),
+        ("hf/checkpoint-1/optimizer_0", "hf/checkpoint-1/pytorch_model_fsdp_0"),
+    ],
+)
+def test_optimizer_directory_given(env: Path, optimizer: str, model: str) -> None:
+    before = tree_hash(env / "run")
+    result = invoke(
+        env, "--output_path", str(env / "out"), "--checkpoint", str(env / "run" / optimizer)
+    )
+    assert_refused(env, result, before, "optimizer", str(env / "run" / model))
+
+
+def test_optimizer_state_detected_by_keys(env: Path) -> None:
+    renamed = env / "run" / "checkpoint-1" / "opt_state"
+    (env / "run" / "checkpoint-1" / "optimizer").rename(renamed)
+    before = tree_hash(env / "run")
+    result = invoke(env, "--output_path", str(env / "out"), "--checkpoint", str(renamed))
+    assert_refused(env, result, before, "only optimizer state")
+
+
+def test_failure_late_in_the_merge_leaves_nothing(env: Path) -> None:
+    """The weights are written, then the tokenizer fails: no output, no temp directory."""
+    before = tree_hash(env / "run")
+    result = invoke(
+        env, "--output_path", str(env / "out"), "--tokenizer_config", str(env / "no-tokenizer")
+    )
+    assert_refused(env, result, before, "tokenizer")
+
+
+def test_step_not_found(env: Path) -> None:
+    before = tree_hash(env / "run")
+    result = invoke(env, "--output_path", str(env / "out"), "--step", "7")
+    assert_refused(env, result, before, "step 7", "[1]")
+
+
+def _real_cli(env: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shardforge", CMD, str(env / "cfg.yml"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_real_cli_refusals_in_a_subprocess(env: Path) -> None:
+    marker = env / "pwned"
+    meta_path = _model_dir(env) / ".metadata"
+    with meta_path.open("rb") as f:
+        meta = pickle.load(f)
+    meta.planner_data["evil"] = _Payload(os.system, f"touch {marker}")
+    meta_path.write_bytes(pickle.dumps(meta, protocol=4))
+    (env / "out").mkdir()
+    (env / "out" / "x").write_text("x")
+    before = tree_hash(env / "run")
+    for args, words in [
+        (["--output_path", str(env / "out")], "--overwrite"),  # existing output
+        (["--output_path", str(env / "new")], "refused"),  # malicious pickle
+        (["--output_path", str(env / "new"), "--checkpoint", str(env / "nope")], "not exist"),
+    ]:
+        proc = _real_cli(env, *args)
+        assert proc.returncode == 1, proc.stderr
+        assert words in one_line_error(proc.stderr), proc.stderr
+    assert not marker.exists()
+    assert not (env / "new").exists()
+    assert tree_hash(env / "run") == before
+
+
+def test_python_module_entry_point(env: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardforge.cli.merge_sharded_fsdp_weights",
+            str(env / "cfg.yml"),
+            "--output_path",
+            str(env / "out"),
+            "--dtype",
+            "bfloat16",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    from safetensors.torch import load_file
+
+    weights = load_file(env / "out" / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())
