@@ -249,8 +249,11 @@ def rank_slice(
 def load_tokenizer(cfg: ShardforgeConfig) -> Any:
     from transformers import AutoTokenizer
 
+    from shardforge.train.model import require_local_or_hub_id
+
     source = cfg.tokenizer_config or cfg.base_model
     key = "tokenizer_config" if cfg.tokenizer_config else "base_model"
+    require_local_or_hub_id(key, source)
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,12 +42,22 @@ def tokenizer_source(cfg: ShardforgeConfig) -> str:
     return cfg.tokenizer_config or cfg.base_model
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$|^[A-Za-z0-9][\w.-]*$")
+
+
+def require_local_or_hub_id(key: str, source: str) -> None:
+    """A path that is not a directory must at least look like a hub id (`org/name`)."""
+    if not Path(source).is_dir() and (Path(source).exists() or not HUB_ID.match(source)):
+        raise ConfigError(key, [f"directory {source} not found; check the path"])
+
+
 def load_model_config(cfg: ShardforgeConfig) -> Any:
     """The base model's transformers config; a missing or unreadable one names the config key."""
     from transformers import AutoConfig
 
     key = "base_model_config" if cfg.base_model_config else "base_model"
     source = model_config_source(cfg)
+    require_local_or_hub_id(key, source)
     try:
         return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:

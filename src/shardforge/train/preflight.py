@@ -112,6 +112,9 @@ CHECKS: tuple[Callable[[ShardforgeConfig], list[Problem]], ...] = (
 
 def preflight(cfg: ShardforgeConfig, source: str = "config") -> None:
     """Run every check; raise one ConfigError listing all problems, each with its key."""
-    problems = [p for check in CHECKS for p in check(cfg)]
+    problems: list[Problem] = []
+    for check in CHECKS:
+        seen = {key for key, _ in problems}
+        problems += [p for p in check(cfg) if p[0] not in seen]  # one problem per key
     if problems:
         raise ConfigError(source, [f"{key}: {text}" if key else text for key, text in problems])

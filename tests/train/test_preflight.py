@@ -1,0 +1,72 @@
+"""Bad configs fail before any process group starts, naming the config key (real CLI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from train_helpers import run_train, write_config
+
+from shardforge.config import validate_cfg
+from shardforge.errors import ConfigError
+from shardforge.train.preflight import preflight
+
+
+def _bad(cfg: dict[str, Any], tmp: Path, name: str) -> dict[str, Any]:
+    """Each case: (key that must be named, text that must appear, config change)."""
+    cases: dict[str, dict[str, Any]] = {
+        "missing_data": {"datasets": [{"path": str(tmp / "nope.jsonl")}]},
+        "no_data": {"datasets": []},
+        "wrap_class": {"fsdp": {"transformer_layer_cls_to_wrap": ["GPT2Block"]}},
+        "sequence_len": {"sequence_len": 0},
+        "base_model": {"base_model": str(tmp / "no-model")},
+        "resume": {"resume_from_checkpoint": str(tmp)},
+        "fp16_on_cpu": {"fp16": True},
+    }
+    return {**cfg, "output_dir": str(tmp / "out"), **cases[name]}
+
+
+CASES = [
+    ("missing_data", "datasets[0].path", "nope.jsonl not found"),
+    ("no_data", "datasets", "no training data"),
+    ("wrap_class", "fsdp.transformer_layer_cls_to_wrap", "GPT2Block not in the model"),
+    ("sequence_len", "sequence_len", "must be > 0"),
+    ("base_model", "base_model", "no-model"),
+    ("resume", "resume_from_checkpoint", "not a complete checkpoint"),
+    ("fp16_on_cpu", "fp16", "needs a GPU"),
+]
+
+
+@pytest.mark.parametrize("name,key,text", CASES, ids=[c[0] for c in CASES])
+def test_bad_config_fails_before_launch(
+    base_cfg: dict[str, Any], tmp_path: Path, name: str, key: str, text: str
+) -> None:
+    config = write_config(tmp_path / "bad.yml", _bad(base_cfg, tmp_path, name))
+    proc = run_train(config, nproc=2, check=False)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    assert key in errors[0] and text in errors[0], errors[0]
+    assert "Traceback" not in proc.stderr
+    assert "launching" not in proc.stderr  # torchrun was never started
+    assert not (tmp_path / "out").exists()  # nothing was written
+
+
+def test_every_problem_is_reported_at_once(base_cfg: dict[str, Any], tmp_path: Path) -> None:
+    raw = {
+        **base_cfg,
+        "datasets": [{"path": str(tmp_path / "a.jsonl")}, {"path": str(tmp_path / "b.parquet")}],
+        "fsdp": {"transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]},
+    }
+    with pytest.raises(ConfigError) as info:
+        preflight(validate_cfg(raw), "cfg.yml")
+    text = str(info.value)
+    assert "3 problems" in text
+    for key in ("datasets[0].path", "datasets[1].path", "fsdp.transformer_layer_cls_to_wrap"):
+        assert key in text
+
+
+def test_auto_detected_wrap_class_and_a_good_config_pass(base_cfg: dict[str, Any]) -> None:
+    cfg = {**base_cfg, "fsdp": {}}
+    preflight(validate_cfg(cfg))
