@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
