@@ -135,10 +135,18 @@ def _mesh_of(recs: list[TensorRecord], world_size: int) -> tuple[tuple[int, ...]
             "files; meshes that span more ranks than wrote files (e.g. tensor parallelism) "
             "are not supported"
         )
-    if len(set(coords)) != len(coords) or any(
-        not 0 <= c < n for coord in coords for c, n in zip(coord, mesh_shape, strict=True)
-    ):
-        raise CheckpointError(f"{first.path}: {first.key!r}: ranks' mesh positions overlap")
+    seen: dict[tuple[int, ...], Path] = {}
+    for rec, coord in zip(recs, coords, strict=True):
+        if any(not 0 <= c < n for c, n in zip(coord, mesh_shape, strict=True)):
+            raise CheckpointError(
+                f"{rec.path}: {rec.key!r}: mesh position {coord} is outside mesh {mesh_shape}"
+            )
+        if coord in seen:
+            raise CheckpointError(
+                f"{rec.path} and {seen[coord].name} hold the same mesh position {coord} for "
+                f"{rec.key!r}: a rank file is duplicated or comes from another run"
+            )
+        seen[coord] = rec.path
     return mesh_shape, coords
 
 

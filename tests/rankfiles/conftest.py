@@ -1,0 +1,20 @@
+"""Rank-file fixtures: written once per session by real gloo ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rank_helpers import make_rank_files
+
+
+@pytest.fixture(scope="session")
+def ranks_2_fp32(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model_dir, rank_dir): 2 ranks, float32."""
+    return make_rank_files(tmp_path_factory.mktemp("w2"), 2, "float32")
+
+
+@pytest.fixture(scope="session")
+def ranks_3_bf16(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model_dir, rank_dir): 3 ranks, bfloat16."""
+    return make_rank_files(tmp_path_factory.mktemp("w3"), 3, "bfloat16")

@@ -1,0 +1,121 @@
+"""Assembling full tensors from rank files written by real gloo ranks: bit-exact against the
+original weights, equal logits, and clear errors for incomplete or mixed sets."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from rank_helpers import logits, make_rank_files
+from safetensors.torch import load_file
+
+from shardforge.errors import CheckpointError
+from shardforge.rankfiles import Placement, iter_tensors, plan_rank_files
+from shardforge.rankfiles.rank_plan import local_box
+
+
+def _check_round_trip(model_dir: Path, rank_dir: Path, dtype: torch.dtype) -> None:
+    original = load_file(model_dir / "model.safetensors")
+    plan = plan_rank_files(rank_dir)
+    assert set(plan) == set(original)
+    merged = {}
+    for key, tensor in iter_tensors(plan):
+        assert tensor.dtype == dtype
+        assert torch.equal(tensor, original[key]), key
+        merged[key] = tensor
+    assert torch.equal(logits(model_dir, merged), logits(model_dir))
+
+
+@pytest.mark.parametrize("fixture", ["ranks_2_fp32", "ranks_3_bf16"])
+def test_round_trip_bit_exact(fixture: str, request: pytest.FixtureRequest) -> None:
+    model_dir, rank_dir = request.getfixturevalue(fixture)
+    dtype = torch.float32 if fixture.endswith("fp32") else torch.bfloat16
+    _check_round_trip(model_dir, rank_dir, dtype)
+
+
+def test_plan_describes_uneven_shards(ranks_3_bf16: tuple[Path, Path]) -> None:
+    _, rank_dir = ranks_3_bf16
+    plan = plan_rank_files(rank_dir)
+    emb = plan["model.embed_tokens.weight"]
+    assert emb.shape == (331, 70) and emb.dtype == torch.bfloat16
+    assert emb.placements == (Placement("shard", 0),) and emb.mesh_shape == (3,)
+    # torch.chunk: ceil(331 / 3) = 111 rows, the last rank 109
+    assert [(p.rank, p.offsets, p.sizes) for p in emb.pieces] == [
+        (0, (0, 0), (111, 70)),
+        (1, (111, 0), (111, 70)),
+        (2, (222, 0), (109, 70)),
+    ]
+    k_proj = plan["model.layers.0.self_attn.k_proj.weight"]  # 14 rows: 5, 5, 4
+    assert [p.sizes[0] for p in k_proj.pieces] == [5, 5, 4]
+    assert emb.nbytes == 331 * 70 * 2
+
+
+def test_hsdp_replicate_shard_mesh(tmp_path: Path) -> None:
+    """HSDP: mesh (2 replicas, 2 shards), placements (Replicate(), Shard(0)); the replicas'
+    copies are read once (from the lowest rank)."""
+    model_dir, rank_dir = make_rank_files(tmp_path, 4, "float32", mesh_shape=(2, 2))
+    plan = plan_rank_files(rank_dir)
+    norm = plan["model.norm.weight"]
+    assert norm.placements == (Placement("replicate"), Placement("shard", 0))
+    assert norm.mesh_shape == (2, 2)
+    assert [(p.rank, p.offsets) for p in norm.pieces] == [(0, (0,)), (1, (35,))]
+    _check_round_trip(model_dir, rank_dir, torch.float32)
+
+
+def test_local_box_matches_torch_chunking() -> None:
+    shard0, rep = Placement("shard", 0), Placement("replicate")
+    sizes = [local_box((10, 3), (shard0,), (4,), (c,)) for c in range(4)]
+    assert sizes == [((0, 0), (3, 3)), ((3, 0), (3, 3)), ((6, 0), (3, 3)), ((9, 0), (1, 3))]
+    # more ranks than rows: trailing ranks hold empty shards at the end
+    assert local_box((2, 3), (shard0,), (3,), (2,)) == ((2, 0), (0, 3))
+    assert local_box((5,), (rep, shard0), (2, 2), (1, 1)) == ((3,), (2,))
+    # two mesh dims sharding the same tensor dim nest (mesh dim 0 first)
+    assert local_box((8,), (shard0, shard0), (2, 2), (1, 0)) == ((4,), (2,))
+    for n in (2, 3, 4, 7):
+        t = torch.arange(29)
+        chunks = torch.chunk(t, n)
+        for c in range(n):
+            (off,), (size,) = local_box((29,), (shard0,), (n,), (c,))
+            expected = chunks[c] if c < len(chunks) else t[:0]
+            assert torch.equal(t[off : off + size], expected)
+
+
+def test_missing_rank_file(ranks_2_fp32: tuple[Path, Path], tmp_path: Path) -> None:
+    _, rank_dir = ranks_2_fp32
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    shutil.copy(rank_dir / "model_world_size_2_rank_0.pt", partial)
+    with pytest.raises(CheckpointError, match=r"missing: model_world_size_2_rank_1\.pt"):
+        plan_rank_files(partial)
+
+
+def test_mixed_world_sizes(
+    ranks_2_fp32: tuple[Path, Path], ranks_3_bf16: tuple[Path, Path], tmp_path: Path
+) -> None:
+    mixed = tmp_path / "mixed"
+    shutil.copytree(ranks_2_fp32[1], mixed)
+    shutil.copy(ranks_3_bf16[1] / "model_world_size_3_rank_0.pt", mixed)
+    with pytest.raises(CheckpointError, match=r"different world sizes \(2, 3\)"):
+        plan_rank_files(mixed)
+
+
+def test_files_of_different_runs_disagree(ranks_3_bf16: tuple[Path, Path], tmp_path: Path) -> None:
+    """A rank file renamed into another run's set: its metadata disagrees and is reported."""
+    other = tmp_path / "other"
+    shutil.copytree(ranks_3_bf16[1], other)
+    (other / "model_world_size_3_rank_2.pt").unlink()
+    shutil.copy(other / "model_world_size_3_rank_1.pt", other / "model_world_size_3_rank_2.pt")
+    with pytest.raises(
+        CheckpointError,
+        match=r"rank_2\.pt and model_world_size_3_rank_1\.pt hold the same mesh position",
+    ):
+        plan_rank_files(other)
+
+
+def test_no_rank_files(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no model_world_size_<W>_rank_<R>.pt files"):
+        plan_rank_files(tmp_path)
+    with pytest.raises(CheckpointError, match="not a directory"):
+        plan_rank_files(tmp_path / "nope")
