@@ -73,7 +73,7 @@ def test_find_rank_dir(tmp_path: Path) -> None:
     assert find_rank_dir(step, "pytorch_ema_model_fsdp_0").name == "pytorch_ema_model_fsdp_0"
     with pytest.raises(CheckpointError, match="must be a folder inside"):
         find_rank_dir(step, "../..")
-    with pytest.raises(CheckpointError, match="no model_world_size_<W>_rank_<R>.pt files in"):
+    with pytest.raises(CheckpointError, match=r"no model_world_size_<W>_rank_<R>\.pt files in"):
         find_rank_dir(step, "optimizer_0")
     flat = tmp_path / "flat"
     flat.mkdir()

@@ -115,7 +115,7 @@ def test_files_of_different_runs_disagree(ranks_3_bf16: tuple[Path, Path], tmp_p
 
 
 def test_no_rank_files(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="no model_world_size_<W>_rank_<R>.pt files"):
+    with pytest.raises(CheckpointError, match=r"no model_world_size_<W>_rank_<R>\.pt files"):
         plan_rank_files(tmp_path)
     with pytest.raises(CheckpointError, match="not a directory"):
         plan_rank_files(tmp_path / "nope")
