@@ -164,6 +164,11 @@ TOKENIZERS: dict[str, Callable[[Row, DatasetConfig, Any, str | None], Sample]] =
 }
 
 
+def tokenize_row(row: Row, ds: DatasetConfig, tokenizer: Any, chat_template: str | None) -> Sample:
+    """One row as (input_ids, labels), the way its data set's `type` says."""
+    return TOKENIZERS[ds.type](row, ds, tokenizer, chat_template)
+
+
 def load_samples(cfg: ShardforgeConfig, tokenizer: Any) -> list[Sample]:
     """All rows of all data sets, tokenized, in file order."""
     out: list[Sample] = []

@@ -62,7 +62,7 @@ def check_model(cfg: ShardforgeConfig) -> list[Problem]:
     max_pos = getattr(model_config, "max_position_embeddings", None)
     if max_pos is not None and cfg.sequence_len > max_pos:
         log.warning(
-            "sequence_len %d is longer than the model's max_position_embeddings %d",
+            "warning: sequence_len %d is longer than the model's max_position_embeddings %d",
             cfg.sequence_len,
             max_pos,
         )

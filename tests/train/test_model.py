@@ -1,0 +1,105 @@
+"""The training model: meta build, wrap classes, sharded base-weight loading, global grad norm."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shardforge.config import validate_cfg
+from shardforge.errors import ConfigError
+from shardforge.testing.dist import run_on_ranks
+from shardforge.testing.tiny import make_model
+from shardforge.train.data import Sequences
+from shardforge.train.model import (
+    build_meta_model,
+    compute_dtypes,
+    materialize_and_load,
+    shard_model,
+    wrap_classes,
+)
+
+
+def _cfg(base: Path, **extra: Any) -> Any:
+    return validate_cfg({"base_model": str(base), **extra})
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def base(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # odd vocab and hidden sizes: no shard boundary falls evenly on 2 ranks
+    root = tmp_path_factory.mktemp(request.param)
+    return make_model(root / "base", request.param, vocab_size=331, hidden_size=72)
+
+
+def test_meta_build_has_no_weights_and_real_buffers(base: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = build_meta_model(_cfg(base))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    reference = dict(AutoModelForCausalLM.from_pretrained(base).named_buffers())
+    buffers = dict(model.named_buffers())
+    assert set(buffers) == set(reference) and buffers
+    for name, buf in buffers.items():
+        assert torch.equal(buf, reference[name]), name
+
+
+def test_wrap_classes_auto_detected_or_named(base: Path) -> None:
+    model = build_meta_model(_cfg(base))
+    auto = wrap_classes(model, None)
+    assert [c.__name__ for c in auto] == [type(model.model.layers[0]).__name__]
+    with pytest.raises(ConfigError, match=r"fsdp.transformer_layer_cls_to_wrap.*NoSuchLayer"):
+        wrap_classes(model, ["NoSuchLayer"])
+
+
+def test_mixed_precision_dtypes() -> None:
+    base = "unused"
+    assert compute_dtypes(_cfg(base)) == (None, None)
+    assert compute_dtypes(_cfg(base, bf16=True)) == (torch.bfloat16, torch.float32)
+    mp = {"mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}}
+    assert compute_dtypes(_cfg(base, fsdp=mp)) == (torch.bfloat16, torch.bfloat16)
+    assert compute_dtypes(_cfg(base, bf16="auto"))[0] in (None, torch.bfloat16)
+
+
+def _check_sharded_model(rank: int, world_size: int, base: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from shardforge.train.loop import _grad_norm_and_clip, _loss_sum
+
+    cfg = _cfg(Path(base))
+    model = build_meta_model(cfg)
+    shard_model(model, cfg, init_device_mesh("cpu", (world_size,)))
+    materialize_and_load(model, cfg, torch.device("cpu"), rank)
+    reference = AutoModelForCausalLM.from_pretrained(base)
+
+    # every rank holds a proper slice, and together they are the base weights, bit for bit
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    for key, tensor in reference.state_dict().items():
+        assert torch.equal(full[key], tensor), key
+    for name, buf in reference.named_buffers():
+        assert torch.equal(dict(model.named_buffers())[name], buf), name
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 331, (2, 12), generator=gen)
+    batch = Sequences(ids, ids.clone(), torch.ones_like(ids))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+    # the norm used for clipping is the global one over all shards (= the unsharded norm)
+    _loss_sum(model, batch, torch.device("cpu")).backward()
+    norm = _grad_norm_and_clip(model, None)
+    _loss_sum(reference, batch, torch.device("cpu")).backward()
+    want = float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+    assert math.isclose(norm, want, rel_tol=1e-6), (norm, want)
+    local = [p.grad.to_local() for p in model.parameters()]  # type: ignore[union-attr]
+    assert not math.isclose(float(torch.nn.utils.get_total_norm(local)), want, rel_tol=1e-3)
+    dist.barrier()
+
+
+def test_sharded_load_equals_the_base_model_on_two_ranks(base: Path) -> None:
+    run_on_ranks(_check_sharded_model, 2, str(base))
