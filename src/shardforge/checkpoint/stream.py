@@ -13,7 +13,7 @@ import json
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,6 +57,20 @@ class ChunkReader:
         fd, raw = self.locate(chunk)
         return read_chunk(chunk, fd, raw)
 
+    def read_rows(self, chunk: Chunk, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) (along dim 0) of a chunk; only those bytes are read when the
+        chunk is stored contiguously."""
+        fd, raw = self.locate(chunk)
+        if raw is None or not raw.contiguous or not chunk.sizes:
+            return read_chunk(chunk, fd, raw)[start:stop]
+        row = math.prod(chunk.sizes[1:]) * raw.dtype.itemsize
+        n = (stop - start) * row
+        buf = bytearray(n)
+        if n and os.preadv(fd, [buf], raw.data_offset + start * row) != n:
+            raise CheckpointError(f"{chunk.file}: short read at byte {raw.data_offset}")
+        flat = torch.frombuffer(buf, dtype=raw.dtype) if n else torch.empty(0, dtype=raw.dtype)
+        return flat.view((stop - start, *chunk.sizes[1:]))
+
     def read_full(self, entry: TensorEntry) -> torch.Tensor:
         """The whole tensor, assembled from its chunks."""
         if len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.shape:
@@ -64,7 +78,7 @@ class ChunkReader:
         full = torch.empty(entry.shape, dtype=entry.dtype)
         for c in entry.chunks:
             if c.numel:
-                full[_slices(c)] = self.read(c)
+                full[chunk_slices(c)] = self.read(c)
         return full
 
     def close(self) -> None:
@@ -79,7 +93,7 @@ class ChunkReader:
         self.close()
 
 
-def _slices(c: Chunk) -> tuple[slice, ...]:
+def chunk_slices(c: Chunk) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
 
 
@@ -172,13 +186,3 @@ def write_plan(
     if plan.index is not None:
         text = json.dumps(plan.index, indent=2, sort_keys=True) + "\n"
         (directory / SAFE_WEIGHTS_INDEX_NAME).write_text(text, encoding="utf-8")
-
-
-def iter_tensors(
-    plan: OutputPlan, sources: dict[str, TensorEntry], reader: ChunkReader
-) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(file name, tensor name, expected output tensor) for every planned tensor."""
-    for pf in plan.files:
-        for planned in pf.tensors:
-            name = planned.spec.name
-            yield pf.name, name, reader.read_full(sources[name]).to(planned.spec.dtype)
