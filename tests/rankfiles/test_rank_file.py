@@ -62,6 +62,8 @@ def test_plain_and_strided_tensors(tmp_path: Path) -> None:
         assert torch.equal(read_local_tensor(rf, key), t), key
     plan = plan_rank_files(tmp_path)
     assert plan["b"].shape == (3, 4) and plan["c"].shape == ()
+    assert plan["a"].slabs() is None and plan["b"].slabs() is None  # must be assembled
+    assert plan["c"].slabs() is not None
 
 
 class _Payload:

@@ -46,6 +46,16 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Slab:
+    """A byte range of a rank file that is a contiguous part of the full tensor's bytes."""
+
+    path: Path
+    src_offset: int  # absolute offset in `path`
+    nbytes: int
+    dst_offset: int  # offset in the full tensor's C-order bytes
+
+
+@dataclass(frozen=True)
 class TensorPlan:
     """How one full tensor is assembled: its metadata and the distinct pieces to read."""
 
@@ -63,6 +73,30 @@ class TensorPlan:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    def slabs(self) -> list[Slab] | None:
+        """The pieces as verbatim byte copies, when every piece is a contiguous slab along dim 0
+        (the usual FSDP2 ``Shard(0)`` case); None when some piece must be assembled in memory.
+
+        Copying each slab's bytes to ``tensor_start + dst_offset`` yields the full tensor in C
+        order, so a writer can copy file to file without reading the data through Python.
+        """
+        row = math.prod(self.shape[1:]) * self.dtype.itemsize
+        out = []
+        for piece in self.pieces:
+            rec = piece.record
+            if not rec.contiguous or piece.sizes[1:] != self.shape[1:] or any(piece.offsets[1:]):
+                return None
+            src = rec.data_offset + rec.storage_offset * self.dtype.itemsize
+            out.append(
+                Slab(
+                    rec.path,
+                    src,
+                    rec.local_numel * self.dtype.itemsize,
+                    piece.offsets[0] * row if self.shape else 0,
+                )
+            )
+        return out
 
 
 def local_box(
