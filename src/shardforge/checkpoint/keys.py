@@ -13,8 +13,10 @@ WRAPPER_SEGMENTS: frozenset[str] = frozenset(
 )
 # segments that wrappers put in front of the module path (DDP)
 LEADING_SEGMENTS: frozenset[str] = frozenset({"module"})
-# first path elements (or key prefixes) of optimizer state
-OPTIMIZER_ROOTS: tuple[str, ...] = ("optim", "optimizer", "state", "param_groups")
+# first path elements of optimizer state
+OPTIMIZER_ROOTS: frozenset[str] = frozenset({"optim", "optimizer", "state", "param_groups"})
+# ... and numbered ones (Lightning's optimizer_0)
+OPTIMIZER_NUMBERED: tuple[str, ...] = ("optimizer_", "optim_")
 # how deep a wrapper prefix (model., state_dict., Lightning attribute, ...) may go
 MAX_WRAPPER_DEPTH = 3
 
@@ -31,7 +33,7 @@ class KeyMap:
 
 def is_optimizer_key(path: tuple[str, ...]) -> bool:
     first = path[0].split(".", 1)[0] if path else ""
-    return first.startswith(OPTIMIZER_ROOTS)
+    return first in OPTIMIZER_ROOTS or first.startswith(OPTIMIZER_NUMBERED)
 
 
 def clean_name(name: str) -> str:

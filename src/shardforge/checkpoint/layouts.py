@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardforge.checkpoint.keys import is_optimizer_key
 from shardforge.checkpoint.metadata import METADATA_FILE
 from shardforge.errors import CheckpointError
 
@@ -28,7 +29,6 @@ OPTIMIZER_DIRS: dict[str, tuple[str, ...]] = {
     "optimizer": ("model",),
     "pytorch_optimizer_fsdp_0": ("pytorch_model_fsdp_0",),
 }
-OPTIMIZER_KEY_PREFIXES: tuple[str, ...] = ("optim", "optimizer", "state.", "param_groups")
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def check_not_optimizer(model_dir: Path) -> None:
 
 def check_model_keys(model_dir: Path, keys: list[str]) -> None:
     """Refuse a DCP whose tensors are all optimizer state."""
-    if keys and all(k.startswith(OPTIMIZER_KEY_PREFIXES) for k in keys):
+    if keys and all(is_optimizer_key((k,)) for k in keys):
         siblings = [
             str(p) for p in sorted(model_dir.parent.iterdir()) if p != model_dir and _is_dcp(p)
         ]

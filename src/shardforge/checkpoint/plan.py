@@ -100,7 +100,7 @@ def _layout_file(name: str, specs: list[TensorSpec]) -> PlannedFile:
         offsets[s.name] = (pos, pos + s.nbytes)
         pos += s.nbytes
     header: dict[str, Any] = {"__metadata__": FILE_METADATA}
-    for s in sorted(specs, key=lambda s: s.name):
+    for s in order:  # the header lists tensors in data order, as safetensors writes it
         header[s.name] = {
             "dtype": SAFETENSORS_DTYPES[s.dtype][0],
             "shape": list(s.shape),
