@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from train_helpers import run_train, write_config
 
 from shardforge.config import validate_cfg
@@ -23,9 +24,12 @@ def _bad(cfg: dict[str, Any], tmp: Path, name: str) -> dict[str, Any]:
         "base_model": {"base_model": str(tmp / "no-model")},
         "resume": {"resume_from_checkpoint": str(tmp)},
         "fp16_on_cpu": {"fp16": True},
+        "offload_on_cpu": {"fsdp": {"offload_params": True}},
     }
     return {**cfg, "output_dir": str(tmp / "out"), **cases[name]}
 
+
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="a check for machines without GPU")
 
 CASES = [
     ("missing_data", "datasets[0].path", "nope.jsonl not found"),
@@ -34,11 +38,12 @@ CASES = [
     ("sequence_len", "sequence_len", "must be > 0"),
     ("base_model", "base_model", "no-model"),
     ("resume", "resume_from_checkpoint", "not a complete checkpoint"),
-    ("fp16_on_cpu", "fp16", "needs a GPU"),
+    pytest.param("fp16_on_cpu", "fp16", "needs a GPU", marks=CPU_ONLY),
+    pytest.param("offload_on_cpu", "fsdp.offload_params", "needs a GPU", marks=CPU_ONLY),
 ]
 
 
-@pytest.mark.parametrize("name,key,text", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,key,text", CASES)
 def test_bad_config_fails_before_launch(
     base_cfg: dict[str, Any], tmp_path: Path, name: str, key: str, text: str
 ) -> None:

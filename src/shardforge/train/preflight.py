@@ -93,12 +93,18 @@ def check_resume(cfg: ShardforgeConfig) -> list[Problem]:
     return []
 
 
-def check_precision(cfg: ShardforgeConfig) -> list[Problem]:
+def check_device(cfg: ShardforgeConfig) -> list[Problem]:
+    """Settings that only mean something with a GPU."""
     import torch
 
-    if cfg.fp16 and not torch.cuda.is_available():
-        return [("fp16", "float16 training needs a GPU; use bf16 or float32 on CPU")]
-    return []
+    if torch.cuda.is_available():
+        return []
+    out: list[Problem] = []
+    if cfg.fp16:
+        out.append(("fp16", "float16 training needs a GPU; use bf16 or float32 on CPU"))
+    if cfg.fsdp.offload_params:
+        out.append(("fsdp.offload_params", "needs a GPU (without one, parameters are on CPU)"))
+    return out
 
 
 CHECKS: tuple[Callable[[ShardforgeConfig], list[Problem]], ...] = (
@@ -106,7 +112,7 @@ CHECKS: tuple[Callable[[ShardforgeConfig], list[Problem]], ...] = (
     check_model,
     check_tokenizer,
     check_resume,
-    check_precision,
+    check_device,
 )
 
 
