@@ -31,13 +31,19 @@ class StepRule:
     """How one trainer names its step folders."""
 
     trainer: str
+    folder: str  # the folder name, for messages
     pattern: re.Pattern[str]
     latest_file: str | None  # a file in the root naming the latest step, if the trainer writes one
 
 
 STEP_RULES: Final[tuple[StepRule, ...]] = (
-    StepRule("verl", re.compile(r"^global_step_(\d+)$"), "latest_checkpointed_iteration.txt"),
-    StepRule("lmms-engine", re.compile(r"^checkpoint-(\d+)$"), None),
+    StepRule(
+        "verl",
+        "global_step_N",
+        re.compile(r"^global_step_(\d+)$"),
+        "latest_checkpointed_iteration.txt",
+    ),
+    StepRule("lmms-engine", "checkpoint-N", re.compile(r"^checkpoint-(\d+)$"), None),
 )
 
 # sub-folders of a step that hold rank files, tried in order
@@ -80,8 +86,8 @@ def find_step(root: str | Path, step: int | None = None) -> Step:
     r = Path(root)
     steps = list_steps(r)
     if not steps:
-        names = " or ".join(rule.pattern.pattern for rule in STEP_RULES)
-        raise CheckpointError(f"{r}: no step folders (expected names matching {names})")
+        names = " or ".join(rule.folder for rule in STEP_RULES)
+        raise CheckpointError(f"{r}: no step folders (expected {names})")
     by_number = {s.number: s for s in steps}
     if step is not None:
         if step not in by_number:
@@ -97,7 +103,7 @@ def find_step(root: str | Path, step: int | None = None) -> Step:
         if latest not in by_number:
             raise CheckpointError(
                 f"{r / rule.latest_file}: names step {latest}, but {r} has no "
-                f"{rule.pattern.pattern} folder for it"
+                f"{rule.folder.replace('N', str(latest))} folder"
             )
         return by_number[latest]
     return steps[-1]
