@@ -10,8 +10,10 @@ least the checkpoint size.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,20 +85,28 @@ def save_big(rank: int, world_size: int, base: str, out: str) -> None:
         (ckpt / "trainer_state.json").write_text(json.dumps({"format": "shardforge", "step": 10}))
 
 
-@pytest.mark.timeout(600)
-def test_peak_memory_stays_far_below_checkpoint_size(tmp_path: Path) -> None:
-    base = tmp_path / "base"
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run directory with a ~620 MB checkpoint-10 and a config (cfg.yml) beside it."""
+    root = tmp_path_factory.mktemp("big")
+    base = root / "base"
     config = make_config("llama", vocab_size=VOCAB, **BIG)
     config.dtype = "float32"
     config.save_pretrained(base)
     make_tokenizer(320).save_pretrained(base)
-    run = tmp_path / "run"
+    run = root / "run"
     run_on_ranks(save_big, 2, str(base), str(run))
+    (root / "cfg.yml").write_text(yaml.safe_dump({"base_model": str(base), "output_dir": str(run)}))
+    return root
+
+
+@pytest.mark.timeout(600)
+def test_peak_memory_stays_far_below_checkpoint_size(big: Path, tmp_path: Path) -> None:
+    run = big / "run"
     ckpt_bytes = sum(p.stat().st_size for p in (run / "checkpoint-10" / "model").iterdir())
     assert ckpt_bytes > 500e6
 
-    cfg = tmp_path / "cfg.yml"
-    cfg.write_text(yaml.safe_dump({"base_model": str(base), "output_dir": str(run)}))
+    cfg = big / "cfg.yml"
     out = tmp_path / "merged"
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(cfg), str(out)],
@@ -116,3 +126,50 @@ def test_peak_memory_stays_far_below_checkpoint_size(tmp_path: Path) -> None:
     assert mem["peak"] < ckpt_bytes, mem
     written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     assert abs(written - ckpt_bytes) < 0.05 * ckpt_bytes  # all of it was written
+
+
+def _tree_signature(root: Path) -> list[tuple[str, int, int]]:
+    return [
+        (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+    ]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_mid_merge_leaves_nothing(big: Path, tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGTERM or Ctrl-C while writing: non-zero exit, no output, no temp directory, input
+    untouched."""
+    before = _tree_signature(big / "run")
+    out = tmp_path / "merged"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shardforge",
+            "merge-sharded-fsdp-weights",
+            str(big / "cfg.yml"),
+            "--output_path",
+            str(out),
+            "--dtype",
+            "bfloat16",
+            "--verify",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    while line and not line.startswith("checkpoint:"):
+        line = proc.stderr.readline()
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".merged.tmp-*/model*.safetensors")):  # writing has begun
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) != 0
+    assert "error: interrupted" in rest
+    assert "Traceback" not in rest
+    assert not out.exists()
+    assert not list(tmp_path.glob(".merged.*"))
+    assert _tree_signature(big / "run") == before

@@ -78,3 +78,23 @@ def test_nothing_found_lists_what_was_looked_for(tmp_path: Path) -> None:
     (tmp_path / "e").mkdir()
     with pytest.raises(CheckpointError, match="empty"):
         resolve_checkpoint(tmp_path / "e")
+
+
+def test_lightning_step_from_meta_pt_read_safely(tmp_path: Path) -> None:
+    import os
+
+    import torch
+
+    ckpts = tmp_path / "checkpoints"
+    torch.save({"global_step": 7, "epoch": 1}, dcp_dir(ckpts / "a.ckpt") / "meta.pt")
+    torch.save({"global_step": 3}, dcp_dir(ckpts / "b.ckpt") / "meta.pt")
+    assert resolve_checkpoint(tmp_path).model_dir.name == "a.ckpt"
+    assert resolve_checkpoint(tmp_path, step=3).model_dir.name == "b.ckpt"
+
+    class Payload:
+        def __reduce__(self) -> tuple[object, ...]:
+            return (os.system, (f"touch {tmp_path / 'marker'}",))
+
+    torch.save({"global_step": 99, "x": Payload()}, ckpts / "b.ckpt" / "meta.pt")
+    assert resolve_checkpoint(tmp_path).model_dir.name == "a.ckpt"  # b's step is unknown now
+    assert not (tmp_path / "marker").exists()

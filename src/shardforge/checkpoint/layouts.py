@@ -64,6 +64,20 @@ def _hf_trainer(root: Path) -> list[Candidate]:
     return out
 
 
+def lightning_step(meta_pt: Path) -> int:
+    """`global_step` from a Lightning meta.pt, read with torch's allow-list unpickler
+    (weights_only); -1 when it cannot be read safely."""
+    import torch
+
+    try:
+        meta = torch.load(meta_pt, weights_only=True, map_location="cpu")
+    except Exception as exc:
+        log.warning("%s: not read (%s); step unknown", meta_pt, str(exc).splitlines()[0][:200])
+        return -1
+    step = meta.get("global_step") if isinstance(meta, dict) else None
+    return int(step) if isinstance(step, int) else -1
+
+
 def _lightning(root: Path) -> list[Candidate]:
     out = []
     dirs = [root, *(p for p in root.glob("**/checkpoints") if p.is_dir())]
@@ -74,7 +88,7 @@ def _lightning(root: Path) -> list[Candidate]:
                     step = LAST
                 else:
                     m = _LIGHTNING_STEP.search(d.name)
-                    step = int(m.group(1)) if m else -1
+                    step = int(m.group(1)) if m else lightning_step(d / "meta.pt")
                 out.append(Candidate("lightning", step, d))
     return out
 
