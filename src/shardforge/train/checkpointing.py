@@ -223,7 +223,10 @@ def prune(output_dir: Path, limit: int | None) -> list[Path]:
 def load_checkpoint(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> TrainerState:
-    """Load model and optimizer shards (resharding to this world size) and the trainer state."""
+    """Load model and optimizer shards (resharding to this world size) and the trainer state.
+
+    The DCP metadata is read through an allow-list unpickler (see `safe_reader`).
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -232,12 +235,14 @@ def load_checkpoint(
         set_optimizer_state_dict,
     )
 
+    from shardforge.train.safe_reader import SafeFileSystemReader
+
     state = TrainerState.read(path)
     model_sd = get_model_state_dict(model)
-    dcp.load(model_sd, checkpoint_id=str(path / MODEL_DIR))
+    dcp.load(model_sd, storage_reader=SafeFileSystemReader(str(path / MODEL_DIR)))
     set_model_state_dict(model, model_sd)
     optim_sd = get_optimizer_state_dict(model, optimizer)
-    dcp.load(optim_sd, checkpoint_id=str(path / OPTIMIZER_DIR))
+    dcp.load(optim_sd, storage_reader=SafeFileSystemReader(str(path / OPTIMIZER_DIR)))
     set_optimizer_state_dict(model, optimizer, optim_sd)
     return state
 
