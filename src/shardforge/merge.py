@@ -240,6 +240,11 @@ def merge_fsdp_weights(
     check_output_path(out, overwrite, [model_dir])
     check_free_space(out, prep.plan.total_bytes)
 
+    if engine == "stream" and prep.expected.renamed_on_save:
+        raise MergeError(
+            f"{prep.sources.config}: this architecture is saved under other names than it uses "
+            "in memory (transformers weight conversion); merge it with --engine transformers"
+        )
     with sigterm_as_interrupt(), atomic_directory(out) as tmp:
         if engine == "stream":
             with _progress(prep.plan.total_bytes, "merging", quiet) as update:

@@ -27,6 +27,7 @@ class ExpectedModel:
     dtypes: dict[str, torch.dtype]
     tied: dict[str, str]  # target (dropped on save) -> source (kept)
     total_parameters: int
+    renamed_on_save: bool = False  # transformers 5.x weight conversion changes names on disk
 
     @property
     def saved_names(self) -> list[str]:
@@ -89,7 +90,20 @@ def build_expected(config: Any, trust_remote_code: bool) -> ExpectedModel:
     dtypes = {k: v.dtype for k, v in sd.items()}
     tied = {t: s for t, s in _tied_pairs(model, config).items() if t in shapes and s in shapes}
     total = sum(p.numel() for p in model.parameters())
-    return ExpectedModel(config, shapes, dtypes, tied, total)
+    return ExpectedModel(config, shapes, dtypes, tied, total, _renamed_on_save(model, sd))
+
+
+def _renamed_on_save(model: Any, state_dict: dict[str, torch.Tensor]) -> bool:
+    """Whether save_pretrained would write other names than the in-memory ones."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4.x: names on disk are the in-memory names
+        return False
+    try:
+        reverted = revert_weight_conversion(model, dict(state_dict))
+    except Exception:
+        return True
+    return set(reverted) != set(state_dict)
 
 
 def _kind(dtype: torch.dtype) -> str:
