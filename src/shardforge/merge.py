@@ -230,11 +230,7 @@ def merge_fsdp_weights(
         raise MergeError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
     verify = verify or remove_checkpoint_dir
     out = Path(output_path).absolute()
-    if checkpoint is not None and not Path(checkpoint).exists():
-        from shardforge.errors import CheckpointError
-
-        raise CheckpointError(f"{checkpoint}: checkpoint path does not exist")
-    check_output_path(out, overwrite, [Path(checkpoint)] if checkpoint is not None else [])
+    check_output_path(out, overwrite, [])  # fail fast, before reading anything
     prep = _prepare(config, checkpoint, step, dtype, max_shard_size)
     model_dir = prep.sources.checkpoint.model_dir
     check_output_path(out, overwrite, [model_dir])

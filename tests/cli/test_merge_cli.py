@@ -210,6 +210,18 @@ def test_existing_output(env: Path) -> None:
     assert (env / "out" / "model.safetensors").is_file()
 
 
+def test_output_inside_the_checkpoint_is_refused(env: Path) -> None:
+    before = tree_hash(env / "run")
+    inside = _model_dir(env) / "merged"
+    result = invoke(env, "--output_path", str(inside), "--overwrite")
+    assert result.exit_code != 0
+    assert "overlaps the checkpoint" in one_line_error(result.stderr)
+    assert tree_hash(env / "run") == before
+    # beside the checkpoints, inside output_dir, is fine
+    result = invoke(env, "--output_path", str(env / "run" / "merged"))
+    assert result.exit_code == 0, result.output
+
+
 def test_empty_directory(env: Path) -> None:
     (env / "empty").mkdir()
     before = tree_hash(env / "run")
