@@ -27,31 +27,52 @@ SHAPES: dict[str, Any] = {
 
 
 def write_rank_files(
-    rank: int, world_size: int, model_dir: str, out_dir: str, mesh_shape: tuple[int, ...]
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    out_dir: str,
+    mesh_shape: tuple[int, ...],
+    matrix_shard_dim: int,
 ) -> None:
-    """Shard `model_dir` with FSDP2 over `mesh_shape` (HSDP when 2-D) and save each rank's dict."""
+    """Shard `model_dir` with FSDP2 over `mesh_shape` (HSDP when 2-D), matrices along
+    `matrix_shard_dim`, and save each rank's state dict."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
     from transformers import AutoModelForCausalLM
+
+    def placement(param: torch.nn.Parameter) -> Shard:
+        return Shard(matrix_shard_dim if param.ndim == 2 else 0)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
     torch.save(model.state_dict(), f"{out_dir}/model_world_size_{world_size}_rank_{rank}.pt")
 
 
 def make_rank_files(
-    root: Path, world_size: int, dtype: str = "float32", mesh_shape: tuple[int, ...] = ()
+    root: Path,
+    world_size: int,
+    dtype: str = "float32",
+    mesh_shape: tuple[int, ...] = (),
+    matrix_shard_dim: int = 0,
 ) -> tuple[Path, Path]:
-    """(model_dir, rank_dir) for a tiny Llama whose sizes split unevenly over 2 and 3 ranks."""
-    model_dir = make_model(root / "base", "llama", dtype=dtype, seed=world_size, **SHAPES)
+    """(model_dir, rank_dir) for a tiny Llama whose sizes split unevenly over 2 and 3 ranks
+    (FSDP2 shards dim 1 only evenly: then the default tiny sizes, all even, are used)."""
+    shapes = SHAPES if matrix_shard_dim == 0 else {"vocab_size": 331}
+    model_dir = make_model(root / "base", "llama", dtype=dtype, seed=world_size, **shapes)
     rank_dir = root / "ranks"
     rank_dir.mkdir()
     run_on_ranks(
-        write_rank_files, world_size, str(model_dir), str(rank_dir), mesh_shape or (world_size,)
+        write_rank_files,
+        world_size,
+        str(model_dir),
+        str(rank_dir),
+        mesh_shape or (world_size,),
+        matrix_shard_dim,
     )
     return model_dir, rank_dir
 

@@ -16,7 +16,9 @@ from shardforge.rankfiles import Placement, iter_tensors, plan_rank_files
 from shardforge.rankfiles.rank_plan import local_box
 
 
-def _check_round_trip(model_dir: Path, rank_dir: Path, dtype: torch.dtype) -> None:
+def _check_round_trip(
+    model_dir: Path, rank_dir: Path, dtype: torch.dtype, dim0_slabs: bool = True
+) -> None:
     original = load_file(model_dir / "model.safetensors")
     plan = plan_rank_files(rank_dir)
     assert set(plan) == set(original)
@@ -26,9 +28,12 @@ def _check_round_trip(model_dir: Path, rank_dir: Path, dtype: torch.dtype) -> No
         assert torch.equal(tensor, original[key]), key
         merged[key] = tensor
     assert torch.equal(logits(model_dir, merged), logits(model_dir))
-    # every FSDP2 shard is a dim-0 slab: its bytes can be copied verbatim into the output
+    # every FSDP2 Shard(0) shard is a dim-0 slab: its bytes can be copied verbatim
     for key, tp in plan.items():
         slabs = tp.slabs()
+        if not dim0_slabs and len(tp.shape) == 2:
+            assert slabs is None, key
+            continue
         assert slabs is not None, key
         buf = bytearray(tp.nbytes)
         for slab in slabs:
@@ -73,6 +78,16 @@ def test_hsdp_replicate_shard_mesh(tmp_path: Path) -> None:
     assert norm.mesh_shape == (2, 2)
     assert [(p.rank, p.offsets) for p in norm.pieces] == [(0, (0,)), (1, (35,))]
     _check_round_trip(model_dir, rank_dir, torch.float32)
+
+
+def test_shard_dim_1(tmp_path: Path) -> None:
+    """FSDP2 with shard_placement_fn -> Shard(1) for matrices: column blocks, assembled in memory."""
+    model_dir, rank_dir = make_rank_files(tmp_path, 2, "float32", matrix_shard_dim=1)
+    plan = plan_rank_files(rank_dir)
+    emb = plan["model.embed_tokens.weight"]
+    assert emb.placements == (Placement("shard", 1),)
+    assert [(p.offsets, p.sizes) for p in emb.pieces] == [((0, 0), (331, 32)), ((0, 32), (331, 32))]
+    _check_round_trip(model_dir, rank_dir, torch.float32, dim0_slabs=False)
 
 
 def test_local_box_matches_torch_chunking() -> None:
@@ -123,6 +138,22 @@ def test_files_of_different_runs_disagree(ranks_3_bf16: tuple[Path, Path], tmp_p
         match=r"rank_2\.pt and model_world_size_3_rank_1\.pt hold the same mesh position",
     ):
         plan_rank_files(other)
+
+
+def test_ranks_that_disagree(tmp_path: Path) -> None:
+    """Keys, shapes or dtypes that differ between ranks are reported with the file."""
+    cases = {
+        "keys": ({"a": torch.ones(2), "b": torch.ones(2)}, {"a": torch.ones(2)}, "keys differ"),
+        "shape": ({"a": torch.ones(2)}, {"a": torch.ones(3)}, r"'a' is torch.float32 \[3\]"),
+        "dtype": ({"a": torch.ones(2)}, {"a": torch.ones(2).half()}, "'a' is torch.float16"),
+    }
+    for name, (rank0, rank1, message) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        torch.save(rank0, d / "model_world_size_2_rank_0.pt")
+        torch.save(rank1, d / "model_world_size_2_rank_1.pt")
+        with pytest.raises(CheckpointError, match=rf"rank_1\.pt: .*{message}"):
+            plan_rank_files(d)
 
 
 def test_no_rank_files(tmp_path: Path) -> None:

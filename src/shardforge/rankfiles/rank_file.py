@@ -28,6 +28,9 @@ from shardforge.rankfiles.rank_unpickler import (
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 
+# a state dict's pickle holds a few hundred bytes per tensor; anything this large is not one
+MAX_PICKLE_BYTES = 1 << 30
+
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_MAGIC = b"PK\x03\x04"
 
@@ -117,6 +120,10 @@ def read_rank_file(path: str | Path) -> RankFile:
             pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
             if len(pkl) != 1:
                 raise CheckpointError(f"{p}: not a torch.save file (no single data.pkl record)")
+            if pkl[0].file_size > MAX_PICKLE_BYTES:
+                raise CheckpointError(
+                    f"{p}: data.pkl is {pkl[0].file_size} bytes; not a state dict of tensors"
+                )
             root = pkl[0].filename[: -len("data.pkl")]
             by_name = {i.filename: i for i in infos}
             order = by_name.get(f"{root}byteorder")
