@@ -78,6 +78,17 @@ def test_hsdp_replicate_shard_mesh(tmp_path: Path) -> None:
     assert norm.mesh_shape == (2, 2)
     assert [(p.rank, p.offsets) for p in norm.pieces] == [(0, (0,)), (1, (35,))]
     _check_round_trip(model_dir, rank_dir, torch.float32)
+    # half of the ranks renamed as a complete 2-rank set: the mesh says 4 ranks
+    half = tmp_path / "half"
+    half.mkdir()
+    for r in (0, 1):
+        shutil.copy(
+            rank_dir / f"model_world_size_4_rank_{r}.pt", half / f"model_world_size_2_rank_{r}.pt"
+        )
+    with pytest.raises(
+        CheckpointError, match=r"mesh of shape \(2, 2\) \(4 ranks\) but there are 2"
+    ):
+        plan_rank_files(half)
 
 
 def test_shard_dim_1(tmp_path: Path) -> None:
