@@ -25,6 +25,8 @@ log = logging.getLogger("shardforge")
 
 Launcher = Literal["torchrun", "python"]
 CPU_RANKS = 2
+# set by the launcher for the ranks it starts: the config was checked moments ago
+PREFLIGHT_DONE_ENV = "SHARDFORGE_PREFLIGHT_DONE"
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,13 @@ def default_nproc() -> int:
 
 
 def load_checked(config: str | Path, override_args: list[str]) -> ShardforgeConfig:
-    """The validated config with every pre-launch check passed (raises ConfigError otherwise)."""
+    """The validated config with every pre-launch check passed (raises ConfigError otherwise).
+
+    Ranks started by `do_train`'s torchrun skip the checks the launcher has just made.
+    """
     cfg = load_cfg(config, **parse_override_args(override_args)).to_model()
-    preflight(cfg, str(config))
+    if os.environ.get(PREFLIGHT_DONE_ENV) != "1":
+        preflight(cfg, str(config))
     return cfg
 
 
@@ -92,7 +98,7 @@ def do_train(
         run_training(cfg)
         return 0
     cmd = torchrun_command(str(config), args, opts or LaunchOptions())
-    env = dict(os.environ)
+    env = {**os.environ, PREFLIGHT_DONE_ENV: "1"}
     nproc = (opts or LaunchOptions()).nproc_per_node or default_nproc()
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     log.info("launching: %s", " ".join(cmd))
