@@ -51,6 +51,15 @@ def check_free_space(out: Path, needed: int) -> None:
         )
 
 
+def _fsync_dir(path: Path) -> None:
+    """Make renames and new entries in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def atomic_directory(out: Path) -> Iterator[Path]:
     """Yield a temporary directory beside `out`; on success it becomes `out` (replacing any
@@ -61,13 +70,19 @@ def atomic_directory(out: Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        _fsync_dir(tmp)
         if out.exists():
             old = temp_sibling(out, "old")
             os.rename(out, old)
-            os.rename(tmp, out)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)  # put the previous output back
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, out)
+        _fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
