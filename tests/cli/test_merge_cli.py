@@ -330,3 +330,16 @@ def test_python_module_entry_point(env: Path) -> None:
 
     weights = load_file(env / "out" / "model.safetensors")
     assert all(t.dtype == torch.bfloat16 for t in weights.values())
+
+
+def test_the_merge_does_not_import_training_code(env: Path) -> None:
+    code = (
+        "import sys\n"
+        "from shardforge.cli.merge_sharded_fsdp_weights import do_merge_sharded_fsdp_weights\n"
+        f"do_merge_sharded_fsdp_weights({str(env / 'cfg.yml')!r}, {str(env / 'out')!r}, "
+        "quiet=True)\n"
+        "assert not [m for m in sys.modules if m.startswith('shardforge.train')]\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (env / "out" / "model.safetensors").is_file()
