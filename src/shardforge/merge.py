@@ -28,7 +28,7 @@ from shardforge.checkpoint.companions import (
     write_tokenizer,
 )
 from shardforge.checkpoint.keys import KeyMap, map_keys
-from shardforge.checkpoint.layouts import Candidate, check_model_keys, resolve_checkpoint
+from shardforge.checkpoint.layouts import LAST, Candidate, check_model_keys, resolve_checkpoint
 from shardforge.checkpoint.metadata import CheckpointMetadata, TensorEntry, read_metadata
 from shardforge.checkpoint.output import (
     atomic_directory,
@@ -151,7 +151,7 @@ def _prepare(
 ) -> _Prepared:
     """Everything decided and checked before a byte is written."""
     candidate = resolve_checkpoint(checkpoint if checkpoint is not None else cfg.output_dir, step)
-    where = f" (step {candidate.step})" if 0 <= candidate.step < (1 << 62) else ""
+    where = f" (step {candidate.step})" if 0 <= candidate.step < LAST else ""
     log.info("checkpoint: %s [%s layout]%s", candidate.model_dir, candidate.layout, where)
     meta = read_metadata(candidate.model_dir)
     check_model_keys(candidate.model_dir, list(meta.tensors))
