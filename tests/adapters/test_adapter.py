@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardforge.adapters import ADAPTERS, get_adapter
+from shardforge.adapters import ADAPTERS, get_adapter, is_model_key
 from shardforge.errors import CheckpointError, ShardforgeError
 from shardforge.testing.tiny import make_model
 
@@ -111,6 +111,18 @@ def test_unknown_keys_are_listed() -> None:
     # a layer index where the table has none is not silently accepted
     with pytest.raises(CheckpointError):
         llama.to_hf_name("norm.3.weight")
+
+
+def test_training_state_is_not_model() -> None:
+    for name in (
+        "optimizer.state.layers.0.attention.wq.weight.exp_avg",
+        "lr_scheduler.0",
+        "train_state",
+        "dataloader.dp_rank_0",
+    ):
+        assert not is_model_key(name), name
+    for name in ("layers.0.attention.wq.weight", "model.tok_embeddings.weight", "norm.weight"):
+        assert is_model_key(name), name
 
 
 def test_skipped_and_tied_entries() -> None:

@@ -38,6 +38,12 @@ def _abstract(name: str) -> tuple[str, list[str]]:
     return _INDEX.sub("{}", name), indices
 
 
+def is_model_key(name: str) -> bool:
+    """False for a torchtitan checkpoint's training state (optimizer, lr_scheduler, dataloader,
+    train_state), True for everything else (model weights, under `model.` in old checkpoints)."""
+    return name.split(".", 1)[0] not in tables.TRAINING_STATES
+
+
 def config_value(config: Any, key: str, default: Any = None) -> Any:
     """Read `key` from an HF config object or a config.json mapping."""
     value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)

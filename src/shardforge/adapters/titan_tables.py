@@ -63,6 +63,15 @@ SKIPPED_NAMES: Final[tuple[str, ...]] = (
     "rope.cache",
 )
 
+# top-level entries of a torchtitan training checkpoint that are not model weights (torchtitan's
+# checkpointer saves them beside the flat model keys unless `last_save_model_only` is set)
+TRAINING_STATES: Final[tuple[str, ...]] = (
+    "optimizer",
+    "lr_scheduler",
+    "dataloader",
+    "train_state",
+)
+
 # HF name -> config key holding the number of heads its rows are grouped in, for the RoPE
 # q/k row permutation (interleaved pairs -> halves)
 LLAMA_ROPE_PERMUTED: Final[dict[str, str]] = {
