@@ -98,6 +98,22 @@ def _check_sharded_model(rank: int, world_size: int, base: str) -> None:
     assert math.isclose(norm, want, rel_tol=1e-6), (norm, want)
     local = [p.grad.to_local() for p in model.parameters()]  # type: ignore[union-attr]
     assert not math.isclose(float(torch.nn.utils.get_total_norm(local)), want, rel_tol=1e-3)
+
+    # activation checkpointing recomputes the same forward: identical loss and gradients
+    ac_cfg = _cfg(Path(base), fsdp={"activation_checkpointing": True})
+    ac = build_meta_model(ac_cfg)
+    shard_model(ac, ac_cfg, init_device_mesh("cpu", (world_size,)))
+    materialize_and_load(ac, ac_cfg, torch.device("cpu"), rank)
+    ac.train()
+    assert all(getattr(layer, "gradient_checkpointing", False) for layer in ac.model.layers)
+    model.zero_grad()
+    loss = _loss_sum(model, batch, torch.device("cpu"))
+    loss.backward()
+    ac_loss = _loss_sum(ac, batch, torch.device("cpu"))
+    ac_loss.backward()
+    assert torch.equal(loss, ac_loss)
+    for (name, p), q in zip(model.named_parameters(), ac.parameters(), strict=True):
+        assert torch.equal(p.grad.to_local(), q.grad.to_local()), name  # type: ignore[union-attr]
     dist.barrier()
 
 
