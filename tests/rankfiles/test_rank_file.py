@@ -114,6 +114,7 @@ def test_hostile_pickles_inside_a_real_rank_file(
         b"ctorch\nSize\n}S'x'\nK\x01sb.": "sets the state of a function",
         # a placement the reader does not merge
         b"ctorch.distributed.tensor.placement_types\n_StridedShard\n)\x81.": "strided sharding",
+        b"ctorch.distributed._shard.sharded_tensor.api\nShardedTensor\n.": "FSDP1 ShardedTensor",
         b"garbage": "damaged",
         pickle.dumps([1, 2], protocol=2): "not a state dict",
         pickle.dumps({"k": 3}, protocol=2): "'k' holds int",

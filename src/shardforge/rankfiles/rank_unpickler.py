@@ -296,6 +296,15 @@ UNSUPPORTED_GLOBALS: dict[str, str] = {
 }
 
 
+# modules whose classes mean a known, legitimate layout this reader does not merge
+UNSUPPORTED_MODULES: dict[str, str] = {
+    "torch.distributed._shard": (
+        "an FSDP1 ShardedTensor state dict (FSDP1 without a device mesh); save with FSDP2 or "
+        "with a device mesh (DTensor) instead"
+    ),
+}
+
+
 class RankUnpickler(pickle._Unpickler):
     """Unpickles a rank file's data.pkl into plain records; refuses every other global.
 
@@ -335,6 +344,11 @@ class RankUnpickler(pickle._Unpickler):
                 f"{self.source}: holds {UNSUPPORTED_GLOBALS[name]} ({module}.{name}), which "
                 "shardforge cannot merge; only Shard(dim) and Replicate() placements are supported"
             )
+        for prefix, what in UNSUPPORTED_MODULES.items():
+            if module == prefix or module.startswith(prefix + "."):
+                raise CheckpointError(
+                    f"{self.source}: holds {what} ({module}.{name}); shardforge cannot merge it"
+                )
         raise CheckpointError(
             f"{self.source}: refused to load: the pickle references {module}.{name}, which is "
             "not on the allow-list for per-rank DTensor state dicts (the file may be malicious)"
