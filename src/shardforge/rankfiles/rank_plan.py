@@ -198,6 +198,11 @@ def _plan_key(key: str, recs: list[TensorRecord]) -> TensorPlan:
                 f"{[str(p) for p in rec.placements]} but {first.path.name} says {first.dtype} "
                 f"{list(first.global_shape)} {[str(p) for p in first.placements]}"
             )
+        if rec.mesh_shape != first.mesh_shape:
+            raise CheckpointError(
+                f"{rec.path}: {key!r} is on a device mesh of shape {rec.mesh_shape} but "
+                f"{first.path.name} says {first.mesh_shape}"
+            )
     shape = first.global_shape
     if not first.is_dtensor:  # a plain tensor saved by every rank: take rank 0's
         return TensorPlan(key, first.dtype, shape, (), (), (Piece(0, (0,) * len(shape), first),))
