@@ -115,10 +115,19 @@ def test_older_pickles_without_new_fields_and_old_module_paths(
 
     _rewrite(ckpt, drop_new_fields, protocol=2)
     data = (ckpt / ".metadata").read_bytes()
-    new = b"ctorch.distributed.checkpoint.metadata\nTensorProperties\n"
-    old = b"ctorch.distributed._shard.sharded_tensor.metadata\nTensorProperties\n"
-    assert new in data
-    (ckpt / ".metadata").write_bytes(data.replace(new, old))  # where torch 2.2 kept it
+    # where torch 2.2 kept these classes
+    moved = {
+        b"ctorch.distributed.checkpoint.metadata\nTensorProperties\n": (
+            b"ctorch.distributed._shard.sharded_tensor.metadata\nTensorProperties\n"
+        ),
+        b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n": (
+            b"ctorch.distributed._shard.sharded_tensor.metadata\nMEM_FORMAT_ENCODING\n"
+        ),
+    }
+    for now, then in moved.items():
+        assert now in data
+        data = data.replace(now, then)
+    (ckpt / ".metadata").write_bytes(data)
     meta = read_metadata(ckpt)
     with ChunkReader() as reader:
         assert torch.equal(reader.read_full(meta.tensors["rows"]), originals()["rows"])
