@@ -39,10 +39,10 @@ def written_weight_map(directory: Path) -> dict[str, str]:
         return dict.fromkeys(f.keys(), SAFE_WEIGHTS_NAME)
 
 
-def _row_blocks(chunk: Chunk, itemsize: int) -> Iterator[tuple[int, int]]:
+def _row_blocks(chunk: Chunk, itemsize: int, block_bytes: int) -> Iterator[tuple[int, int]]:
     rows = chunk.sizes[0] if chunk.sizes else 1
     row_bytes = max(1, math.prod(chunk.sizes[1:]) * itemsize)
-    step = max(1, BLOCK_BYTES // row_bytes)
+    step = max(1, block_bytes // row_bytes)
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
 
@@ -59,6 +59,7 @@ def verify_output(
     sources: dict[str, TensorEntry],
     directory: Path,
     progress: Callable[[int], None] | None = None,
+    block_bytes: int = BLOCK_BYTES,
 ) -> int:
     """Compare every written tensor with its checkpoint chunks (cast as the merge cast);
     return the number of tensors compared.
@@ -87,7 +88,7 @@ def verify_output(
             for chunk in entry.chunks:
                 if not chunk.numel:
                     continue
-                for start, stop in _row_blocks(chunk, dtype.itemsize):
+                for start, stop in _row_blocks(chunk, dtype.itemsize, block_bytes):
                     expected = reader.read_rows(chunk, start, stop).to(dtype)
                     with safe_open(str(path), framework="pt") as f:
                         if entry.shape:
