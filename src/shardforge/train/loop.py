@@ -161,20 +161,7 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
     step, consumed = 0, 0
     resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
     if resume is not None:
-        state = ckpt.load_checkpoint(resume, model, optimizer)
-        scheduler.load_state_dict({**scheduler.state_dict(), **state.scheduler})
-        step, consumed = state.step, state.consumed
-        if state.global_batch_size != global_batch:
-            log.warning(
-                "resuming with a global batch of %d sequences (checkpoint: %d); the data "
-                "order continues from sample %d",
-                global_batch,
-                state.global_batch_size,
-                consumed,
-            )
-        ckpt.restore_rng(resume, rt.rank, state.world_size == rt.world_size, cfg.seed, step)
-        if rt.is_main:
-            log.info("resumed from %s at step %d", resume, step)
+        step, consumed = _resume(resume, model, optimizer, scheduler, cfg, rt, global_batch)
     elif cfg.resume_from_checkpoint == "auto" and rt.is_main:
         log.info("resume_from_checkpoint: auto found no checkpoint in %s; starting fresh", out)
 
@@ -195,44 +182,17 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
         while step < total_steps:
             started = time.perf_counter()
             batches = _micro_batches(seqs, order, consumed, cfg, rt)
-            counts = torch.tensor(
-                [
-                    float(sum(int((b.labels[:, 1:] != IGNORE_INDEX).sum()) for b in batches)),
-                    float(sum(int(b.attention_mask.sum()) for b in batches)),
-                ],
-                device=rt.device,
-            )
-            dist.all_reduce(counts)
-            targets = max(counts[0].item(), 1.0)
-            loss_total = torch.zeros((), device=rt.device)
-            for micro, batch in enumerate(batches):
-                model.set_requires_gradient_sync(micro == len(batches) - 1)  # type: ignore[operator]
-                loss_sum = _loss_sum(model, batch, rt.device)
-                # FSDP averages gradients over ranks; scale back so they are exact sums / targets
-                (loss_sum * (rt.world_size / targets)).backward()
-                loss_total += loss_sum.detach()
-            grad_norm = _grad_norm_and_clip(model, cfg.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            dist.all_reduce(loss_total)
+            record = _train_step(model, optimizer, scheduler, batches, cfg, rt)
             step += 1
             consumed += global_batch
-            loss = loss_total.item() / targets
-            elapsed = time.perf_counter() - started
             record = {
                 "step": step,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens": int(counts[1].item()),
-                "tokens_per_s": counts[1].item() / max(elapsed, 1e-9),
+                **record,
+                "tokens_per_s": record["tokens"] / max(time.perf_counter() - started, 1e-9),
                 "epoch": consumed / len(seqs),
             }
-            if rt.is_main:
+            if metrics_file is not None:
                 result.metrics.append(record)
-                assert metrics_file is not None
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
                 if step % cfg.logging_steps == 0 or step == total_steps:
@@ -240,34 +200,97 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
                         "step %d/%d  loss %.4f  lr %.3g  grad_norm %.4f  tokens/s %.0f",
                         step,
                         total_steps,
-                        loss,
-                        lr,
-                        grad_norm,
+                        record["loss"],
+                        record["lr"],
+                        record["grad_norm"],
                         record["tokens_per_s"],
                     )
-            progress.update(loss)
+            progress.update(record["loss"])
             final = step == total_steps
-            periodic = cfg.save_steps is not None and step % cfg.save_steps == 0
-            full_final = final and cfg.fsdp.state_dict_type == "FULL_STATE_DICT"
-            if (periodic or final) and not full_final:
-                state = ckpt.stamped(
-                    ckpt.TrainerState(
-                        step=step,
-                        world_size=rt.world_size,
-                        consumed=consumed,
-                        global_batch_size=global_batch,
-                        total_steps=total_steps,
-                        seed=cfg.seed,
-                        scheduler=scheduler_state(scheduler),
-                    )
-                )
-                ckpt.save_checkpoint(out, state, model, optimizer, cfg.save_total_limit)
-            if full_final:
+            if final and cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
                 ckpt.save_full_model(out, model, model_config)
                 dist.barrier()
+            elif final or (cfg.save_steps is not None and step % cfg.save_steps == 0):
+                state = ckpt.TrainerState(
+                    step=step,
+                    world_size=rt.world_size,
+                    consumed=consumed,
+                    global_batch_size=global_batch,
+                    total_steps=total_steps,
+                    seed=cfg.seed,
+                    scheduler=scheduler_state(scheduler),
+                )
+                ckpt.save_checkpoint(
+                    out, ckpt.stamped(state), model, optimizer, cfg.save_total_limit
+                )
     finally:
         progress.close()
         if metrics_file is not None:
             metrics_file.close()
     result.steps = step
     return result
+
+
+def _resume(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    cfg: ShardforgeConfig,
+    rt: Runtime,
+    global_batch: int,
+) -> tuple[int, int]:
+    """Load a checkpoint into model, optimizer, scheduler and RNGs; return (step, consumed)."""
+    state = ckpt.load_checkpoint(path, model, optimizer)
+    scheduler.load_state_dict({**scheduler.state_dict(), **state.scheduler})
+    if state.global_batch_size != global_batch:
+        log.warning(
+            "resuming with a global batch of %d sequences (checkpoint: %d); the data order "
+            "continues from sample %d",
+            global_batch,
+            state.global_batch_size,
+            state.consumed,
+        )
+    ckpt.restore_rng(path, rt.rank, state.world_size == rt.world_size, cfg.seed, state.step)
+    if rt.is_main:
+        log.info("resumed from %s at step %d", path, state.step)
+    return state.step, state.consumed
+
+
+def _train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batches: list[Sequences],
+    cfg: ShardforgeConfig,
+    rt: Runtime,
+) -> dict[str, Any]:
+    """One optimizer step over this rank's micro-batches; the loss is the global-batch mean."""
+    counts = torch.tensor(
+        [
+            float(sum(int((b.labels[:, 1:] != IGNORE_INDEX).sum()) for b in batches)),
+            float(sum(int(b.attention_mask.sum()) for b in batches)),
+        ],
+        device=rt.device,
+    )
+    dist.all_reduce(counts)  # target and input tokens of the whole global batch
+    targets = max(counts[0].item(), 1.0)
+    loss_total = torch.zeros((), device=rt.device)
+    for micro, batch in enumerate(batches):
+        model.set_requires_gradient_sync(micro == len(batches) - 1)  # type: ignore[operator]
+        loss_sum = _loss_sum(model, batch, rt.device)
+        # FSDP averages gradients over ranks; scale back so they are exact sums / targets
+        (loss_sum * (rt.world_size / targets)).backward()
+        loss_total += loss_sum.detach()
+    grad_norm = _grad_norm_and_clip(model, cfg.max_grad_norm)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce(loss_total)
+    return {
+        "loss": loss_total.item() / targets,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens": int(counts[1].item()),
+    }
