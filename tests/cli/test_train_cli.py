@@ -47,3 +47,27 @@ def test_override_errors_name_the_key(tmp_path: Path) -> None:
     result = CliRunner().invoke(command, ["examples/tiny-llama.yml", "--sequence_len", "-1"])
     assert result.exit_code == 2
     assert "sequence_len" in result.output and "Traceback" not in result.output
+
+
+def test_python_module_entry_point_reports_errors_in_one_line() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardforge.cli.train",
+            "examples/tiny-llama.yml",
+            "--sequence_len",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: examples/tiny-llama.yml: sequence_len: must be > 0, got 0"
+    ]
