@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,16 @@ EXTRA_LAYOUTS: dict[str, tuple[str, ...]] = {
     "hf-trainer": ("llama-fp32", "qwen2-bf16"),
     "lightning": ("llama-bf16", "qwen2-fp32"),
     "per-item": ("qwen2-bf16",),
+    "wrapped": ("llama-bf16",),
 }
+
+
+def wrapped_key(name: str) -> str:
+    """A key as torch.compile + activation checkpointing + a `state_dict` wrapper leave it."""
+    name = re.sub(r"(layers\.\d+\.)", r"\1_checkpoint_wrapped_module.", name)
+    return f"_orig_mod.{name}"
+
+
 LIGHTNING_ATTR = "model"
 
 
@@ -100,6 +110,9 @@ def save_all(rank: int, world_size: int, bases: dict[str, str], root: str) -> No
                 if rank == 0:
                     meta = {"epoch": 0, "global_step": step, "pytorch-lightning_version": "2.5.0"}
                     torch.save(meta, ckpt / "meta.pt")
+        if name in EXTRA_LAYOUTS["wrapped"]:
+            state = {"state_dict": {wrapped_key(k): v for k, v in sd.items()}}
+            dcp.save(state, checkpoint_id=out / "wrapped")
         if name in EXTRA_LAYOUTS["per-item"]:
             writer = FileSystemWriter(out / "per-item", single_file_per_rank=False)
             dcp.save(sd, storage_writer=writer)
@@ -193,6 +206,15 @@ def test_round_trip_per_item_files(built: Built, tmp_path: Path) -> None:
     model = EXTRA_LAYOUTS["per-item"][0]
     ckpt = built.root / "ws3" / model / "per-item"
     assert len(list(ckpt.glob("*.distcp"))) > 3
+    merged = merge_fsdp_weights(
+        _cfg(built, model, tmp_path / "unused"), tmp_path / "merged", checkpoint=ckpt, quiet=True
+    )
+    assert_same_model(built.bases[model], merged)
+
+
+def test_round_trip_wrapper_prefixes(built: Built, tmp_path: Path) -> None:
+    model = EXTRA_LAYOUTS["wrapped"][0]
+    ckpt = built.root / "ws2" / model / "wrapped"
     merged = merge_fsdp_weights(
         _cfg(built, model, tmp_path / "unused"), tmp_path / "merged", checkpoint=ckpt, quiet=True
     )
