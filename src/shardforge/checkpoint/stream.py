@@ -34,6 +34,7 @@ class ChunkReader:
 
     def __init__(self) -> None:
         self._fds: OrderedDict[Path, int] = OrderedDict()
+        self._raw: dict[tuple[Path, int], RawChunk | None] = {}  # parsed records
 
     def fd(self, path: Path) -> int:
         if path in self._fds:
@@ -51,7 +52,10 @@ class ChunkReader:
 
     def locate(self, chunk: Chunk) -> tuple[int, RawChunk | None]:
         fd = self.fd(chunk.file)
-        return fd, locate(chunk, fd)
+        key = (chunk.file, chunk.byte_offset)
+        if key not in self._raw:
+            self._raw[key] = locate(chunk, fd)
+        return fd, self._raw[key]
 
     def read(self, chunk: Chunk) -> torch.Tensor:
         fd, raw = self.locate(chunk)
