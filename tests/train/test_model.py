@@ -63,7 +63,7 @@ def test_mixed_precision_dtypes() -> None:
     assert compute_dtypes(_cfg(base, bf16="auto"))[0] in (None, torch.bfloat16)
 
 
-def _check_sharded_model(rank: int, world_size: int, base: str) -> None:
+def _check_sharded_model(rank: int, world_size: int, base: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -114,8 +114,23 @@ def _check_sharded_model(rank: int, world_size: int, base: str) -> None:
     assert torch.equal(loss, ac_loss)
     for (name, p), q in zip(model.named_parameters(), ac.parameters(), strict=True):
         assert torch.equal(p.grad.to_local(), q.grad.to_local()), name  # type: ignore[union-attr]
+
+    # FULL_STATE_DICT's final save: a regular (here: sharded, indexed) HF directory
+    from shardforge.train.checkpointing import save_full_model
+
+    Path(out).mkdir(exist_ok=True)
+    save_full_model(Path(out), model, reference.config, max_shard_size="40KB")
     dist.barrier()
 
 
-def test_sharded_load_equals_the_base_model_on_two_ranks(base: Path) -> None:
-    run_on_ranks(_check_sharded_model, 2, str(base))
+def test_sharded_load_equals_the_base_model_on_two_ranks(base: Path, tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path / "full"
+    run_on_ranks(_check_sharded_model, 2, str(base), str(out))
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    assert (out / "model.safetensors.index.json").is_file()
+    AutoConfig.from_pretrained(base).save_pretrained(out)  # train writes it at start
+    saved = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for key, tensor in AutoModelForCausalLM.from_pretrained(base).state_dict().items():
+        assert torch.equal(saved[key], tensor), key

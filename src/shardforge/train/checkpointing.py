@@ -247,8 +247,12 @@ def load_checkpoint(
     return state
 
 
-def save_full_model(output_dir: Path, model: torch.nn.Module, model_config: Any) -> None:
-    """FULL_STATE_DICT: gather the full model on rank 0 and write it as a regular HF directory."""
+def save_full_model(
+    output_dir: Path, model: torch.nn.Module, model_config: Any, max_shard_size: str = "5GB"
+) -> None:
+    """FULL_STATE_DICT: gather the full model on rank 0 and write it as a regular HF directory
+    (safetensors shards of at most `max_shard_size`, with an index when there are several)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -264,7 +268,12 @@ def save_full_model(output_dir: Path, model: torch.nn.Module, model_config: Any)
     tensors = {
         k: v.detach().to(dtype).contiguous() for k, v in full.items() if isinstance(v, torch.Tensor)
     }
-    tmp = output_dir / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.rename(output_dir / "model.safetensors")
-    log.info("saved the full model to %s", output_dir / "model.safetensors")
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    for filename, keys in split.filename_to_tensors.items():
+        tmp = output_dir / f"{filename}.tmp"
+        save_file({k: tensors[k] for k in keys}, str(tmp), metadata={"format": "pt"})
+        tmp.rename(output_dir / filename)
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        _write_json(output_dir / "model.safetensors.index.json", index)
+    log.info("saved the full model to %s (%d file(s))", output_dir, len(split.filename_to_tensors))
