@@ -75,3 +75,14 @@ def test_every_problem_is_reported_at_once(base_cfg: dict[str, Any], tmp_path: P
 def test_auto_detected_wrap_class_and_a_good_config_pass(base_cfg: dict[str, Any]) -> None:
     cfg = {**base_cfg, "fsdp": {}}
     preflight(validate_cfg(cfg))
+
+
+def test_an_error_found_by_the_ranks_is_the_last_line(
+    base_cfg: dict[str, Any], tmp_path: Path
+) -> None:
+    """Too little data for one global batch is only known after tokenizing (on the ranks)."""
+    cfg = {**base_cfg, "output_dir": str(tmp_path / "out"), "micro_batch_size": 500}
+    proc = run_train(write_config(tmp_path / "big.yml", cfg), nproc=2, check=False)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: datasets: ") and "fewer than one global batch (2000" in last

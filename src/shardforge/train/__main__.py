@@ -6,6 +6,8 @@ import os
 import sys
 
 from shardforge.cli._common import run_guarded, setup_logging, split_debug
+from shardforge.errors import ShardforgeError
+from shardforge.train.launch import report_rank_error
 
 
 def main(argv: list[str]) -> None:
@@ -17,7 +19,15 @@ def main(argv: list[str]) -> None:
         print("usage: python -m shardforge.train CONFIG [--key value ...]", file=sys.stderr)
         raise SystemExit(2)
     setup_logging(quiet=os.environ.get("RANK", "0") != "0")
-    run_guarded(lambda: run_training(load_checked(args[0], args[1:])), debug)
+
+    def train() -> None:
+        try:
+            run_training(load_checked(args[0], args[1:]))
+        except ShardforgeError as exc:
+            report_rank_error(exc)
+            raise
+
+    run_guarded(train, debug)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -27,6 +28,15 @@ Launcher = Literal["torchrun", "python"]
 CPU_RANKS = 2
 # set by the launcher for the ranks it starts: the config was checked moments ago
 PREFLIGHT_DONE_ENV = "SHARDFORGE_PREFLIGHT_DONE"
+# set by the launcher: where rank 0 writes the user error that stopped it
+ERROR_FILE_ENV = "SHARDFORGE_RANK_ERROR_FILE"
+
+
+def report_rank_error(exc: ShardforgeError) -> None:
+    """On rank 0 started by `do_train`: leave the error for the launcher to print last."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path and os.environ.get("RANK", "0") == "0":
+        Path(path).write_text(f"{exc.exit_code}\n{exc}", encoding="utf-8")
 
 
 @dataclass(frozen=True)
@@ -98,11 +108,18 @@ def do_train(
         run_training(cfg)
         return 0
     cmd = torchrun_command(str(config), args, opts or LaunchOptions())
-    env = {**os.environ, PREFLIGHT_DONE_ENV: "1"}
     nproc = (opts or LaunchOptions()).nproc_per_node or default_nproc()
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    log.info("launching: %s", " ".join(cmd))
-    status = subprocess.call(cmd, env=env)
+    with tempfile.TemporaryDirectory(prefix="shardforge-") as tmp:
+        error_file = Path(tmp) / "rank-error"
+        env = {**os.environ, PREFLIGHT_DONE_ENV: "1", ERROR_FILE_ENV: str(error_file)}
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        log.info("launching: %s", " ".join(cmd))
+        status = subprocess.call(cmd, env=env)
+        if status != 0 and error_file.is_file():
+            code, message = error_file.read_text(encoding="utf-8").split("\n", 1)
+            error = ShardforgeError(message)
+            error.exit_code = int(code)
+            raise error
     if status != 0:
         raise ShardforgeError(f"training failed (torchrun exit status {status}); see the log above")
     return 0
