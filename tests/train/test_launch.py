@@ -33,3 +33,16 @@ def test_multi_machine_options_are_passed_through() -> None:
     text = " ".join(cmd)
     assert "--nnodes 2 --node_rank 1 --rdzv_endpoint h0:29500 --rdzv_id job" in text
     assert cmd[-3:] == ["-m", "shardforge.train", "cfg.yml"]
+
+
+def test_training_never_imports_the_merge() -> None:
+    import subprocess
+
+    code = (
+        "import sys, shardforge.cli.train, shardforge.train.__main__, shardforge.train.loop, "
+        "shardforge.train.preflight\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('shardforge.checkpoint', "
+        "'shardforge.merge', 'shardforge.rankfiles')))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -7,11 +7,10 @@ import sys
 
 from shardforge.cli._common import run_guarded, setup_logging, split_debug
 from shardforge.errors import ShardforgeError
-from shardforge.train.launch import report_rank_error
+from shardforge.train.launch import load_checked, report_rank_error
 
 
 def main(argv: list[str]) -> None:
-    from shardforge.train.launch import load_checked
     from shardforge.train.loop import run_training
 
     args, debug = split_debug(argv)
