@@ -23,10 +23,18 @@ def _bad(cfg: dict[str, Any], tmp: Path, name: str) -> dict[str, Any]:
         "sequence_len": {"sequence_len": 0},
         "base_model": {"base_model": str(tmp / "no-model")},
         "resume": {"resume_from_checkpoint": str(tmp)},
+        "stale": {"output_dir": str(_fake_checkpoint(tmp / "old", 8))},
         "fp16_on_cpu": {"fp16": True},
         "offload_on_cpu": {"fsdp": {"offload_params": True}},
     }
     return {**cfg, "output_dir": str(tmp / "out"), **cases[name]}
+
+
+def _fake_checkpoint(output_dir: Path, step: int) -> Path:
+    (output_dir / f"checkpoint-{step}" / "model").mkdir(parents=True)
+    (output_dir / f"checkpoint-{step}" / "model" / ".metadata").write_bytes(b"")
+    (output_dir / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    return output_dir
 
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="a check for machines without GPU")
@@ -38,6 +46,7 @@ CASES = [
     ("sequence_len", "sequence_len", "must be > 0"),
     ("base_model", "base_model", "no-model"),
     ("resume", "resume_from_checkpoint", "not a complete checkpoint"),
+    ("stale", "output_dir", "already holds checkpoints (checkpoint-8); set resume_from_checkpoint"),
     pytest.param("fp16_on_cpu", "fp16", "needs a GPU", marks=CPU_ONLY),
     pytest.param("offload_on_cpu", "fsdp.offload_params", "needs a GPU", marks=CPU_ONLY),
 ]

@@ -86,10 +86,21 @@ def check_tokenizer(cfg: ShardforgeConfig) -> list[Problem]:
 
 
 def check_resume(cfg: ShardforgeConfig) -> list[Problem]:
+    """A resume path is a complete checkpoint; a fresh start does not mix with old checkpoints."""
+    out = Path(cfg.output_dir)
     try:
-        ckpt.resolve_resume(cfg.resume_from_checkpoint, Path(cfg.output_dir))
+        ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
     except ShardforgeError as exc:
         return [("resume_from_checkpoint", str(exc).removeprefix("resume_from_checkpoint: "))]
+    existing = ckpt.complete_checkpoints(out)
+    if cfg.resume_from_checkpoint is None and existing:
+        return [
+            (
+                "output_dir",
+                f"{out} already holds checkpoints ({', '.join(p.name for p in existing)}); set "
+                "resume_from_checkpoint: auto to continue, or use an empty output_dir",
+            )
+        ]
     return []
 
 
