@@ -36,13 +36,16 @@ def payloads(marker: Path) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize("as_torch", [False, True])
 @pytest.mark.parametrize("kind", ["os.system", "builtins.eval", "builtins.exec", "subprocess"])
-def test_metadata_payload_is_refused_and_never_runs(tmp_path: Path, kind: str) -> None:
+def test_metadata_payload_is_refused_and_never_runs(
+    tmp_path: Path, kind: str, as_torch: bool
+) -> None:
     marker = tmp_path / "marker"
     path = tmp_path / ".metadata"
     path.write_bytes(pickle.dumps({"x": payloads(marker)[kind]}))
     with pytest.raises(CheckpointError, match="refused"):
-        load_metadata_pickle(path)
+        load_metadata_pickle(path, as_torch=as_torch)
     assert not marker.exists()
 
 
@@ -66,8 +69,15 @@ def test_metadata_classes_dtypes_and_paths_are_allowed(tmp_path: Path) -> None:
     )
     path = tmp_path / ".metadata"
     path.write_bytes(pickle.dumps(meta))
-    back = load_metadata_pickle(path)
-    assert back.state_dict_metadata["w"].properties.dtype == torch.bfloat16
+    plain = load_metadata_pickle(path)  # plain records: no torch class is instantiated
+    assert type(plain).__module__ == "shardforge.checkpoint.safe_pickle"
+    w = plain.state_dict_metadata["w"]
+    assert w.properties.dtype == torch.bfloat16
+    assert w.size == (2,) and w.chunks[0].offsets == (0,) and w.chunks[0].sizes == (2,)
+    assert plain.planner_data["p"] == "/x"
+    real = load_metadata_pickle(path, as_torch=True)  # torch's own classes, for its reader
+    assert isinstance(real, Metadata)
+    assert real.state_dict_metadata["w"].properties.dtype == torch.bfloat16
 
 
 def test_not_a_pickle(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ class SafeFileSystemReader(FileSystemReader):
     """torch's FileSystemReader, reading `.metadata` through the allow-list unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = load_metadata_pickle(Path(str(self.path)) / METADATA_FILE)
+        metadata = load_metadata_pickle(Path(str(self.path)) / METADATA_FILE, as_torch=True)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -9,7 +9,12 @@ from typing import Any
 
 import torch
 
-from shardforge.checkpoint.safe_pickle import load_metadata_pickle
+from shardforge.checkpoint.safe_pickle import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+    load_metadata_pickle,
+)
 from shardforge.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
@@ -129,8 +134,6 @@ def _check_files(directory: Path, tensors: dict[str, TensorEntry]) -> None:
 def read_metadata(directory: str | Path) -> CheckpointMetadata:
     """Read and check a DCP directory's `.metadata`: every chunk's file exists, is long enough,
     stays inside the directory and the chunks of each tensor tile it exactly."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
     d = Path(directory)
     meta_path = d / METADATA_FILE
     if not meta_path.is_file():
@@ -142,6 +145,18 @@ def read_metadata(directory: str | Path) -> CheckpointMetadata:
             )
         raise CheckpointError(f"{d}: no {METADATA_FILE} file; not a complete DCP checkpoint")
     raw = load_metadata_pickle(meta_path)
+    try:
+        tensors, non_tensor = _parse(raw, d, meta_path)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{meta_path}: malformed DCP metadata ({exc})") from None
+    _check_files(d, tensors)
+    return CheckpointMetadata(d, tensors, tuple(non_tensor))
+
+
+def _parse(raw: Any, d: Path, meta_path: Path) -> tuple[dict[str, TensorEntry], list[str]]:
+    """The tensor entries of an unpickled Metadata record (file checks are separate)."""
+    if not isinstance(raw, Metadata):
+        raise CheckpointError(f"{meta_path}: not a DCP Metadata object")
     sd_meta = getattr(raw, "state_dict_metadata", None)
     storage = getattr(raw, "storage_data", None)
     if not isinstance(sd_meta, dict) or not isinstance(storage, dict):
@@ -151,7 +166,7 @@ def read_metadata(directory: str | Path) -> CheckpointMetadata:
     # (fqn, offsets) -> storage info
     where: dict[tuple[str, tuple[int, ...]], Any] = {}
     for index, info in storage.items():
-        offset = tuple(int(x) for x in (index.offset or ()))
+        offset = tuple(int(x) for x in (getattr(index, "offset", None) or ()))
         where[(str(index.fqn), offset)] = info
 
     tensors: dict[str, TensorEntry] = {}
@@ -192,6 +207,8 @@ def read_metadata(directory: str | Path) -> CheckpointMetadata:
         _check_tiling(key, shape, chunks, meta_path)
         path = planner.get(key)
         path_t = tuple(str(p) for p in path) if isinstance(path, tuple | list) else (key,)
-        tensors[key] = TensorEntry(key, path_t, item.properties.dtype, shape, tuple(chunks))
-    _check_files(d, tensors)
-    return CheckpointMetadata(d, tensors, tuple(non_tensor))
+        dtype = getattr(item.properties, "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"{meta_path}: no dtype recorded for {key!r}")
+        tensors[key] = TensorEntry(key, path_t, dtype, shape, tuple(chunks))
+    return tensors, non_tensor

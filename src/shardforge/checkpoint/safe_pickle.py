@@ -23,11 +23,11 @@ from shardforge.errors import CheckpointError
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
 
-# (module, name) a metadata pickle may reference -> (module, name) to resolve it from today.
-# Older torch versions kept some classes elsewhere; those paths map onto today's classes.
-_METADATA_CLASSES: dict[tuple[str, str], tuple[str, str]] = {
+# (module, name) a metadata pickle may reference -> the name of today's class. Older torch
+# versions kept some classes elsewhere; those paths map onto the same names.
+_METADATA_CLASSES: dict[tuple[str, str], str] = {
     **{
-        (_DCP_METADATA, n): (_DCP_METADATA, n)
+        (_DCP_METADATA, n): n
         for n in (
             "Metadata",
             "TensorStorageMetadata",
@@ -39,23 +39,19 @@ _METADATA_CLASSES: dict[tuple[str, str], tuple[str, str]] = {
             "_MEM_FORMAT_ENCODING",
         )
     },
-    (_DCP_FILESYSTEM, "_StorageInfo"): (_DCP_FILESYSTEM, "_StorageInfo"),
-    # torch 2.2: TensorProperties / ChunkStorageMetadata lived in the sharded-tensor package
-    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"): (
-        _DCP_METADATA,
-        "TensorProperties",
-    ),
+    (_DCP_FILESYSTEM, "_StorageInfo"): "_StorageInfo",
+    # torch 2.2 kept TensorProperties and its memory-format enum in the sharded-tensor package
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"): "TensorProperties",
     ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"): (
-        _DCP_METADATA,
-        "_MEM_FORMAT_ENCODING",
+        "_MEM_FORMAT_ENCODING"
     ),
-    ("torch", "Size"): ("torch", "Size"),
-    ("torch.serialization", "_get_layout"): ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"): ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"): ("pathlib", "PurePosixPath"),
-    ("pathlib", "PurePosixPath"): ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"): ("pathlib", "PureWindowsPath"),
-    ("pathlib", "PureWindowsPath"): ("pathlib", "PureWindowsPath"),
+    ("torch", "Size"): "Size",
+    ("torch.serialization", "_get_layout"): "_get_layout",
+    ("collections", "OrderedDict"): "OrderedDict",
+    ("pathlib", "PosixPath"): "PurePosixPath",
+    ("pathlib", "PurePosixPath"): "PurePosixPath",
+    ("pathlib", "WindowsPath"): "PureWindowsPath",
+    ("pathlib", "PureWindowsPath"): "PureWindowsPath",
 }
 
 # the torch dtype objects a pickle may name (torch.float32, torch.bfloat16, ...)
@@ -64,20 +60,153 @@ _DTYPE_NAMES: frozenset[str] = frozenset(
 )
 
 
-def _resolve(module: str, name: str) -> Any:
+class PickledRecord:
+    """The attributes of one pickled DCP metadata object, without torch's class or its code.
+
+    Unpickling fills ``__dict__`` from the pickled state; missing fields (older torch) are
+    simply absent (read them with ``getattr(obj, name, default)``).
+    """
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
+            for part in state:
+                if isinstance(part, dict):
+                    self.__dict__.update(part)
+        elif isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            raise TypeError(f"unexpected pickled state for {type(self).__name__}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.__dict__!r})"
+
+
+class Metadata(PickledRecord):
+    """`state_dict_metadata`, `planner_data`, `storage_data` (and newer fields)."""
+
+    state_dict_metadata: dict[str, Any]
+    planner_data: Any
+    storage_data: dict[Any, Any]
+
+
+class TensorStorageMetadata(PickledRecord):
+    """`properties`, `size`, `chunks`."""
+
+    properties: TensorProperties
+    size: tuple[int, ...]
+    chunks: list[ChunkStorageMetadata]
+
+
+class ChunkStorageMetadata(PickledRecord):
+    """`offsets`, `sizes`."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+class BytesStorageMetadata(PickledRecord):
+    """A non-tensor entry."""
+
+
+class MetadataIndex(PickledRecord):
+    """`fqn`, `offset`, `index`."""
+
+    fqn: str
+    offset: tuple[int, ...] | None
+
+
+class StorageMeta(PickledRecord):
+    """Save ids (torch 2.4+)."""
+
+
+class StorageInfo(PickledRecord):
+    """`relative_path`, `offset`, `length` (and `transform_descriptors`, torch 2.7+)."""
+
+    relative_path: str
+    offset: int
+    length: int
+
+
+class TensorProperties(PickledRecord):
+    """`dtype`, `layout`, `requires_grad`, `memory_format`, `pin_memory`."""
+
+    dtype: torch.dtype
+
+    FIELDS = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == len(self.FIELDS):  # torch's __getstate__
+            self.__dict__.update(zip(self.FIELDS, state, strict=True))
+        else:
+            super().__setstate__(state)
+
+
+def _value(*args: Any) -> Any:
+    return args[0] if args else None
+
+
+def _size(*args: Any) -> tuple[int, ...]:
+    return tuple(int(x) for x in args[0]) if args else ()
+
+
+def _path(*parts: Any) -> str:
+    return str(pathlib.PurePath(*(str(p) for p in parts)))
+
+
+# what each allowed name becomes when read as plain records (no torch class, no torch code)
+_PLAIN: dict[str, Any] = {
+    "Metadata": Metadata,
+    "TensorStorageMetadata": TensorStorageMetadata,
+    "ChunkStorageMetadata": ChunkStorageMetadata,
+    "BytesStorageMetadata": BytesStorageMetadata,
+    "MetadataIndex": MetadataIndex,
+    "StorageMeta": StorageMeta,
+    "TensorProperties": TensorProperties,
+    "_StorageInfo": StorageInfo,
+    "_MEM_FORMAT_ENCODING": _value,
+    "Size": _size,
+    "_get_layout": _value,
+    "OrderedDict": collections.OrderedDict,
+    "PurePosixPath": _path,
+    "PureWindowsPath": _path,
+}
+
+# where each allowed name lives today, for torch's own reader (--engine transformers)
+_TORCH: dict[str, tuple[str, str]] = {
+    **{
+        n: (_DCP_METADATA, n)
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    },
+    "_StorageInfo": (_DCP_FILESYSTEM, "_StorageInfo"),
+    "Size": ("torch", "Size"),
+    "_get_layout": ("torch.serialization", "_get_layout"),
+    "OrderedDict": ("collections", "OrderedDict"),
+    "PurePosixPath": ("pathlib", "PurePosixPath"),
+    "PureWindowsPath": ("pathlib", "PureWindowsPath"),
+}
+
+
+def _torch_class(name: str) -> Any:
     import importlib
 
-    if module == "pathlib":
-        return getattr(pathlib, name)
-    if module == "collections":
-        return getattr(collections, name)
-    return getattr(importlib.import_module(module), name)
+    module, attr = _TORCH[name]
+    return getattr(importlib.import_module(module), attr)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BufferedIOBase, source: str) -> None:
+    def __init__(self, file: io.BufferedIOBase, source: str, as_torch: bool) -> None:
         super().__init__(file)
         self.source = source
+        self.as_torch = as_torch
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and name in _DTYPE_NAMES:
@@ -88,8 +217,10 @@ class _MetadataUnpickler(pickle.Unpickler):
                 f"{self.source}: refused to load: the pickle references {module}.{name}, which is "
                 "not a checkpoint metadata class (the file may be malicious or not a DCP .metadata)"
             )
+        if not self.as_torch:
+            return _PLAIN[target]
         try:
-            return _resolve(*target)
+            return _torch_class(target)
         except (ImportError, AttributeError):
             raise CheckpointError(
                 f"{self.source}: {module}.{name} is not available in this torch version"
@@ -99,15 +230,19 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise CheckpointError(f"{self.source}: unexpected persistent reference in metadata pickle")
 
 
-def load_metadata_pickle(path: str | Path) -> Any:
-    """Unpickle a DCP `.metadata` file through the allow-list; refuse anything else."""
+def load_metadata_pickle(path: str | Path, as_torch: bool = False) -> Any:
+    """Unpickle a DCP `.metadata` file through the allow-list; refuse anything else.
+
+    By default the result is made of plain `PickledRecord`s (no torch class is instantiated,
+    none of its code runs); ``as_torch=True`` gives torch's own classes, for torch's reader.
+    """
     p = Path(path)
     try:
         data = p.read_bytes()
     except OSError as exc:
         raise CheckpointError(f"{p}: cannot read ({exc.strerror})") from None
     try:
-        return _MetadataUnpickler(io.BytesIO(data), str(p)).load()
+        return _MetadataUnpickler(io.BytesIO(data), str(p), as_torch).load()
     except CheckpointError:
         raise
     except Exception as exc:
