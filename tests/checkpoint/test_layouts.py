@@ -98,3 +98,10 @@ def test_lightning_step_from_meta_pt_read_safely(tmp_path: Path) -> None:
     torch.save({"global_step": 99, "x": Payload()}, ckpts / "b.ckpt" / "meta.pt")
     assert resolve_checkpoint(tmp_path).model_dir.name == "a.ckpt"  # b's step is unknown now
     assert not (tmp_path / "marker").exists()
+
+
+def test_a_full_model_directory_is_explained(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="full Hugging Face model already"):
+        resolve_checkpoint(tmp_path)

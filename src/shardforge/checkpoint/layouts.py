@@ -173,6 +173,11 @@ def resolve_checkpoint(root: str | Path, step: int | None = None) -> Candidate:
                 f"{r}: has per-rank metadata from use_collectives=False and no global .metadata; "
                 "this layout is not supported"
             )
+        if (r / "model.safetensors").is_file() or (r / "model.safetensors.index.json").is_file():
+            raise CheckpointError(
+                f"{r}: holds a full Hugging Face model already (FULL_STATE_DICT save) and no "
+                "sharded checkpoint; load it directly, there is nothing to merge"
+            )
         if list(r.glob("*.distcp")):
             raise CheckpointError(
                 f"{r}: has .distcp files but no .metadata; the checkpoint is incomplete "
