@@ -33,6 +33,7 @@ def do_train(
     config: str | Path,
     override_args: list[str] | None = None,
     launcher: str = "torchrun",
+    debug: bool = False,
     **launch: Any,
 ) -> int:
     """Check the config and train (see `shardforge.train.launch.do_train`)."""
@@ -40,7 +41,7 @@ def do_train(
     from shardforge.train.launch import do_train as launch_train
 
     opts = LaunchOptions(**{k: v for k, v in launch.items() if v is not None})
-    return launch_train(config, override_args, launcher, opts)  # type: ignore[arg-type]
+    return launch_train(config, override_args, launcher, opts, debug)  # type: ignore[arg-type]
 
 
 @click.command(
@@ -73,13 +74,14 @@ def do_train(
 def command(ctx: click.Context, config: str, launcher: str, debug: bool, **launch: Any) -> None:
     args, stray_debug = split_debug(list(ctx.args))
     setup_logging(quiet=os.environ.get("RANK", "0") != "0")
-    run_guarded(lambda: do_train(config, args, launcher, **launch), debug or stray_debug)
+    debug = debug or stray_debug
+    run_guarded(lambda: do_train(config, args, launcher, debug, **launch), debug)
 
 
 def do_cli(config: str, launcher: str = "torchrun", debug: bool = False, **kwargs: Any) -> None:
     """fire entry point: python -m shardforge.cli.train CONFIG [--key value ...]."""
     setup_logging(quiet=os.environ.get("RANK", "0") != "0")
-    run_guarded(lambda: do_train(config, fire_overrides(kwargs), launcher), debug)
+    run_guarded(lambda: do_train(config, fire_overrides(kwargs), launcher, debug), debug)
 
 
 if __name__ == "__main__":

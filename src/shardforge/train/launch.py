@@ -98,8 +98,12 @@ def do_train(
     override_args: list[str] | None = None,
     launcher: Launcher = "torchrun",
     opts: LaunchOptions | None = None,
+    debug: bool = False,
 ) -> int:
-    """Check the config, then train; return the exit status of the ranks (0 on success)."""
+    """Check the config, then train; return the exit status of the ranks (0 on success).
+
+    `debug` is passed on to the ranks (tracebacks instead of one-line errors).
+    """
     args = list(override_args or [])
     cfg = load_checked(config, args)
     if under_torchrun() or launcher == "python":
@@ -107,7 +111,9 @@ def do_train(
 
         run_training(cfg)
         return 0
-    cmd = torchrun_command(str(config), args, opts or LaunchOptions())
+    cmd = torchrun_command(
+        str(config), [*args, "--debug"] if debug else args, opts or LaunchOptions()
+    )
     nproc = (opts or LaunchOptions()).nproc_per_node or default_nproc()
     with tempfile.TemporaryDirectory(prefix="shardforge-") as tmp:
         error_file = Path(tmp) / "rank-error"
