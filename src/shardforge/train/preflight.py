@@ -109,6 +109,8 @@ def check_device(cfg: ShardforgeConfig) -> list[Problem]:
     import torch
 
     if torch.cuda.is_available():
+        if cfg.fp16:
+            log.warning("warning: fp16 trains without loss scaling; prefer bf16 where supported")
         return []
     out: list[Problem] = []
     if cfg.fp16:
