@@ -156,6 +156,8 @@ def resolve_checkpoint(root: str | Path, step: int | None = None) -> Candidate:
         raise CheckpointError(f"{r}: not a directory; give a checkpoint directory")
     if _is_dcp(r):
         check_not_optimizer(r)
+        if step is not None:
+            log.warning("--step %d ignored: %s is a single DCP checkpoint", step, r)
         return Candidate("dcp", -1, r)
     for sub in OPTIMIZER_DIRS:
         if r.name == sub:
