@@ -10,33 +10,27 @@ The process group is initialised before `my_fn` runs and destroyed after.
 from __future__ import annotations
 
 import os
-import socket
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _entry(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...]
+    rank: int, world_size: int, store: str, fn: Callable[..., Any], args: tuple[Any, ...]
 ) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A FileStore rendezvous: no TCP port to pick, so concurrent test workers cannot collide.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
         dist.barrier()
@@ -48,10 +42,11 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     """Call fn(rank, world_size, *args) on `world_size` spawned CPU processes; raise on failure."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(
-        _entry,
-        args=(world_size, free_port(), fn, args),
-        nprocs=world_size,
-        join=True,
-        start_method="spawn",
-    )
+    with tempfile.TemporaryDirectory(prefix="shardforge-ranks-") as tmp:
+        mp.start_processes(
+            _entry,
+            args=(world_size, str(Path(tmp) / "store"), fn, args),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
