@@ -23,11 +23,7 @@ echo "== 1/3 train: $CFG on 2 CPU ranks"
 shardforge train "$CFG" --nproc_per_node 2 --output_dir "$TRAINED"
 
 echo "== 2/3 merge: the latest checkpoint in $TRAINED -> $MERGED"
-if ! shardforge merge-sharded-fsdp-weights --help >/dev/null 2>&1; then
-  echo "error: this checkout has no merge-sharded-fsdp-weights command yet; stopping after train" >&2
-  exit 1
-fi
-shardforge merge-sharded-fsdp-weights "$CFG" --output_dir "$TRAINED" --output_path "$MERGED"
+shardforge merge-sharded-fsdp-weights "$CFG" --output_dir "$TRAINED" --output_path "$MERGED" --verify
 
 echo "== 3/3 load $MERGED with transformers and generate"
 python examples/generate.py "$MERGED" --prompt "The robot" --max_new_tokens 24
