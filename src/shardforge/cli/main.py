@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "config-schema": "config_schema",
     "train": "train",
     "merge-sharded-fsdp-weights": "merge_sharded_fsdp_weights",
+    "inspect": "inspect",
 }
 
 SUMMARIES: dict[str, str] = {
@@ -24,6 +25,7 @@ SUMMARIES: dict[str, str] = {
     "config-schema": "Print the JSON schema of the config.",
     "train": "Train with FSDP2 (starts torchrun itself); resumable sharded checkpoints.",
     "merge-sharded-fsdp-weights": "Merge a sharded FSDP checkpoint into a Hugging Face model.",
+    "inspect": "Describe a sharded checkpoint: layout, steps, world size, tensors, optimizer.",
 }
 
 

@@ -1,0 +1,203 @@
+"""`shardforge inspect PATH_OR_CFG`: what a sharded checkpoint holds (layout, steps, world size,
+writer versions, tensors, parameter count, optimizer state), from its metadata alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from shardforge.cli._common import (
+    OVERRIDE_CONTEXT,
+    fire_overrides,
+    run_guarded,
+    setup_logging,
+    split_debug,
+)
+
+EPILOG = """\b
+Examples:
+  # the latest checkpoint under the config's output_dir, and every step found
+  shardforge inspect examples/tiny-llama.yml
+  # a run folder, one step, every tensor
+  shardforge inspect outputs/tiny-llama --step 100 --all
+  # one checkpoint: a step folder, a DCP directory, a Lightning .ckpt/, a rank-file folder
+  shardforge inspect outputs/tiny-llama/checkpoint-100
+  shardforge inspect runs/checkpoint-500/pytorch_model_fsdp_0
+  shardforge inspect checkpoints/global_step_100/actor
+  # for scripts: one JSON document on stdout
+  shardforge inspect outputs/tiny-llama --json | jq .model.parameter_count
+  python -m shardforge.cli.inspect outputs/tiny-llama --json
+"""
+
+# tensors shown at each end of the table unless --all
+TABLE_ENDS = 10
+UNITS: tuple[str, ...] = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB'."""
+    value = float(n)
+    for unit in UNITS:
+        if abs(value) < 1024 or unit == UNITS[-1]:
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _state_line(s: dict[str, Any]) -> str:
+    parts = []
+    if s["tensor_count"] is not None:
+        parts.append(f"{s['tensor_count']} tensors, {human_bytes(s['total_bytes'])}")
+    if s["non_tensor_count"]:
+        parts.append(f"{s['non_tensor_count']} non-tensor entries")
+    if s["location"] == "mixed":
+        parts.append("in the same DCP as the model")
+    elif s["location"] == "beside":
+        parts.append(f"in {s['path']}")
+    if s["files"]:
+        read = "" if s["tensor_count"] is not None else ", not read"
+        parts.append(f"{s['files']} files, {human_bytes(s['files_bytes'])} on disk{read}")
+    return "; ".join(parts)
+
+
+def _steps_line(d: dict[str, Any]) -> str:
+    by_layout: dict[str, list[str]] = {}
+    for s in d["steps"]:
+        by_layout.setdefault(s["layout"], []).append(s["step_label"])
+    return "; ".join(f"{', '.join(labels)} ({layout})" for layout, labels in by_layout.items())
+
+
+def _table(tensors: list[dict[str, Any]], show_all: bool) -> list[str]:
+    rows = [("name", "dtype", "shape", "params", "bytes")]
+    hidden = 0
+    shown = tensors
+    if not show_all and len(tensors) > 2 * TABLE_ENDS + 1:
+        hidden = len(tensors) - 2 * TABLE_ENDS
+        shown = tensors[:TABLE_ENDS] + tensors[-TABLE_ENDS:]
+    for t in shown:
+        shape = " x ".join(str(n) for n in t["shape"]) or "scalar"
+        rows.append((t["name"], t["dtype"], shape, f"{t['numel']:,}", f"{t['bytes']:,}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = []
+    for i, r in enumerate(rows):
+        cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].ljust(widths[2])]
+        cells += [r[3].rjust(widths[3]), r[4].rjust(widths[4])]
+        lines.append("  ".join(cells).rstrip())
+        if hidden and i == TABLE_ENDS:
+            lines.append(f"... {hidden} more tensors (--all shows every tensor) ...")
+    return lines
+
+
+def format_report(d: dict[str, Any], show_all: bool = False) -> str:
+    """The human-readable report of an `Inspection.to_dict()` document."""
+    step = "" if d["step"] is None and d["step_label"] == "?" else f", step {d['step_label']}"
+    model = d["model"]
+    header = [
+        ("checkpoint", d["model_dir"]),
+        ("layout", f"{d['layout']}{step} ({d['storage']})"),
+    ]
+    if d["steps"]:
+        header.append(("steps found", _steps_line(d)))
+    if d["world_size"] is not None:
+        header.append(("world size", f"{d['world_size']} (from {d['world_size_source']})"))
+    else:
+        header.append(("world size", "unknown"))
+    versions = ", ".join(f"{k} {v}" for k, v in d["versions"].items())
+    header.append(("written by", versions or "not recorded"))
+    by_dtype = ", ".join(f"{k} {human_bytes(v)}" for k, v in model["bytes_by_dtype"].items())
+    header.append(
+        (
+            "model",
+            f"{model['tensor_count']} tensors, {model['parameter_count']:,} parameters, "
+            f"{human_bytes(model['total_bytes'])} ({model['total_bytes']:,} bytes"
+            f"{'; ' + by_dtype if by_dtype else ''})",
+        )
+    )
+    if d["non_tensor_keys"]:
+        header.append(("non-tensor", ", ".join(d["non_tensor_keys"])))
+    header.append(("optimizer", _state_line(d["optimizer"]) if d["optimizer"] else "none found"))
+    if d["other_state"]:
+        header.append(("other state", _state_line(d["other_state"])))
+    width = max(len(k) for k, _ in header)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in header]
+    if model["tensors"]:
+        lines += ["", *_table(model["tensors"], show_all)]
+    return "\n".join(lines) + "\n"
+
+
+def do_inspect(
+    path_or_config: str | Path,
+    step: int | None = None,
+    override_args: list[str] | None = None,
+    as_json: bool = False,
+    show_all: bool = False,
+) -> str:
+    """The report on the checkpoint at `path_or_config` (a path or a YAML config's
+    output_dir): one JSON document with `as_json`, else the human-readable text."""
+    from shardforge.inspection import inspect_path_or_config
+
+    facts = inspect_path_or_config(path_or_config, step, override_args).to_dict()
+    if as_json:
+        return json.dumps(facts, indent=2) + "\n"
+    return format_report(facts, show_all)
+
+
+@click.command(
+    "inspect",
+    context_settings=OVERRIDE_CONTEXT,
+    epilog=EPILOG,
+    help="Describe a sharded checkpoint without loading its weights: the layout found, the "
+    "steps available, world size, the versions that wrote it (when recorded), every model "
+    "tensor (name, dtype, global shape, bytes), parameter count and total bytes, and the "
+    "optimizer state beside or inside it. PATH_OR_CFG is a checkpoint root, a step folder, a "
+    "DCP directory, a Lightning .ckpt directory, a folder of model_world_size_W_rank_R.pt "
+    "files, or a YAML config (its output_dir is searched; config overrides may follow). "
+    "Nothing is written.",
+)
+@click.argument("path_or_config", metavar="PATH_OR_CFG", type=click.Path())
+@click.option("--step", type=int, default=None, help="Describe this step instead of the latest.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document (for scripts).")
+@click.option(
+    "--all", "show_all", is_flag=True, help=f"List every tensor (default: first/last {TABLE_ENDS})."
+)
+@click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+@click.pass_context
+def command(
+    ctx: click.Context,
+    path_or_config: str,
+    step: int | None,
+    as_json: bool,
+    show_all: bool,
+    debug: bool,
+) -> None:
+    args, stray_debug = split_debug(list(ctx.args))
+    setup_logging()
+    text = run_guarded(
+        lambda: do_inspect(path_or_config, step, args, as_json, show_all), debug or stray_debug
+    )
+    click.echo(text, nl=False)
+
+
+def do_cli(
+    path_or_config: str,
+    step: int | None = None,
+    json: bool = False,
+    all: bool = False,
+    debug: bool = False,
+    **kwargs: Any,
+) -> None:
+    """fire entry point: python -m shardforge.cli.inspect PATH_OR_CFG [--step N] [--json]."""
+    setup_logging()
+    text = run_guarded(
+        lambda: do_inspect(path_or_config, step, fire_overrides(kwargs), json, all), debug
+    )
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    import fire
+
+    fire.Fire(do_cli)
