@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from shardforge.checkpoint.metadata import TensorEntry
 from shardforge.errors import MergeError
 
 log = logging.getLogger("shardforge")
@@ -122,12 +121,13 @@ def _listing(title: str, items: list[str]) -> str:
 
 def check_against(
     expected: ExpectedModel,
-    entries: Mapping[str, TensorEntry],
+    entries: Mapping[str, Any],
     to_hf: Mapping[str, str],
     unexpected: list[str],
     source: str,
 ) -> None:
-    """Raise one MergeError listing every missing, unexpected, mis-shaped or mis-typed tensor."""
+    """Raise one MergeError listing every missing, unexpected, mis-shaped or mis-typed tensor
+    (`entries`: checkpoint key -> anything with `shape` and `dtype`)."""
     problems: list[str] = []
     present = set(to_hf.values())
     missing = [n for n in expected.saved_names if n not in present]

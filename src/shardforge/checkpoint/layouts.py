@@ -10,7 +10,7 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from shardforge.checkpoint.keys import is_optimizer_key
 from shardforge.checkpoint.metadata import METADATA_FILE
@@ -19,9 +19,22 @@ from shardforge.errors import CheckpointError
 log = logging.getLogger("shardforge")
 
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+_GLOBAL_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_TITAN_STEP_DIR = re.compile(r"^step-(\d+)$")
 _LIGHTNING_STEP = re.compile(r"step=(\d+)")
+_RANK_FILE = re.compile(r"^model_world_size_\d+_rank_\d+\.pt$")
 # a Lightning `last.ckpt` sorts after every numbered step
 LAST = 1 << 62
+
+# the kinds of model directory a candidate can be (what its tensors are read from)
+DCP = "dcp"
+RANK_FILES = "rank-files"
+# key adapters (names other than Hugging Face's)
+TORCHTITAN = "torchtitan"
+# verl keeps the HF config and tokenizer in this folder beside the rank files
+HF_FOLDER = "huggingface"
+# verl names its latest step in this file of the run's root
+LATEST_FILE = "latest_checkpointed_iteration.txt"
 
 # DCP directories that hold optimizer state -> the model directory usually beside them
 OPTIMIZER_DIRS: dict[str, tuple[str, ...]] = {
@@ -33,35 +46,104 @@ OPTIMIZER_DIRS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Candidate:
-    """A complete checkpoint found under a root: its layout, step and model DCP directory."""
+    """A complete checkpoint found under a root: its layout, step and model directory.
+
+    `kind` says what the model directory holds (`DCP`: a DCP `.metadata` + data files;
+    `RANK_FILES`: `model_world_size_W_rank_R.pt` files), `adapter` which key names it uses
+    (None: Hugging Face names; `TORCHTITAN`), `hf_dir` a folder beside it with the HF config
+    and tokenizer (verl's `huggingface/`), when there is one.
+    """
 
     layout: str
     step: int
     model_dir: Path
+    kind: str = DCP
+    adapter: str | None = None
+    hf_dir: Path | None = None
 
 
 def _is_dcp(path: Path) -> bool:
     return (path / METADATA_FILE).is_file()
 
 
-def _shardforge(root: Path) -> list[Candidate]:
-    out = []
-    for d in root.iterdir():
-        m = _CHECKPOINT_DIR.match(d.name)
-        if m and (d / "trainer_state.json").is_file() and _is_dcp(d / "model"):
-            out.append(Candidate("shardforge", int(m.group(1)), d / "model"))
-    return out
+def has_rank_files(path: Path) -> bool:
+    return path.is_dir() and any(_RANK_FILE.match(p.name) for p in path.iterdir())
 
 
-def _hf_trainer(root: Path) -> list[Candidate]:
-    out = []
-    for d in root.iterdir():
-        m = _CHECKPOINT_DIR.match(d.name)
-        if m and _is_dcp(d / "pytorch_model_fsdp_0"):
-            out.append(Candidate("hf-trainer", int(m.group(1)), d / "pytorch_model_fsdp_0"))
-    if _is_dcp(root / "pytorch_model_fsdp_0"):
-        out.append(Candidate("accelerate", -1, root / "pytorch_model_fsdp_0"))
-    return out
+def kind_of(path: Path) -> str | None:
+    """`DCP`, `RANK_FILES` or None (not a model directory)."""
+    if _is_dcp(path):
+        return DCP
+    return RANK_FILES if has_rank_files(path) else None
+
+
+def check_dirname(name: str) -> str:
+    """A `--state_dict_dirname` value: a relative folder name that stays inside the step."""
+    rel = PurePath(name)
+    if not name.strip() or rel.is_absolute() or ".." in rel.parts or name.startswith(("/", "\\")):
+        raise CheckpointError(
+            f"--state_dict_dirname {name!r}: give a folder name inside the checkpoint "
+            "(e.g. pytorch_ema_model_fsdp_0); absolute paths and '..' are refused"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """A trainer that writes one folder per step holding the model in a sub-folder."""
+
+    pattern: re.Pattern[str]
+    subdirs: tuple[str, ...]  # tried in order ("." is the step folder itself)
+    kinds: tuple[str, ...]
+    adapter: str | None = None
+    marker: str | None = None  # a file the step folder must hold
+
+
+STEP_LAYOUTS: dict[str, StepLayout] = {
+    "shardforge": StepLayout(_CHECKPOINT_DIR, ("model",), (DCP,), marker="trainer_state.json"),
+    "hf-trainer": StepLayout(_CHECKPOINT_DIR, ("pytorch_model_fsdp_0",), (DCP,)),
+    "lmms-engine": StepLayout(_CHECKPOINT_DIR, ("pytorch_model_fsdp_0", "."), (RANK_FILES,)),
+    "verl": StepLayout(_GLOBAL_STEP_DIR, ("actor", "."), (RANK_FILES,)),
+    "torchtitan": StepLayout(_TITAN_STEP_DIR, (".",), (DCP,), adapter=TORCHTITAN),
+}
+
+
+def _hf_dir(model_dir: Path) -> Path | None:
+    d = model_dir / HF_FOLDER
+    return d if (d / "config.json").is_file() else None
+
+
+def _step_rule(name: str, rule: StepLayout) -> Callable[[Path, str | None], list[Candidate]]:
+    def find(root: Path, dirname: str | None) -> list[Candidate]:
+        out = []
+        for d in root.iterdir():
+            m = rule.pattern.match(d.name)
+            if not m or not d.is_dir() or (rule.marker and not (d / rule.marker).is_file()):
+                continue
+            for sub in (dirname,) if dirname else rule.subdirs:
+                model_dir = d if sub == "." else d / sub
+                kind = kind_of(model_dir)
+                if kind in rule.kinds:
+                    out.append(
+                        Candidate(
+                            name,
+                            int(m.group(1)),
+                            model_dir,
+                            kind,
+                            rule.adapter,
+                            _hf_dir(model_dir),
+                        )
+                    )
+                    break
+        return out
+
+    return find
+
+
+def _accelerate(root: Path, dirname: str | None) -> list[Candidate]:
+    model_dir = root / (dirname or "pytorch_model_fsdp_0")
+    kind = kind_of(model_dir)
+    return [Candidate("accelerate", -1, model_dir, kind)] if kind is not None else []
 
 
 def lightning_step(meta_pt: Path) -> int:
@@ -78,7 +160,7 @@ def lightning_step(meta_pt: Path) -> int:
     return int(step) if isinstance(step, int) else -1
 
 
-def _lightning(root: Path) -> list[Candidate]:
+def _lightning(root: Path, dirname: str | None) -> list[Candidate]:
     out = []
     dirs = [root, *(p for p in root.glob("**/checkpoints") if p.is_dir())]
     for parent in dirs:
@@ -93,16 +175,18 @@ def _lightning(root: Path) -> list[Candidate]:
     return out
 
 
-LAYOUTS: dict[str, Callable[[Path], list[Candidate]]] = {
-    "shardforge": _shardforge,
-    "hf-trainer": _hf_trainer,
+LAYOUTS: dict[str, Callable[[Path, str | None], list[Candidate]]] = {
+    **{name: _step_rule(name, rule) for name, rule in STEP_LAYOUTS.items()},
+    "accelerate": _accelerate,
     "lightning": _lightning,
 }
 
 LOOKED_FOR = (
     "checkpoint-N/model/ (shardforge), checkpoint-N/pytorch_model_fsdp_0/ or "
-    "pytorch_model_fsdp_0/ (HF Trainer / accelerate), *.ckpt/ with meta.pt (Lightning), or a "
-    "DCP directory with .metadata"
+    "pytorch_model_fsdp_0/ (HF Trainer / accelerate, DCP; LMMs-Engine, rank files), "
+    "global_step_N/actor/ (verl rank files), step-N/ (torchtitan DCP), *.ckpt/ with meta.pt "
+    "(Lightning), a DCP directory with .metadata, or a folder of "
+    "model_world_size_W_rank_R.pt files"
 )
 
 
@@ -127,11 +211,31 @@ def check_model_keys(model_dir: Path, keys: list[str]) -> None:
         raise CheckpointError(f"{model_dir}: holds only optimizer state, not model weights{where}")
 
 
-def find_candidates(root: Path) -> list[Candidate]:
-    found: list[Candidate] = []
+def find_candidates(root: Path, state_dict_dirname: str | None = None) -> list[Candidate]:
+    """Every complete checkpoint of a known layout directly under `root` (the model folder
+    inside each step is `state_dict_dirname` when given)."""
+    if state_dict_dirname is not None:
+        check_dirname(state_dict_dirname)
+    found: dict[Path, Candidate] = {}
     for rule in LAYOUTS.values():
-        found += rule(root)
-    return found
+        for c in rule(root, state_dict_dirname):
+            found.setdefault(c.model_dir, c)
+    return list(found.values())
+
+
+def _latest(cands: list[Candidate], root: Path) -> Candidate:
+    if (root / LATEST_FILE).is_file() and any(c.layout == "verl" for c in cands):
+        text = (root / LATEST_FILE).read_text(encoding="utf-8", errors="replace").strip()
+        if not text.isdigit():
+            raise CheckpointError(f"{root / LATEST_FILE}: expected a step number, got {text!r}")
+        for c in cands:
+            if c.step == int(text):
+                return c
+        raise CheckpointError(
+            f"{root / LATEST_FILE}: names step {text}, but {root} has no complete "
+            f"global_step_{text} checkpoint; pass --step"
+        )
+    return max(cands, key=lambda c: c.step)
 
 
 def _pick(cands: list[Candidate], root: Path, step: int | None) -> Candidate:
@@ -143,31 +247,53 @@ def _pick(cands: list[Candidate], root: Path, step: int | None) -> Candidate:
                 f"{root}: no complete checkpoint for step {step}; steps found: {steps or 'none'}"
             )
         return matching[0]
-    return max(cands, key=lambda c: c.step)
+    return _latest(cands, root)
 
 
-def resolve_checkpoint(root: str | Path, step: int | None = None) -> Candidate:
-    """The model DCP directory to merge: `root` itself when it is a DCP directory, else the
-    latest (or `step`) complete checkpoint of a known layout under it."""
+def _single(r: Path, dirname: str | None) -> Candidate | None:
+    """`r` itself (or its model sub-folder) when it is one checkpoint, not a root of steps."""
+    subs = (dirname,) if dirname else (".", "model", "pytorch_model_fsdp_0", "actor")
+    for sub in subs:
+        d = r if sub == "." else r / sub
+        kind = kind_of(d)
+        if kind is not None:
+            adapter = TORCHTITAN if _TITAN_STEP_DIR.match(r.name) and kind == DCP else None
+            return Candidate(kind, -1, d, kind, adapter, _hf_dir(d))
+    return None
+
+
+def resolve_checkpoint(
+    root: str | Path, step: int | None = None, state_dict_dirname: str | None = None
+) -> Candidate:
+    """The model directory to merge: `root` itself when it is a DCP directory or a folder of
+    rank files, else the latest (or `step`) complete checkpoint of a known layout under it;
+    `state_dict_dirname` names the model folder inside a step (e.g. pytorch_ema_model_fsdp_0)."""
     r = Path(root)
+    if state_dict_dirname is not None:
+        check_dirname(state_dict_dirname)
     if not r.exists():
         raise CheckpointError(f"{r}: checkpoint path does not exist")
     if not r.is_dir():
         raise CheckpointError(f"{r}: not a directory; give a checkpoint directory")
-    if _is_dcp(r):
-        check_not_optimizer(r)
+    if state_dict_dirname is None and kind_of(r) is not None:
+        if _is_dcp(r):
+            check_not_optimizer(r)
         if step is not None:
-            log.warning("--step %d ignored: %s is a single DCP checkpoint", step, r)
-        return Candidate("dcp", -1, r)
+            log.warning("--step %d ignored: %s is a single checkpoint", step, r)
+        return _single(r, None) or Candidate(DCP, -1, r)
     for sub in OPTIMIZER_DIRS:
         if r.name == sub:
             check_not_optimizer(r)
-    cands = find_candidates(r)
+    cands = find_candidates(r, state_dict_dirname)
     if not cands:
-        # a single checkpoint-N directory, or a dir with its model subdirectory
-        for sub in ("model", "pytorch_model_fsdp_0"):
-            if _is_dcp(r / sub):
-                return Candidate("dcp", -1, r / sub)
+        single = _single(r, state_dict_dirname)
+        if single is not None:
+            return single
+        if state_dict_dirname is not None:
+            raise CheckpointError(
+                f"{r}: no checkpoint has a {state_dict_dirname!r} folder holding a DCP "
+                "checkpoint or model_world_size_W_rank_R.pt files; check --state_dict_dirname"
+            )
         if not any(r.iterdir()):
             raise CheckpointError(f"{r}: directory is empty; no checkpoint to merge")
         if list(r.glob("__*.metadata")):
@@ -187,3 +313,15 @@ def resolve_checkpoint(root: str | Path, step: int | None = None) -> Candidate:
             )
         raise CheckpointError(f"{r}: no complete checkpoint found; looked for {LOOKED_FOR}")
     return _pick(cands, r, step)
+
+
+def list_checkpoints(root: str | Path, state_dict_dirname: str | None = None) -> list[Candidate]:
+    """The numbered checkpoints under `root`, by step (for averaging)."""
+    r = Path(root)
+    if not r.is_dir():
+        raise CheckpointError(f"{r}: not a directory; give the run's checkpoint root")
+    cands = [c for c in find_candidates(r, state_dict_dirname) if 0 <= c.step < LAST]
+    by_step: dict[int, Candidate] = {}
+    for c in sorted(cands, key=lambda c: c.step):
+        by_step.setdefault(c.step, c)
+    return list(by_step.values())

@@ -103,3 +103,31 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def check_output_file(out: Path, overwrite: bool, inputs: list[Path]) -> None:
+    """Refuse an output file that exists (unless overwrite), is a directory, or lies inside
+    the checkpoint."""
+    for src in inputs:
+        if out.resolve().is_relative_to(src.resolve()):
+            raise MergeError(f"{out}: the output file lies inside the checkpoint {src}")
+    if out.is_dir():
+        raise MergeError(f"{out}: is a directory; --format safetensors/torch write one file")
+    if out.exists() and not overwrite:
+        raise MergeError(f"{out}: output file exists; pass --overwrite to replace it")
+
+
+@contextmanager
+def atomic_file(out: Path) -> Iterator[Path]:
+    """Yield a temporary directory beside `out`; on success the file `out.name` written in it
+    replaces `out`, on any exception the directory is removed and `out` is left as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(out, "tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        os.replace(tmp / out.name, out)
+        _fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -13,8 +13,9 @@ import json
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -170,11 +171,16 @@ def _preallocate(fd: int, size: int) -> None:
 
 def write_plan(
     plan: OutputPlan,
-    sources: dict[str, TensorEntry],
+    sources: Mapping[str, Any],
     directory: Path,
     progress: Progress,
 ) -> None:
-    """Create every planned file (and the index when sharded) in `directory`; fsync them."""
+    """Create every planned file (and the index when sharded) in `directory`; fsync them.
+
+    `sources` maps each output name to its `checkpoint.sources.TensorSource` (a bare DCP
+    `TensorEntry` is accepted too)."""
+    from shardforge.checkpoint.sources import DcpSource, write_source
+
     with ChunkReader() as reader:
         for pf in plan.files:
             fd = os.open(directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -183,7 +189,10 @@ def write_plan(
                 pwrite_all(fd, memoryview(pf.header), 0)
                 progress(len(pf.header))
                 for planned in pf.tensors:
-                    fill_tensor(reader, fd, planned, sources[planned.spec.name], progress)
+                    src = sources[planned.spec.name]
+                    if isinstance(src, TensorEntry):
+                        src = DcpSource(src)
+                    write_source(reader, fd, planned.offset, planned.spec.dtype, src, progress)
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from shardforge.checkpoint.metadata import Chunk, TensorEntry
+from shardforge.checkpoint.metadata import TensorEntry
 from shardforge.checkpoint.plan import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
@@ -39,14 +39,6 @@ def written_weight_map(directory: Path) -> dict[str, str]:
         return dict.fromkeys(f.keys(), SAFE_WEIGHTS_NAME)
 
 
-def _row_blocks(chunk: Chunk, itemsize: int, block_bytes: int) -> Iterator[tuple[int, int]]:
-    rows = chunk.sizes[0] if chunk.sizes else 1
-    row_bytes = max(1, math.prod(chunk.sizes[1:]) * itemsize)
-    step = max(1, block_bytes // row_bytes)
-    for start in range(0, rows, step):
-        yield start, min(rows, start + step)
-
-
 def _fail(name: str, path: Path) -> None:
     raise MergeError(
         f"verification failed: {name} in {path} is missing or differs from the checkpoint; the "
@@ -56,26 +48,32 @@ def _fail(name: str, path: Path) -> None:
 
 def verify_output(
     plan: OutputPlan,
-    sources: dict[str, TensorEntry],
+    sources: Mapping[str, Any],
     directory: Path,
     progress: Callable[[int], None] | None = None,
     block_bytes: int = BLOCK_BYTES,
 ) -> int:
-    """Compare every written tensor with its checkpoint chunks (cast as the merge cast);
-    return the number of tensors compared.
+    """Compare every written tensor with its source (cast as the merge cast); return the
+    number of tensors compared.
 
-    The output is read back through the safetensors library in blocks of rows (`get_slice`,
-    a fresh handle per block so only that block's pages are mapped): memory stays at a few
-    blocks whatever the tensor size. A difference raises MergeError naming tensor and file.
+    The output is read back through the safetensors library in blocks (`get_slice`, a fresh
+    handle per block so only that block's pages are mapped): for a DCP entry, blocks of rows
+    of each chunk, so memory stays at a few blocks whatever the tensor size; for other sources
+    (rank files, averages, reordered tensors) the whole tensor. A difference raises MergeError
+    naming tensor and file.
     """
     from safetensors import safe_open
+
+    from shardforge.checkpoint.sources import DcpSource, expected_blocks
 
     weight_map = written_weight_map(directory)
     count = 0
     with ChunkReader() as reader:
         for _, planned in plan.tensors():
             name, dtype = planned.spec.name, planned.spec.dtype
-            entry = sources[name]
+            source = sources[name]
+            if isinstance(source, TensorEntry):
+                source = DcpSource(source)
             if name not in weight_map:
                 _fail(name, directory)
             path = directory / weight_map[name]
@@ -83,27 +81,14 @@ def verify_output(
                 sl = f.get_slice(name)
                 if sl.get_dtype() != SAFETENSORS_DTYPES[dtype][0]:
                     _fail(name, path)
-                if tuple(sl.get_shape()) != entry.shape:
+                if tuple(sl.get_shape()) != tuple(source.shape):
                     _fail(name, path)
-            for chunk in entry.chunks:
-                if not chunk.numel:
-                    continue
-                for start, stop in _row_blocks(chunk, dtype.itemsize, block_bytes):
-                    expected = reader.read_rows(chunk, start, stop).to(dtype)
-                    with safe_open(str(path), framework="pt") as f:
-                        if entry.shape:
-                            index = [
-                                slice(o, o + s)
-                                for o, s in zip(chunk.offsets, chunk.sizes, strict=True)
-                            ]
-                            o0 = chunk.offsets[0]
-                            index[0] = slice(o0 + start, o0 + stop)
-                            got = f.get_slice(name)[tuple(index)]
-                        else:
-                            got = f.get_tensor(name)
-                    if got.dtype != dtype or not torch.equal(_bits(got), _bits(expected)):
-                        _fail(name, path)
-                    if progress is not None:
-                        progress(expected.numel() * expected.element_size())
+            for index, expected in expected_blocks(reader, source, dtype, block_bytes):
+                with safe_open(str(path), framework="pt") as f:
+                    got = f.get_slice(name)[index] if source.shape else f.get_tensor(name)
+                if got.dtype != dtype or not torch.equal(_bits(got), _bits(expected)):
+                    _fail(name, path)
+                if progress is not None:
+                    progress(expected.numel() * expected.element_size())
             count += 1
     return count

@@ -30,13 +30,43 @@ Examples:
   # a Lightning sharded checkpoint
   shardforge merge-sharded-fsdp-weights cfg.yml --output_path out \\
       --checkpoint lightning_logs/version_0/checkpoints/last.ckpt
+  # verl / LMMs-Engine per-rank files (model_world_size_W_rank_R.pt), latest step
+  shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --checkpoint checkpoints/
+  # the EMA weights of step 500
+  shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --step 500 \
+      --state_dict_dirname pytorch_ema_model_fsdp_0
+  # a torchtitan step-N/ checkpoint (names mapped by the config's model_type)
+  shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --checkpoint outputs/checkpoint
+  # the mean of the last 3 checkpoints (or --average_steps 100,200,300)
+  shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --average_last 3
+  # one safetensors file; one torch file {"state_dict": ...} (default <ckpt>.consolidated)
+  shardforge merge-sharded-fsdp-weights cfg.yml --format safetensors --output_path m.safetensors
+  shardforge merge-sharded-fsdp-weights cfg.yml --format torch
+  # print the plan (inputs, files, dtypes, bytes, free disk) and write nothing
+  shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --dry_run
   python -m shardforge.cli.merge_sharded_fsdp_weights cfg.yml --output_path out
 """
 
 
+def parse_steps(value: str | int | list[int] | tuple[int, ...] | None) -> list[int] | None:
+    """`--average_steps 100,200,300` -> [100, 200, 300]."""
+    if value is None or isinstance(value, list):
+        return value
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, tuple):
+        return list(value)
+    parts = [p.strip() for p in str(value).split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        from shardforge.errors import MergeError
+
+        raise MergeError(f"--average_steps {value!r}: expected step numbers like 100,200,300")
+    return [int(p) for p in parts]
+
+
 def do_merge_sharded_fsdp_weights(
     config: str | Path,
-    output_path: str | Path,
+    output_path: str | Path | None,
     override_args: list[str] | None = None,
     **options: Any,
 ) -> Path:
@@ -44,6 +74,8 @@ def do_merge_sharded_fsdp_weights(
     from shardforge.config import load_cfg, parse_override_args
     from shardforge.merge import merge_fsdp_weights
 
+    if "average_steps" in options:
+        options["average_steps"] = parse_steps(options["average_steps"])
     overrides = parse_override_args(override_args or [])
     cfg = load_cfg(config, **overrides)
     return merge_fsdp_weights(cfg, output_path, **options)
@@ -54,13 +86,19 @@ def do_merge_sharded_fsdp_weights(
     context_settings=OVERRIDE_CONTEXT,
     epilog=EPILOG,
     help="Merge the sharded FSDP checkpoint of CONFIG's run (the latest complete one under "
-    "output_dir, or --checkpoint) into a complete Hugging Face model directory: safetensors "
-    "weights + index, config.json, generation_config.json and tokenizer. Memory stays at about "
-    "one tensor; the output appears only when complete. " + OVERRIDES_HELP,
+    "output_dir, or --checkpoint: DCP, per-rank DTensor files of verl / LMMs-Engine, torchtitan) "
+    "into a complete Hugging Face model directory: safetensors weights + index, config.json, "
+    "generation_config.json and tokenizer (or one file with --format). Memory stays at about "
+    "one tensor per input; the output appears only when complete. " + OVERRIDES_HELP,
 )
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option(
-    "--output_path", "--output-path", "output_path", required=True, help="Directory to create."
+    "--output_path",
+    "--output-path",
+    "output_path",
+    default=None,
+    help="Directory (--format hf) or file to create; required except with --format torch "
+    "(default <model dir>.consolidated).",
 )
 @click.option(
     "--checkpoint", default=None, help="A DCP directory or checkpoint root (default: output_dir)."
@@ -102,13 +140,51 @@ def do_merge_sharded_fsdp_weights(
     help="stream (bounded memory, default) or transformers (meta model + dcp.load + "
     "save_pretrained; whole model in memory).",
 )
+@click.option(
+    "--state_dict_dirname",
+    "--state-dict-dirname",
+    "state_dict_dirname",
+    default=None,
+    help="The model folder inside each step, e.g. pytorch_ema_model_fsdp_0 (EMA weights).",
+)
+@click.option(
+    "--average_last",
+    "--average-last",
+    "average_last",
+    type=int,
+    default=None,
+    help="Merge the element-wise mean of the last K checkpoints (fp32 accumulation).",
+)
+@click.option(
+    "--average_steps",
+    "--average-steps",
+    "average_steps",
+    default=None,
+    help="Merge the element-wise mean of these steps, e.g. 100,200,300.",
+)
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["hf", "safetensors", "torch"]),
+    default="hf",
+    help="hf: HF model directory (default); safetensors: one model.safetensors-format file; "
+    'torch: one torch.save file {"state_dict": ...} with CPU tensors, written one tensor at a '
+    "time.",
+)
+@click.option(
+    "--dry_run",
+    "--dry-run",
+    "dry_run",
+    is_flag=True,
+    help="Print the plan (inputs, output files, dtypes, bytes, free disk) and write nothing.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @click.pass_context
 def command(
     ctx: click.Context,
     config: str,
-    output_path: str,
+    output_path: str | None,
     checkpoint: str | None,
     step: int | None,
     dtype: str | None,
@@ -118,6 +194,11 @@ def command(
     overwrite: bool,
     save_tokenizer: bool,
     engine: str,
+    state_dict_dirname: str | None,
+    average_last: int | None,
+    average_steps: str | None,
+    output_format: str,
+    dry_run: bool,
     quiet: bool,
     debug: bool,
 ) -> None:
@@ -138,10 +219,16 @@ def command(
             overwrite=overwrite,
             engine=engine,
             quiet=quiet,
+            state_dict_dirname=state_dict_dirname,
+            average_last=average_last,
+            average_steps=average_steps,
+            output_format=output_format,
+            dry_run=dry_run,
         ),
         debug or stray_debug,
     )
-    click.echo(str(out))
+    if not dry_run:
+        click.echo(str(out))
 
 
 def _shard_size(value: str | int | None) -> str | int | None:
@@ -171,10 +258,17 @@ def do_cli(
         "overwrite",
         "save_tokenizer",
         "engine",
+        "state_dict_dirname",
+        "average_last",
+        "average_steps",
+        "output_format",
+        "dry_run",
     }
     kwargs = {k.replace("-", "_"): v for k, v in kwargs.items()}
+    if "format" in kwargs:
+        kwargs["output_format"] = kwargs.pop("format")
     out_path = output_path or kwargs.pop("output_path", None)
-    if out_path is None:
+    if out_path is None and kwargs.get("output_format") != "torch":
         fail("--output_path is required", 2)
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in known}
     if "max_shard_size" in options:
@@ -185,7 +279,8 @@ def do_cli(
         ),
         debug,
     )
-    print(out)
+    if not options.get("dry_run"):
+        print(out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,300 @@
+"""What one output tensor is filled from: a `TensorSource`.
+
+Every kind of input (a DCP entry, a tensor spread over per-rank DTensor files, a tensor that
+must be reordered, the mean of several checkpoints' tensors) is a source with a shape, a dtype
+and two ways to be read:
+
+* `slabs(reader)`: byte ranges of input files that, copied in order, are the tensor's C-order
+  bytes (zero-copy with `copy_file_range`), or None when the tensor must go through memory;
+* `read(reader)`: the whole tensor (in `dtype`, or float32 for an average).
+
+`write_source` and `expected_blocks` (used by `stream.py` and `verify.py`) work on any source;
+a DCP entry keeps its own chunk-wise paths so its speed and memory are exactly as before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from shardforge.checkpoint.metadata import Chunk, TensorEntry
+from shardforge.checkpoint.stream import (
+    ChunkReader,
+    chunk_slices,
+    copy_range,
+    fill_tensor,
+    pwrite_all,
+    tensor_bytes,
+)
+from shardforge.errors import MergeError
+
+Progress = Callable[[int], None]
+Index = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class FileSlab:
+    """`nbytes` bytes at `src_offset` of `path` are the tensor's bytes from `dst_offset` on."""
+
+    path: Path
+    src_offset: int
+    nbytes: int
+    dst_offset: int
+
+
+@runtime_checkable
+class TensorSource(Protocol):
+    """One full tensor of some input."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def slabs(self, reader: ChunkReader) -> list[FileSlab] | None: ...
+
+    def read(self, reader: ChunkReader) -> torch.Tensor: ...
+
+
+def _rows(shape: tuple[int, ...], start: int, stop: int) -> Index:
+    return (slice(start, stop), *(slice(0, n) for n in shape[1:])) if shape else ()
+
+
+@dataclass(frozen=True)
+class DcpSource:
+    """A tensor of a DCP checkpoint, stored in chunks."""
+
+    entry: TensorEntry
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.entry.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.entry.dtype
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return self.entry.path
+
+    def slabs(self, reader: ChunkReader) -> list[FileSlab] | None:
+        shape = self.shape
+        row = math.prod(shape[1:]) * self.dtype.itemsize
+        out = []
+        for c in self.entry.chunks:
+            if not c.numel:
+                continue
+            if shape and (any(c.offsets[1:]) or c.sizes[1:] != shape[1:]):
+                return None
+            _, raw = reader.locate(c)
+            if raw is None or not raw.contiguous or raw.dtype != self.dtype:
+                return None
+            out.append(FileSlab(c.file, raw.data_offset, raw.nbytes, c.offsets[0] * row))
+        return out
+
+    def read(self, reader: ChunkReader) -> torch.Tensor:
+        return reader.read_full(self.entry)
+
+
+@dataclass(frozen=True)
+class RankFileSource:
+    """A tensor assembled from per-rank DTensor files (`shardforge.rankfiles.TensorPlan`)."""
+
+    plan: Any  # rankfiles.TensorPlan (imported lazily: the DCP path never loads rankfiles)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.plan.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.plan.dtype
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return (self.plan.key,)
+
+    def slabs(self, reader: ChunkReader) -> list[FileSlab] | None:
+        slabs = self.plan.slabs()
+        if slabs is None:
+            return None
+        return [FileSlab(s.path, s.src_offset, s.nbytes, s.dst_offset) for s in slabs]
+
+    def read(self, reader: ChunkReader) -> torch.Tensor:
+        from shardforge.rankfiles.rank_file import read_local
+
+        tp = self.plan
+        out = torch.empty(tp.shape, dtype=tp.dtype)
+        for piece in tp.pieces:
+            rec = piece.record
+            region = out
+            for dim, (start, size) in enumerate(zip(piece.offsets, piece.sizes, strict=True)):
+                if size != tp.shape[dim]:
+                    region = region.narrow(dim, start, size)
+            if region.is_contiguous():
+                read_local(reader.fd(rec.path), rec, out=region)
+            else:
+                region.copy_(read_local(reader.fd(rec.path), rec))
+        return out
+
+
+@dataclass(frozen=True)
+class TransformedSource:
+    """Another source's tensor reordered by `transform` (e.g. torchtitan's RoPE q/k rows);
+    never zero-copy."""
+
+    inner: TensorSource
+    transform: Callable[[torch.Tensor], torch.Tensor]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.inner.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inner.dtype
+
+    def slabs(self, reader: ChunkReader) -> list[FileSlab] | None:
+        return None
+
+    def read(self, reader: ChunkReader) -> torch.Tensor:
+        return self.transform(self.inner.read(reader))
+
+
+@dataclass(frozen=True)
+class AveragedSource:
+    """The element-wise mean of several sources of one name and shape.
+
+    Floating tensors are summed in float32 one input at a time (memory: the accumulator plus
+    one input tensor), divided by the count and returned in float32; the writer casts to the
+    output dtype. Other dtypes (integer buffers) are taken from the first input.
+    """
+
+    inputs: tuple[TensorSource, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.inputs[0].shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inputs[0].dtype
+
+    def slabs(self, reader: ChunkReader) -> list[FileSlab] | None:
+        return None if self.dtype.is_floating_point else self.inputs[0].slabs(reader)
+
+    def read(self, reader: ChunkReader) -> torch.Tensor:
+        if not self.dtype.is_floating_point:
+            return self.inputs[0].read(reader)
+        acc = torch.zeros(self.shape, dtype=torch.float32)
+        for src in self.inputs:
+            acc += src.read(reader).to(torch.float32)
+        return acc.div_(len(self.inputs))
+
+
+def average(
+    per_input: Sequence[Mapping[str, TensorSource]], labels: Sequence[str]
+) -> dict[str, TensorSource]:
+    """name -> AveragedSource over every input; MergeError listing every name, shape or dtype
+    that differs between the inputs (all checked before anything is written)."""
+    first = per_input[0]
+    problems: list[str] = []
+    for label, other in zip(labels[1:], per_input[1:], strict=True):
+        missing = sorted(set(first) - set(other))
+        extra = sorted(set(other) - set(first))
+        if missing:
+            problems.append(f"{label} lacks {', '.join(missing[:10])}")
+        if extra:
+            problems.append(f"{label} has extra {', '.join(extra[:10])}")
+        for name in sorted(set(first) & set(other)):
+            a, b = first[name], other[name]
+            if a.shape != b.shape or a.dtype != b.dtype:
+                problems.append(
+                    f"{name}: {a.dtype} {list(a.shape)} in {labels[0]} vs {b.dtype} "
+                    f"{list(b.shape)} in {label}"
+                )
+    if problems:
+        raise MergeError(
+            "cannot average checkpoints of different architectures: "
+            + "; ".join(problems[:20])
+            + (f" (+{len(problems) - 20} more)" if len(problems) > 20 else "")
+        )
+    return {name: AveragedSource(tuple(p[name] for p in per_input)) for name in first}
+
+
+def write_source(
+    reader: ChunkReader,
+    out_fd: int,
+    offset: int,
+    out_dtype: torch.dtype,
+    source: TensorSource,
+    progress: Progress,
+) -> None:
+    """Write `source`'s tensor, cast to `out_dtype`, at byte `offset` of `out_fd`."""
+    if isinstance(source, DcpSource):  # chunk-wise: casts one chunk at a time
+        from shardforge.checkpoint.plan import PlannedTensor, TensorSpec
+
+        planned = PlannedTensor(TensorSpec("", out_dtype, source.shape), offset)
+        fill_tensor(reader, out_fd, planned, source.entry, progress)
+        return
+    slabs = source.slabs(reader) if source.dtype == out_dtype else None
+    if slabs is not None:
+        for s in slabs:
+            copy_range(reader.fd(s.path), out_fd, s.src_offset, offset + s.dst_offset, s.nbytes)
+            progress(s.nbytes)
+        return
+    data = tensor_bytes(source.read(reader).to(out_dtype))
+    pwrite_all(out_fd, data, offset)
+    progress(data.nbytes)
+
+
+def _chunk_blocks(
+    reader: ChunkReader, chunk: Chunk, dtype: torch.dtype, block_bytes: int
+) -> Iterator[tuple[Index, torch.Tensor]]:
+    rows = chunk.sizes[0] if chunk.sizes else 1
+    row_bytes = max(1, math.prod(chunk.sizes[1:]) * dtype.itemsize)
+    step = max(1, block_bytes // row_bytes)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        expected = reader.read_rows(chunk, start, stop).to(dtype)
+        if not chunk.sizes:
+            yield (), expected
+            continue
+        index = list(chunk_slices(chunk))
+        o0 = chunk.offsets[0]
+        index[0] = slice(o0 + start, o0 + stop)
+        yield tuple(index), expected
+
+
+def expected_blocks(
+    reader: ChunkReader, source: TensorSource, dtype: torch.dtype, block_bytes: int
+) -> Iterator[tuple[Index, torch.Tensor]]:
+    """(index into the full tensor, expected values cast to `dtype`) covering the tensor:
+    blocks of rows of each chunk for a DCP entry, the whole tensor otherwise."""
+    if isinstance(source, DcpSource):
+        for chunk in source.entry.chunks:
+            if chunk.numel:
+                yield from _chunk_blocks(reader, chunk, dtype, block_bytes)
+        return
+    full = source.read(reader).to(dtype)
+    yield _rows(source.shape, 0, source.shape[0] if source.shape else 0), full
+
+
+__all__ = [
+    "AveragedSource",
+    "DcpSource",
+    "FileSlab",
+    "RankFileSource",
+    "TensorSource",
+    "TransformedSource",
+    "average",
+    "expected_blocks",
+    "write_source",
+]
