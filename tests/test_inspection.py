@@ -4,8 +4,8 @@ Llama after one AdamW step, in four layouts: ours (`checkpoint-N/model` + `optim
 `optimizer_0`), Lightning (a `.ckpt/` DCP with model and optimizer mixed, and `meta.pt`) and
 verl per-rank files (`global_step_N/actor/model_world_size_3_rank_R.pt`).
 
-The checkpoints are built once per test session, also across xdist workers (a file lock), and
-imported by the CLI tests (`from test_inspection import checkpoints`).
+The checkpoints are built once per test session, also across xdist workers (a file lock);
+the CLI tests use the same ones (`from test_inspection import build_checkpoints`).
 """
 
 from __future__ import annotations
@@ -98,9 +98,11 @@ class Built:
         return self.root / "ours"
 
 
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
-    shared = tmp_path_factory.getbasetemp().parent  # the same for every xdist worker
+def build_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    """Write the checkpoints once for the whole session (every xdist worker shares them)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this run's folder, the same for every xdist worker
     root = shared / "inspect-checkpoints"
     with (shared / "inspect-checkpoints.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -121,10 +123,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
     )
 
 
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return build_checkpoints(tmp_path_factory)
+
+
 def snapshot(path: Path) -> dict[str, tuple[int, int]]:
-    return {
-        str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))
-    }
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}
 
 
 def test_ours_latest_with_every_fact(checkpoints: Built) -> None:
@@ -138,7 +143,7 @@ def test_ours_latest_with_every_fact(checkpoints: Built) -> None:
     assert (c.world_size, c.world_size_source) == (WORLD, "trainer_state.json")
     assert c.versions["torch"] == torch.__version__
     assert set(c.versions) >= {"torch", "transformers", "shardforge"}
-    raw_version = getattr(load_metadata_pickle(Path(facts.model_dir) / ".metadata"), "version")
+    raw_version = load_metadata_pickle(Path(facts.model_dir) / ".metadata").version
     assert c.versions["dcp_metadata"] == raw_version
     assert tuple(t.name for t in facts.tensors) == checkpoints.names
     assert facts.parameter_count == checkpoints.params
@@ -240,7 +245,7 @@ def test_config_searches_output_dir(checkpoints: Built, tmp_path: Path) -> None:
     assert inspect_path_or_config(cfg, step=2).step == 2
     hf = inspect_path_or_config(cfg, None, ["--output_dir", str(checkpoints.root / "hf")])
     assert hf.layout == "hf-trainer"
-    with pytest.raises(CheckpointError, match="output_dir .*nope does not exist"):
+    with pytest.raises(CheckpointError, match=r"output_dir .*nope does not exist"):
         inspect_path_or_config(cfg, None, ["--output_dir", str(tmp_path / "nope")])
     with pytest.raises(CheckpointError, match="overrides need a YAML config"):
         inspect_path_or_config(checkpoints.ours, None, ["--output_dir", "x"])

@@ -1,0 +1,157 @@
+"""`shardforge inspect` on the real checkpoints of `test_inspection` (3 gloo ranks, ours,
+HF Trainer, Lightning, verl): JSON for scripts, the human report, --help, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+import shardforge.cli.inspect as inspect_cli
+from shardforge.cli.main import cli
+from shardforge.errors import CheckpointError
+from test_inspection import WORLD, Built, build_checkpoints
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return build_checkpoints(tmp_path_factory)
+
+
+def run(*args: str | Path) -> Result:
+    return CliRunner().invoke(cli, ["inspect", *(str(a) for a in args)])
+
+
+def test_help_has_examples() -> None:
+    result = run("--help")
+    assert result.exit_code == 0
+    assert "Examples:" in result.output
+    assert "shardforge inspect examples/tiny-llama.yml" in result.output
+    for option in ("--step", "--json", "--all", "--debug"):
+        assert option in result.output
+    top = CliRunner().invoke(cli, ["--help"])
+    assert "inspect" in top.output and "Describe a sharded checkpoint" in top.output
+
+
+def test_json_parses_and_is_all_of_stdout(built: Built) -> None:
+    result = run(built.ours, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert (doc["layout"], doc["step"], doc["world_size"]) == ("shardforge", 4, WORLD)
+    assert doc["model"]["tensor_count"] == len(built.names)
+    assert doc["model"]["parameter_count"] == built.params
+    assert doc["model"]["total_bytes"] == built.nbytes
+    assert [t["name"] for t in doc["model"]["tensors"]] == list(built.names)
+    for layout, path in (("hf-trainer", "hf"), ("lightning", "lightning"), ("verl", "verl")):
+        other = json.loads(run(built.root / path, "--json").stdout)
+        assert other["layout"].startswith(layout) and other["world_size"] == WORLD
+        assert other["model"]["parameter_count"] == built.params
+
+
+def test_module_entry_point_json_and_step(built: Built) -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardforge.cli.inspect", str(built.ours), "--json", "--step", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["step"] == 2 and doc["model_dir"].endswith("checkpoint-2/model")
+
+
+def test_config_argument_with_override(built: Built, tmp_path: Path) -> None:
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(
+        f"base_model: {built.base}\noutput_dir: {tmp_path / 'nowhere'}\n"
+        "datasets:\n  - path: data.jsonl\n    type: completion\n"
+    )
+    result = run(cfg, "--step", "2", "--output_dir", built.ours, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert (doc["source"], doc["step"]) == (str(cfg), 2)
+    missing = run(cfg)
+    assert missing.exit_code == 1
+    assert missing.stderr.strip().splitlines() == [
+        f"error: {cfg}: output_dir {tmp_path / 'nowhere'} does not exist; train first, or give "
+        "the checkpoint directory instead of the config"
+    ]
+
+
+def test_human_report_header_and_table(built: Built, monkeypatch: pytest.MonkeyPatch) -> None:
+    result = run(built.ours)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "layout       shardforge, step 4 (dcp)" in out
+    assert "steps found  2, 4 (shardforge)" in out
+    assert "world size   3 (from trainer_state.json)" in out
+    assert f"{built.params:,} parameters" in out and f"{built.nbytes:,} bytes" in out
+    assert f"optimizer    {3 * len(built.names)} tensors" in out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split() == [
+        "name", "dtype", "shape", "params", "bytes"
+    ])  # fmt: skip
+    assert lines[header + 1].split() == [
+        "model.embed_tokens.weight", "float32", "331", "x", "64", "21,184", "84,736"
+    ]  # fmt: skip
+    assert len(lines) - header - 1 == len(built.names)  # 21 tensors: all shown
+
+    monkeypatch.setattr(inspect_cli, "TABLE_ENDS", 3)
+    short = run(built.ours).stdout
+    hidden = len(built.names) - 6
+    assert f"... {hidden} more tensors (--all shows every tensor) ..." in short
+    assert "model.layers.0.mlp.gate_proj.weight" not in short
+    assert "lm_head.weight" in short  # the last ones are shown
+    full = run(built.ours, "--all").stdout
+    assert all(name in full for name in built.names) and "more tensors" not in full
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda tmp: tmp / "missing", "checkpoint path does not exist"),
+        (lambda tmp: tmp, "directory is empty"),
+        (lambda tmp: _file(tmp / "cfg.txt"), "not a directory; give a checkpoint directory"),
+        (lambda tmp: _file(tmp / "notes" / "x.txt").parent, "no complete checkpoint found"),
+    ],
+)
+def test_bad_paths_get_one_line_errors(tmp_path: Path, make: object, message: str) -> None:
+    path = make(tmp_path)  # type: ignore[operator]
+    for extra in ((), ("--json",)):
+        result = run(path, *extra)
+        assert result.exit_code == 1
+        assert result.stdout == ""
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {path}: ")
+        assert message in lines[0] and "Traceback" not in result.stderr
+    debug = run(path, "--debug")
+    assert isinstance(debug.exception, CheckpointError) and message in str(debug.exception)
+
+
+def test_optimizer_directory_points_to_the_model(built: Built) -> None:
+    opt = built.root / "hf" / "checkpoint-7" / "optimizer_0"
+    result = run(opt)
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.strip() == (
+        f"error: {opt}: this is an optimizer checkpoint, not model weights; the model weights "
+        f"are in {opt.parent / 'pytorch_model_fsdp_0'}"
+    )
+
+
+def test_unknown_step_lists_the_steps(built: Built) -> None:
+    result = run(built.ours, "--step", "3")
+    assert result.exit_code == 1
+    assert "no complete checkpoint for step 3; steps found: [2, 4]" in result.stderr
+
+
+def _file(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("not a checkpoint\n")
+    return path
