@@ -209,7 +209,10 @@ def _hf_sources(
     """The candidate's tensors under HF names, checked against the architecture."""
     named = adapt_names(candidate, open_checkpoint(candidate), config)
     keymap = map_keys({k: n.path for k, n in named.items()}, expected.shapes)
-    check_against(expected, named, keymap.to_hf, list(keymap.unexpected), source)
+    try:
+        check_against(expected, named, keymap.to_hf, list(keymap.unexpected), source)
+    except MergeError as exc:
+        raise MergeError(f"{candidate.model_dir}: {exc}") from None
     if keymap.skipped_optimizer:
         log.info("skipped %d optimizer entries", len(keymap.skipped_optimizer))
     return keymap, {hf: named[key].source for key, hf in keymap.to_hf.items()}
