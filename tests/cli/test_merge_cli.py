@@ -343,3 +343,113 @@ def test_the_merge_does_not_import_training_code(env: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (env / "out" / "model.safetensors").is_file()
+
+
+# --- per-rank DTensor files (verl / LMMs-Engine), options of issue 6 ---
+
+
+def _rank_run(env: Path, pristine: Path, world_size: int = 2) -> Path:
+    """LMMs-Engine's layout in output_dir: checkpoint-3/pytorch_model_fsdp_0/ holding one
+    torch.save'd state dict per rank (plain tensors here: every rank holds the full tensor)."""
+    from transformers import AutoModelForCausalLM
+
+    sd = AutoModelForCausalLM.from_pretrained(pristine / "base").state_dict()
+    folder = env / "ranks" / "checkpoint-3" / "pytorch_model_fsdp_0"
+    folder.mkdir(parents=True)
+    for rank in range(world_size):
+        torch.save(sd, folder / f"model_world_size_{world_size}_rank_{rank}.pt")
+    return folder
+
+
+def test_rank_files_merge(env: Path, pristine: Path) -> None:
+    _rank_run(env, pristine)
+    result = invoke(env, "--output_path", str(env / "out"), "--checkpoint", str(env / "ranks"))
+    assert result.exit_code == 0, result.output
+    assert "lmms-engine layout, rank-files" in result.stderr
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(pristine / "base").state_dict()
+    for k, v in load_file(env / "out" / "model.safetensors").items():
+        assert torch.equal(v, ref[k]), k
+
+
+def _refused_rank_run(env: Path, result: Any, before: str, *words: str) -> None:
+    assert result.exit_code != 0, result.output
+    error = one_line_error(result.stderr)
+    for w in words:
+        assert w in error, (w, error)
+    assert not (env / "out").exists() and not list(env.glob(".out.*"))
+    assert tree_hash(env / "ranks") == before
+
+
+def test_rank_file_missing(env: Path, pristine: Path) -> None:
+    folder = _rank_run(env, pristine)
+    (folder / "model_world_size_2_rank_1.pt").unlink()
+    before = tree_hash(env / "ranks")
+    result = invoke(env, "--output_path", str(env / "out"), "--checkpoint", str(folder))
+    _refused_rank_run(env, result, before, "missing", "model_world_size_2_rank_1.pt")
+
+
+def test_rank_files_of_mismatched_world_sizes(env: Path, pristine: Path) -> None:
+    folder = _rank_run(env, pristine)
+    shutil.copy(folder / "model_world_size_2_rank_0.pt", folder / "model_world_size_3_rank_0.pt")
+    before = tree_hash(env / "ranks")
+    result = invoke(env, "--output_path", str(env / "out"), "--checkpoint", str(env / "ranks"))
+    _refused_rank_run(env, result, before, "different world sizes", "2, 3")
+
+
+@pytest.mark.parametrize("fmt", ["hf", "torch"])
+def test_rank_file_with_code_execution_payload(env: Path, pristine: Path, fmt: str) -> None:
+    folder = _rank_run(env, pristine, world_size=1)
+    marker = env / "pwned"
+    evil = {"model.norm.weight": _Payload(os.system, f"touch {marker}")}
+    torch.save(evil, folder / "model_world_size_1_rank_0.pt")
+    before = tree_hash(env / "ranks")
+    result = invoke(
+        env, "--output_path", str(env / "out"), "--checkpoint", str(folder), "--format", fmt
+    )
+    _refused_rank_run(env, result, before, "refused", "model_world_size_1_rank_0.pt")
+    assert not marker.exists()  # the payload did not run
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(env: Path) -> None:
+    before = tree_hash(env / "run")
+    result = invoke(env, "--output_path", str(env / "out"), "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "dry run: nothing is written" in result.stdout
+    assert "model.safetensors:" in result.stdout and "free disk at" in result.stdout
+    assert str(env / "out") in result.stdout
+    assert not (env / "out").exists() and not list(env.glob(".out.*"))
+    assert tree_hash(env / "run") == before
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--average_steps", "1,x"], "--average_steps"),
+        (["--state-dict-dirname", "../x"], "inside the checkpoint"),
+        (["--format", "safetensors"], "--output_path is required"),
+        (["--average-last", "2"], "has only 1"),
+    ],
+)
+def test_bad_new_options(env: Path, args: list[str], words: str) -> None:
+    before = tree_hash(env / "run")
+    out = [] if "--format" in args else ["--output_path", str(env / "out")]
+    result = invoke(env, *out, *args)
+    assert_refused(env, result, before, words)
+
+
+def test_help_shows_the_new_options() -> None:
+    result = CliRunner().invoke(cli, [CMD, "--help"])
+    assert result.exit_code == 0
+    for option in (
+        "--state_dict_dirname",
+        "--average_last",
+        "--average_steps",
+        "--format",
+        "--dry_run",
+        "pytorch_ema_model_fsdp_0",
+        "model_world_size_W_rank_R.pt",
+    ):
+        assert option in result.output, option
