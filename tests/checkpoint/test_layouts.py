@@ -105,3 +105,64 @@ def test_a_full_model_directory_is_explained(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointError, match="full Hugging Face model already"):
         resolve_checkpoint(tmp_path)
+
+
+def rank_dir(path: Path, world_size: int = 2) -> Path:
+    path.mkdir(parents=True)
+    for r in range(world_size):
+        (path / f"model_world_size_{world_size}_rank_{r}.pt").write_bytes(b"")
+    return path
+
+
+def test_verl_latest_file_and_huggingface_folder(tmp_path: Path) -> None:
+    from shardforge.checkpoint.layouts import RANK_FILES
+
+    for step in (100, 200):
+        actor = rank_dir(tmp_path / f"global_step_{step}" / "actor")
+        (actor / "huggingface").mkdir()
+        (actor / "huggingface" / "config.json").write_text("{}")
+    got = resolve_checkpoint(tmp_path)
+    assert (got.layout, got.step, got.kind) == ("verl", 200, RANK_FILES)
+    assert got.hf_dir == tmp_path / "global_step_200" / "actor" / "huggingface"
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("100\n")
+    assert resolve_checkpoint(tmp_path).step == 100
+    assert resolve_checkpoint(tmp_path, step=200).step == 200
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("banana")
+    with pytest.raises(CheckpointError, match="expected a step number"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_lmms_engine_rank_files_and_ema_folder(tmp_path: Path) -> None:
+    for step in (1, 2):
+        rank_dir(tmp_path / f"checkpoint-{step}" / "pytorch_model_fsdp_0")
+        rank_dir(tmp_path / f"checkpoint-{step}" / "pytorch_ema_model_fsdp_0")
+    got = resolve_checkpoint(tmp_path)
+    assert (got.layout, got.step, got.kind) == ("lmms-engine", 2, "rank-files")
+    assert got.model_dir.name == "pytorch_model_fsdp_0"
+    ema = resolve_checkpoint(tmp_path, step=1, state_dict_dirname="pytorch_ema_model_fsdp_0")
+    assert ema.model_dir == tmp_path / "checkpoint-1" / "pytorch_ema_model_fsdp_0"
+    # a single checkpoint-N folder given directly, with the EMA folder picked inside it
+    single = resolve_checkpoint(tmp_path / "checkpoint-2", None, "pytorch_ema_model_fsdp_0")
+    assert single.model_dir == tmp_path / "checkpoint-2" / "pytorch_ema_model_fsdp_0"
+    with pytest.raises(CheckpointError, match="no checkpoint has a 'nope' folder"):
+        resolve_checkpoint(tmp_path, state_dict_dirname="nope")
+    for bad in ("..", "../checkpoint-1", "/abs", "a/../../b"):
+        with pytest.raises(CheckpointError, match="inside the checkpoint"):
+            resolve_checkpoint(tmp_path, state_dict_dirname=bad)
+
+
+def test_rank_files_in_the_step_folder_itself(tmp_path: Path) -> None:
+    rank_dir(tmp_path / "checkpoint-7")
+    got = resolve_checkpoint(tmp_path)
+    assert (got.layout, got.model_dir) == ("lmms-engine", tmp_path / "checkpoint-7")
+
+
+def test_torchtitan_step_folders(tmp_path: Path) -> None:
+    from shardforge.checkpoint.layouts import TORCHTITAN, find_candidates
+
+    for step in (10, 20):
+        dcp_dir(tmp_path / f"step-{step}")
+    got = resolve_checkpoint(tmp_path)
+    assert (got.layout, got.step, got.adapter) == ("torchtitan", 20, TORCHTITAN)
+    assert resolve_checkpoint(tmp_path / "step-10").adapter == TORCHTITAN
+    assert [c.step for c in sorted(find_candidates(tmp_path), key=lambda c: c.step)] == [10, 20]

@@ -96,7 +96,8 @@ class DcpSource:
             _, raw = reader.locate(c)
             if raw is None or not raw.contiguous or raw.dtype != self.dtype:
                 return None
-            out.append(FileSlab(c.file, raw.data_offset, raw.nbytes, c.offsets[0] * row))
+            dst = c.offsets[0] * row if shape else 0
+            out.append(FileSlab(c.file, raw.data_offset, raw.nbytes, dst))
         return out
 
     def read(self, reader: ChunkReader) -> torch.Tensor:
