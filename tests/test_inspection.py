@@ -30,6 +30,9 @@ OURS_STEPS = (2, 4)
 HF_STEP = 7
 LIGHTNING_STEP = 5
 VERL_STEPS = (1, 3)
+TITAN_STEP = 6
+LMMS_STEP = 8
+EMA_DIR = "pytorch_ema_model_fsdp_0"
 LIGHTNING_VERSION = "2.5.0"
 
 
@@ -75,6 +78,17 @@ def write_checkpoints(rank: int, world_size: int, base: str, root: str) -> None:
         actor.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), actor / f"model_world_size_{world_size}_rank_{rank}.pt")
         torch.save(optim.state_dict(), actor / f"optim_world_size_{world_size}_rank_{rank}.pt")
+
+    # torchtitan: one DCP per step-N/ with the model flat beside the training state
+    titan = out / "titan" / f"step-{TITAN_STEP}"
+    train_state = {"step": torch.tensor(TITAN_STEP)}
+    dcp.save({**model_sd, "optimizer": optim_sd, "train_state": train_state}, checkpoint_id=titan)
+
+    # LMMs-Engine FSDP2 trainer: rank files for the model and for its EMA copy
+    for sub in ("pytorch_model_fsdp_0", EMA_DIR):
+        folder = out / "lmms" / f"checkpoint-{LMMS_STEP}" / sub
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), folder / f"model_world_size_{world_size}_rank_{rank}.pt")
 
     if rank == 0:
         (hf / "trainer_state.json").write_text(json.dumps({"global_step": HF_STEP}))
@@ -230,8 +244,43 @@ def test_verl_rank_files(checkpoints: Built) -> None:
     assert (c.optimizer.files, c.optimizer.tensor_count) == (WORLD, None)
     one = inspect_checkpoint(verl, step=VERL_STEPS[0])
     assert one.step == VERL_STEPS[0]
-    for inside in (verl / "global_step_1", verl / "global_step_1" / "actor"):
+    actor = verl / "global_step_1" / "actor"
+    for inside in (actor.parent, actor, actor / f"model_world_size_{WORLD}_rank_1.pt"):
         assert inspect_checkpoint(inside).step == VERL_STEPS[0]
+        assert inspect_checkpoint(inside).model_dir == str(actor)
+
+
+def test_torchtitan_step_with_training_state(checkpoints: Built) -> None:
+    for path in (checkpoints.root / "titan", checkpoints.root / "titan" / f"step-{TITAN_STEP}"):
+        facts = inspect_checkpoint(path)
+        assert (facts.layout, facts.step, facts.key_names) == (
+            "torchtitan",
+            TITAN_STEP,
+            "torchtitan",
+        )
+        assert tuple(t.name for t in facts.tensors) == checkpoints.names
+        c = facts.contents
+        assert c.optimizer is not None and c.optimizer.location == "mixed"
+        assert c.optimizer.tensor_count == 3 * len(checkpoints.names)
+        assert c.other_state is not None and c.other_state.tensor_count == 1
+        assert c.other_state.total_bytes == 8  # train_state.step, an int64 scalar
+
+
+def test_lmms_engine_rank_files_and_ema_folder(checkpoints: Built) -> None:
+    lmms = checkpoints.root / "lmms"
+    facts = inspect_checkpoint(lmms)
+    assert (facts.layout, facts.step, facts.contents.storage) == (
+        "lmms-engine",
+        LMMS_STEP,
+        "rank-files",
+    )
+    assert facts.model_dir.endswith("pytorch_model_fsdp_0")
+    ema = inspect_checkpoint(lmms, state_dict_dirname=EMA_DIR)
+    assert ema.model_dir == str(lmms / f"checkpoint-{LMMS_STEP}" / EMA_DIR)
+    assert (ema.step, ema.parameter_count) == (LMMS_STEP, checkpoints.params)
+    assert ema.contents.world_size == WORLD
+    with pytest.raises(CheckpointError, match="state_dict_dirname"):
+        inspect_checkpoint(lmms, state_dict_dirname="../elsewhere")
 
 
 def test_config_searches_output_dir(checkpoints: Built, tmp_path: Path) -> None:

@@ -26,6 +26,8 @@ from shardforge.checkpoint.layouts import (
     OPTIMIZER_DIRS,
     Candidate,
     find_candidates,
+    has_rank_files,
+    kind_of,
     resolve_checkpoint,
 )
 from shardforge.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, read_metadata
@@ -35,7 +37,6 @@ log = logging.getLogger("shardforge")
 
 CONFIG_SUFFIXES: tuple[str, ...] = (".yml", ".yaml")
 DISTCP_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 # per-rank optimizer / extra state files written beside the model rank files (verl); never read
 RANK_STATE_FILES: dict[str, re.Pattern[str]] = {
     "optimizer": re.compile(r"^optim_world_size_(\d+)_rank_(\d+)\.pt$"),
@@ -117,6 +118,7 @@ class Inspection:
     step: int | None
     step_label: str
     model_dir: str
+    key_names: str  # "hugging-face", or the adapter the merge maps them with ("torchtitan")
     steps: tuple[StepFact, ...]
     contents: Contents
 
@@ -149,6 +151,7 @@ class Inspection:
             "step": self.step,
             "step_label": self.step_label,
             "model_dir": self.model_dir,
+            "key_names": self.key_names,
             "steps": [_plain(s) for s in self.steps],
             "world_size": c.world_size,
             "world_size_source": c.world_size_source,
@@ -187,8 +190,12 @@ def _is_dcp(path: Path) -> bool:
     return (path / METADATA_FILE).is_file()
 
 
-def _has_rank_files(path: Path) -> bool:
-    return path.is_dir() and any(RANK_FILE.match(p.name) for p in path.iterdir())
+def _is_checkpoint_file(path: Path) -> bool:
+    """A DCP `.metadata` / `__R_N.distcp` or a `model_world_size_W_rank_R.pt` file."""
+    from shardforge.rankfiles.rank_file import parse_rank_name
+
+    name = path.name
+    return name == METADATA_FILE or bool(DISTCP_FILE.match(name)) or bool(parse_rank_name(path))
 
 
 def _step_fact(c: Candidate) -> StepFact:
@@ -199,35 +206,12 @@ def _step_fact(c: Candidate) -> StepFact:
     return StepFact(c.step, str(c.step), c.layout, str(c.model_dir))
 
 
-def _rank_steps(root: Path) -> list[Candidate]:
-    """Step folders with per-rank files (verl `global_step_N/actor`, LMMs-Engine
-    `checkpoint-N/pytorch_model_fsdp_0`), for a `find_candidates` that does not list them."""
-    from shardforge.rankfiles import find_rank_dir, list_steps
-
-    out = []
-    for s in list_steps(root):
-        try:
-            out.append(Candidate(s.trainer, s.number, find_rank_dir(s.path)))
-        except CheckpointError:
-            continue  # a step folder without rank files is not a complete checkpoint
-    return out
-
-
-def _candidates(root: Path) -> list[Candidate]:
-    return find_candidates(root) or _rank_steps(root)
-
-
-def _pick_rank_step(cands: list[Candidate], root: Path, step: int | None) -> Candidate:
-    """`step`, or the latest per the trainer's rule (verl's latest_checkpointed_iteration.txt)."""
-    from shardforge.rankfiles import find_step
-
-    number = find_step(root, step).number
-    return next(c for c in cands if c.step == number)
-
-
-def _identify(model_dir: Path) -> tuple[Candidate, list[Candidate], Path] | None:
+def _identify(
+    model_dir: Path, dirname: str | None
+) -> tuple[Candidate, list[Candidate], Path] | None:
     """(candidate, its siblings, root) of a model directory given directly, found from the
-    folder of a Lightning `*.ckpt`, or the run folder above a step folder; None if unknown."""
+    folder of a Lightning `*.ckpt` or a step folder, or the run folder above a step folder;
+    None when it belongs to no known layout."""
     roots = []
     if model_dir.suffix == ".ckpt" or _STEP_FOLDER.search(model_dir.name):
         roots.append(model_dir.parent)  # Lightning, torchtitan step-N/, rank files in step_N/
@@ -236,7 +220,7 @@ def _identify(model_dir: Path) -> tuple[Candidate, list[Candidate], Path] | None
     target = model_dir.resolve()
     for root in roots:
         try:
-            cands = _candidates(root)
+            cands = find_candidates(root, dirname)
         except (OSError, CheckpointError):
             continue
         for c in cands:
@@ -245,59 +229,50 @@ def _identify(model_dir: Path) -> tuple[Candidate, list[Candidate], Path] | None
     return None
 
 
-def _warn_step_ignored(step: int | None, path: Path) -> None:
-    if step is not None:
-        log.warning("--step %d ignored: %s is a single checkpoint", step, path)
-
-
-def _single(model_dir: Path, step: int | None) -> tuple[Candidate, list[Candidate]]:
-    """A model directory given directly (or found inside a step folder)."""
-    known = _identify(model_dir)
+def _single(
+    chosen: Candidate, step: int | None, dirname: str | None
+) -> tuple[Candidate, list[Candidate]]:
+    """A single checkpoint (given directly, or a step folder): its layout and step when the
+    folder around it tells, and the other steps there."""
+    known = _identify(chosen.model_dir, dirname)
     if known is None:
-        _warn_step_ignored(step, model_dir)
-        kind = "dcp" if _is_dcp(model_dir) else "rank-files"
-        return Candidate(kind, -1, model_dir), []
+        if step is not None:
+            log.warning("--step %d ignored: %s is a single checkpoint", step, chosen.model_dir)
+        return chosen, []
     found, cands, root = known
     if step is not None and found.step != step:
         raise CheckpointError(
-            f"{model_dir}: is the checkpoint of step {found.step}, not {step}; give the run "
-            f"folder {root} to choose a step"
+            f"{chosen.model_dir}: is the checkpoint of step {found.step}, not {step}; give the "
+            f"run folder {root} to choose a step"
         )
     return found, cands
 
 
-def locate(path: str | Path, step: int | None = None) -> tuple[Candidate, list[Candidate]]:
+def locate(
+    path: str | Path, step: int | None = None, state_dict_dirname: str | None = None
+) -> tuple[Candidate, list[Candidate]]:
     """(the checkpoint to describe, every complete checkpoint found beside it).
 
     `path` is a checkpoint root (the latest, or `step`, chosen as the merge chooses), a step
-    folder, a DCP directory or a folder of per-rank files.
+    folder, a DCP directory or a folder of per-rank files; `state_dict_dirname` names the
+    model folder inside each step (e.g. pytorch_ema_model_fsdp_0).
     """
     r = Path(path)
-    if not r.exists():
-        raise CheckpointError(f"{r}: checkpoint path does not exist")
-    if not r.is_dir():
+    if r.is_file() and _is_checkpoint_file(r):
+        r = r.parent  # one file of a checkpoint stands for its folder
+    if r.exists() and not r.is_dir():
         raise CheckpointError(
             f"{r}: not a directory; give a checkpoint directory or a YAML config (.yml/.yaml)"
         )
-    if _is_dcp(r):
-        resolve_checkpoint(r)  # refuses an optimizer directory, pointing at the model
-        return _single(r, step)
-    if _has_rank_files(r):
-        return _single(r, step)
-    cands = find_candidates(r)
-    if cands:
-        return resolve_checkpoint(r, step), cands
-    cands = _rank_steps(r)
-    if cands:
-        return _pick_rank_step(cands, r, step), cands
-    # a single step folder: rank files in a known sub-folder, or a DCP model sub-directory
-    from shardforge.rankfiles import find_rank_dir
-
-    try:
-        model_dir = find_rank_dir(r)
-    except CheckpointError:
-        model_dir = resolve_checkpoint(r).model_dir  # its errors say what was looked for
-    return _single(model_dir, step)
+    single = kind_of(r) is not None if r.is_dir() and state_dict_dirname is None else False
+    # errors (missing, empty, optimizer directory, nothing found) are the merge's own
+    chosen = resolve_checkpoint(r, None if single else step, state_dict_dirname)
+    if single:
+        return _single(chosen, step, state_dict_dirname)
+    cands = find_candidates(r, state_dict_dirname)
+    if not cands:  # a step folder
+        return _single(chosen, step, state_dict_dirname)
+    return chosen, cands
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,9 +401,10 @@ def read_rank_dir(rank_dir: Path) -> Contents:
     """Tensors of a folder of `model_world_size_W_rank_R.pt` files (metadata only); optimizer
     files beside them are counted, not read."""
     from shardforge.rankfiles import plan_rank_files
+    from shardforge.rankfiles.rank_file import parse_rank_name
 
     plan = plan_rank_files(rank_dir)
-    world_sizes = {int(m.group(1)) for p in rank_dir.iterdir() if (m := RANK_FILE.match(p.name))}
+    world_sizes = {names[0] for p in rank_dir.iterdir() if (names := parse_rank_name(p))}
     tensors = tuple(
         TensorFact(k, _dtype_name(tp.dtype), tp.shape, tp.numel, tp.nbytes)
         for k, tp in plan.items()
@@ -447,7 +423,7 @@ def read_rank_dir(rank_dir: Path) -> Contents:
 # storage kind -> (recognise a model directory, read it); adding a storage is adding a row
 READERS: dict[str, tuple[Callable[[Path], bool], Callable[[Path], Contents]]] = {
     "dcp": (_is_dcp, read_dcp),
-    "rank-files": (_has_rank_files, read_rank_dir),
+    "rank-files": (has_rank_files, read_rank_dir),
 }
 
 
@@ -538,11 +514,16 @@ def _with_recorded(contents: Contents, model_dir: Path) -> Contents:
 
 
 def inspect_checkpoint(
-    path: str | Path, step: int | None = None, *, source: str | None = None
+    path: str | Path,
+    step: int | None = None,
+    state_dict_dirname: str | None = None,
+    *,
+    source: str | None = None,
 ) -> Inspection:
-    """Describe the checkpoint at `path` (the latest under it, or `step`) without writing or
-    loading any weights; CheckpointError when there is none or it is unreadable."""
-    chosen, cands = locate(path, step)
+    """Describe the checkpoint at `path` (the latest under it, or `step`; the model folder
+    `state_dict_dirname` inside each step when given) without writing or loading any weights;
+    CheckpointError when there is none or it is unreadable."""
+    chosen, cands = locate(path, step, state_dict_dirname)
     contents = _with_recorded(read_contents(chosen.model_dir), chosen.model_dir)
     fact = _step_fact(chosen)
     return Inspection(
@@ -551,6 +532,7 @@ def inspect_checkpoint(
         step=fact.step,
         step_label=fact.step_label,
         model_dir=str(chosen.model_dir),
+        key_names=chosen.adapter or "hugging-face",
         steps=tuple(_step_fact(c) for c in sorted(cands, key=lambda c: c.step)),
         contents=contents,
     )
@@ -565,6 +547,7 @@ def inspect_path_or_config(
     path_or_config: str | Path,
     step: int | None = None,
     override_args: list[str] | None = None,
+    state_dict_dirname: str | None = None,
 ) -> Inspection:
     """`inspect_checkpoint` of a checkpoint path, or of a YAML config's `output_dir`."""
     if not is_config_path(path_or_config):
@@ -573,7 +556,7 @@ def inspect_path_or_config(
                 f"unexpected arguments {' '.join(override_args)}: config overrides need a YAML "
                 "config, not a checkpoint path"
             )
-        return inspect_checkpoint(path_or_config, step)
+        return inspect_checkpoint(path_or_config, step, state_dict_dirname)
     from shardforge.config import load_cfg, parse_override_args
 
     cfg_path = Path(path_or_config)
@@ -586,4 +569,4 @@ def inspect_path_or_config(
             f"{cfg_path}: output_dir {out_dir} does not exist; train first, or give the "
             "checkpoint directory instead of the config"
         )
-    return inspect_checkpoint(out_dir, step, source=str(cfg_path))
+    return inspect_checkpoint(out_dir, step, state_dict_dirname, source=str(cfg_path))

@@ -27,6 +27,8 @@ Examples:
   shardforge inspect outputs/tiny-llama/checkpoint-100
   shardforge inspect runs/checkpoint-500/pytorch_model_fsdp_0
   shardforge inspect checkpoints/global_step_100/actor
+  # LMMs-Engine EMA weights instead of the model
+  shardforge inspect runs --state_dict_dirname pytorch_ema_model_fsdp_0
   # for scripts: one JSON document on stdout
   shardforge inspect outputs/tiny-llama --json | jq .model.parameter_count
   python -m shardforge.cli.inspect outputs/tiny-llama --json
@@ -47,19 +49,24 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def count(n: int, noun: str) -> str:
+    """count(1, 'tensor') -> '1 tensor'; count(3, 'tensor') -> '3 tensors'."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
 def _state_line(s: dict[str, Any]) -> str:
     parts = []
     if s["tensor_count"] is not None:
-        parts.append(f"{s['tensor_count']} tensors, {human_bytes(s['total_bytes'])}")
+        parts.append(f"{count(s['tensor_count'], 'tensor')}, {human_bytes(s['total_bytes'])}")
     if s["non_tensor_count"]:
-        parts.append(f"{s['non_tensor_count']} non-tensor entries")
+        parts.append(count(s["non_tensor_count"], "non-tensor entry").replace("ys", "ies"))
     if s["location"] == "mixed":
         parts.append("in the same DCP as the model")
     elif s["location"] == "beside":
         parts.append(f"in {s['path']}")
     if s["files"]:
         read = "" if s["tensor_count"] is not None else ", not read"
-        parts.append(f"{s['files']} files, {human_bytes(s['files_bytes'])} on disk{read}")
+        parts.append(f"{count(s['files'], 'file')}, {human_bytes(s['files_bytes'])} on disk{read}")
     return "; ".join(parts)
 
 
@@ -99,6 +106,8 @@ def format_report(d: dict[str, Any], show_all: bool = False) -> str:
         ("checkpoint", d["model_dir"]),
         ("layout", f"{d['layout']}{step} ({d['storage']})"),
     ]
+    if d["key_names"] != "hugging-face":
+        header.append(("key names", f"{d['key_names']} (the merge maps them to Hugging Face)"))
     if d["steps"]:
         header.append(("steps found", _steps_line(d)))
     if d["world_size"] is not None:
@@ -111,7 +120,8 @@ def format_report(d: dict[str, Any], show_all: bool = False) -> str:
     header.append(
         (
             "model",
-            f"{model['tensor_count']} tensors, {model['parameter_count']:,} parameters, "
+            f"{count(model['tensor_count'], 'tensor')}, "
+            f"{count(model['parameter_count'], 'parameter')}, "
             f"{human_bytes(model['total_bytes'])} ({model['total_bytes']:,} bytes"
             f"{'; ' + by_dtype if by_dtype else ''})",
         )
@@ -134,12 +144,15 @@ def do_inspect(
     override_args: list[str] | None = None,
     as_json: bool = False,
     show_all: bool = False,
+    state_dict_dirname: str | None = None,
 ) -> str:
     """The report on the checkpoint at `path_or_config` (a path or a YAML config's
     output_dir): one JSON document with `as_json`, else the human-readable text."""
     from shardforge.inspection import inspect_path_or_config
 
-    facts = inspect_path_or_config(path_or_config, step, override_args).to_dict()
+    facts = inspect_path_or_config(
+        path_or_config, step, override_args, state_dict_dirname
+    ).to_dict()
     if as_json:
         return json.dumps(facts, indent=2) + "\n"
     return format_report(facts, show_all)
@@ -159,6 +172,13 @@ def do_inspect(
 )
 @click.argument("path_or_config", metavar="PATH_OR_CFG", type=click.Path())
 @click.option("--step", type=int, default=None, help="Describe this step instead of the latest.")
+@click.option(
+    "--state_dict_dirname",
+    "--state-dict-dirname",
+    "state_dict_dirname",
+    default=None,
+    help="The model folder inside each step, e.g. pytorch_ema_model_fsdp_0 for EMA weights.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (for scripts).")
 @click.option(
     "--all", "show_all", is_flag=True, help=f"List every tensor (default: first/last {TABLE_ENDS})."
@@ -169,6 +189,7 @@ def command(
     ctx: click.Context,
     path_or_config: str,
     step: int | None,
+    state_dict_dirname: str | None,
     as_json: bool,
     show_all: bool,
     debug: bool,
@@ -176,7 +197,8 @@ def command(
     args, stray_debug = split_debug(list(ctx.args))
     setup_logging()
     text = run_guarded(
-        lambda: do_inspect(path_or_config, step, args, as_json, show_all), debug or stray_debug
+        lambda: do_inspect(path_or_config, step, args, as_json, show_all, state_dict_dirname),
+        debug or stray_debug,
     )
     click.echo(text, nl=False)
 
@@ -186,13 +208,17 @@ def do_cli(
     step: int | None = None,
     json: bool = False,
     all: bool = False,
+    state_dict_dirname: str | None = None,
     debug: bool = False,
     **kwargs: Any,
 ) -> None:
     """fire entry point: python -m shardforge.cli.inspect PATH_OR_CFG [--step N] [--json]."""
     setup_logging()
     text = run_guarded(
-        lambda: do_inspect(path_or_config, step, fire_overrides(kwargs), json, all), debug
+        lambda: do_inspect(
+            path_or_config, step, fire_overrides(kwargs), json, all, state_dict_dirname
+        ),
+        debug,
     )
     print(text, end="")
 
