@@ -368,3 +368,25 @@ def test_dry_run_writes_nothing(
         assert "total bytes:" in text and "free disk at" in text and "float32" in text
     assert sorted(tmp_path.iterdir()) == []
     assert tree_hash(built.root) == before
+
+
+def save_hsdp(rank: int, world_size: int, base: str, out: str) -> None:
+    """HSDP: a (replicate 2, shard 2) mesh, each rank saving its DTensor state dict."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    folder = Path(out) / "global_step_4" / "actor"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), folder / f"model_world_size_{world_size}_rank_{rank}.pt")
+
+
+def test_hsdp_rank_files(built: Built, tmp_path: Path) -> None:
+    run_on_ranks(save_hsdp, 4, str(built.base), str(tmp_path / "run"))
+    out = merge_fsdp_weights(_cfg(built.base, tmp_path / "run"), tmp_path / "out", verify=True)
+    assert_merged(built.base, out, expected_state(built.base, 0.0))
