@@ -51,6 +51,8 @@ STATE_JSON_FILES: tuple[str, ...] = (
     "fsdp_config.json",
     "huggingface/config.json",
 )
+# `*_version` keys of those files that version the file's own format, not a writer
+NOT_WRITER_VERSIONS: frozenset[str] = frozenset({"format_version"})
 LIGHTNING_META = "meta.pt"
 # a step folder's name ends in its step number (checkpoint-N, global_step_N, step-N)
 _STEP_FOLDER = re.compile(r"\d+$")
@@ -457,6 +459,8 @@ def _recorded_json(directory: Path) -> dict[str, Any]:
         if not isinstance(data, dict):
             continue
         for key, value in data.items():
+            if key in NOT_WRITER_VERSIONS:
+                continue
             if key.endswith("_version") and isinstance(value, str | int) and str(value):
                 out.setdefault("versions", {})[key.removesuffix("_version")] = str(value)
         ws = data.get("world_size")
