@@ -318,6 +318,25 @@ def test_bad_inputs_are_refused_with_one_line(checkpoints: Built, tmp_path: Path
     assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == []
 
 
+def test_a_dcp_folder_of_no_known_layout(
+    checkpoints: Built, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import shutil
+
+    alone = tmp_path / "exported" / "weights"
+    shutil.copytree(checkpoints.ours / "checkpoint-4" / "model", alone)
+    # a trainer_state.json above a folder given on its own is not the checkpoint's
+    (alone.parent / "trainer_state.json").write_text('{"world_size": 64, "torch_version": "x"}')
+    with caplog.at_level("WARNING", logger="shardforge"):
+        facts = inspect_checkpoint(alone, step=2)
+    assert "--step 2 ignored" in caplog.text
+    assert (facts.layout, facts.step, facts.step_label, facts.steps) == ("dcp", None, "?", ())
+    c = facts.contents
+    assert (c.world_size, c.world_size_source) == (WORLD, "__R_N.distcp file names")
+    assert set(c.versions) == {"dcp_metadata"} and c.optimizer is None
+    assert facts.parameter_count == checkpoints.params
+
+
 def test_a_damaged_checkpoint_names_the_file(checkpoints: Built, tmp_path: Path) -> None:
     import shutil
 

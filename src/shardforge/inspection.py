@@ -24,6 +24,7 @@ from shardforge.checkpoint.keys import is_optimizer_key
 from shardforge.checkpoint.layouts import (
     LAST,
     OPTIMIZER_DIRS,
+    STEP_LAYOUTS,
     Candidate,
     find_candidates,
     has_rank_files,
@@ -54,8 +55,6 @@ STATE_JSON_FILES: tuple[str, ...] = (
 # `*_version` keys of those files that version the file's own format, not a writer
 NOT_WRITER_VERSIONS: frozenset[str] = frozenset({"format_version"})
 LIGHTNING_META = "meta.pt"
-# a step folder's name ends in its step number (checkpoint-N, global_step_N, step-N)
-_STEP_FOLDER = re.compile(r"\d+$")
 
 
 @dataclass(frozen=True)
@@ -200,6 +199,11 @@ def _is_checkpoint_file(path: Path) -> bool:
     return name == METADATA_FILE or bool(DISTCP_FILE.match(name)) or bool(parse_rank_name(path))
 
 
+def _is_step_folder(path: Path) -> bool:
+    """A step folder of a known layout (checkpoint-N, global_step_N, step-N)."""
+    return any(rule.pattern.match(path.name) for rule in STEP_LAYOUTS.values())
+
+
 def _step_fact(c: Candidate) -> StepFact:
     if c.step == LAST:
         return StepFact(None, "last", c.layout, str(c.model_dir))
@@ -215,9 +219,9 @@ def _identify(
     folder of a Lightning `*.ckpt` or a step folder, or the run folder above a step folder;
     None when it belongs to no known layout."""
     roots = []
-    if model_dir.suffix == ".ckpt" or _STEP_FOLDER.search(model_dir.name):
+    if model_dir.suffix == ".ckpt" or _is_step_folder(model_dir):
         roots.append(model_dir.parent)  # Lightning, torchtitan step-N/, rank files in step_N/
-    if _STEP_FOLDER.search(model_dir.parent.name):
+    if _is_step_folder(model_dir.parent):
         roots.append(model_dir.parent.parent)  # checkpoint-N/model, global_step_N/actor
     target = model_dir.resolve()
     for root in roots:
@@ -492,7 +496,12 @@ def _lightning_versions(ckpt_dir: Path) -> dict[str, str]:
 
 def _with_recorded(contents: Contents, model_dir: Path) -> Contents:
     recorded: dict[str, Any] = {}
-    for d in dict.fromkeys([model_dir, model_dir.parent]):
+    # the step folder around a model folder (checkpoint-N/model) holds the trainer's state;
+    # above a folder given on its own, files belong to something else
+    folders = [model_dir]
+    if _is_step_folder(model_dir.parent):
+        folders.append(model_dir.parent)
+    for d in folders:
         for key, value in _recorded_json(d).items():
             if key == "versions":
                 recorded.setdefault("versions", {}).update(value)
