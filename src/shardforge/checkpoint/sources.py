@@ -277,15 +277,24 @@ def _chunk_blocks(
 def expected_blocks(
     reader: ChunkReader, source: TensorSource, dtype: torch.dtype, block_bytes: int
 ) -> Iterator[tuple[Index, torch.Tensor]]:
-    """(index into the full tensor, expected values cast to `dtype`) covering the tensor:
-    blocks of rows of each chunk for a DCP entry, the whole tensor otherwise."""
+    """(index into the full tensor, expected values cast to `dtype`) covering the tensor in
+    blocks of rows of about `block_bytes`: read chunk by chunk for a DCP entry; other sources
+    are read whole once (one tensor in memory) and compared block by block."""
     if isinstance(source, DcpSource):
         for chunk in source.entry.chunks:
             if chunk.numel:
                 yield from _chunk_blocks(reader, chunk, dtype, block_bytes)
         return
     full = source.read(reader).to(dtype)
-    yield _rows(source.shape, 0, source.shape[0] if source.shape else 0), full
+    shape = source.shape
+    if not shape:
+        yield (), full
+        return
+    row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
+    step = max(1, block_bytes // row_bytes)
+    for start in range(0, shape[0], step):
+        stop = min(shape[0], start + step)
+        yield _rows(shape, start, stop), full[start:stop]
 
 
 __all__ = [

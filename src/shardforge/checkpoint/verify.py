@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -83,12 +83,27 @@ def verify_output(
                     _fail(name, path)
                 if tuple(sl.get_shape()) != tuple(source.shape):
                     _fail(name, path)
-            for index, expected in expected_blocks(reader, source, dtype, block_bytes):
-                with safe_open(str(path), framework="pt") as f:
-                    got = f.get_slice(name)[index] if source.shape else f.get_tensor(name)
-                if got.dtype != dtype or not torch.equal(_bits(got), _bits(expected)):
-                    _fail(name, path)
-                if progress is not None:
-                    progress(expected.numel() * expected.element_size())
+            _compare_blocks(
+                expected_blocks(reader, source, dtype, block_bytes), name, path, progress
+            )
             count += 1
     return count
+
+
+def _compare_blocks(
+    blocks: Iterator[tuple[tuple[slice, ...], torch.Tensor]],
+    name: str,
+    path: Path,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """Compare each expected block with the same block of the file (a fresh handle per block,
+    so only that block's pages are mapped); the blocks are released on return."""
+    from safetensors import safe_open
+
+    for index, expected in blocks:
+        with safe_open(str(path), framework="pt") as f:
+            got = f.get_slice(name)[index] if index else f.get_tensor(name)
+        if got.dtype != expected.dtype or not torch.equal(_bits(got), _bits(expected)):
+            _fail(name, path)
+        if progress is not None:
+            progress(expected.numel() * expected.element_size())
