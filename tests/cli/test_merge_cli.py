@@ -453,3 +453,20 @@ def test_help_shows_the_new_options() -> None:
         "model_world_size_W_rank_R.pt",
     ):
         assert option in result.output, option
+
+
+def test_single_file_formats_refuse_existing_outputs(env: Path) -> None:
+    before = tree_hash(env / "run")
+    target = env / "m.safetensors"
+    target.write_bytes(b"keep me")
+    result = invoke(env, "--format", "safetensors", "--output_path", str(target))
+    assert result.exit_code != 0 and "--overwrite" in one_line_error(result.stderr)
+    assert target.read_bytes() == b"keep me"
+    (env / "adir").mkdir()
+    result = invoke(env, "--format", "torch", "--output_path", str(env / "adir"))
+    assert result.exit_code != 0 and "is a directory" in one_line_error(result.stderr)
+    result = invoke(env, "--format", "safetensors", "--output_path", str(target), "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert target.read_bytes() != b"keep me"
+    assert sorted(p.name for p in env.iterdir()) == ["adir", "cfg.yml", "m.safetensors", "run"]
+    assert tree_hash(env / "run") == before
