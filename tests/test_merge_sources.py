@@ -390,3 +390,14 @@ def test_hsdp_rank_files(built: Built, tmp_path: Path) -> None:
     run_on_ranks(save_hsdp, 4, str(built.base), str(tmp_path / "run"))
     out = merge_fsdp_weights(_cfg(built.base, tmp_path / "run"), tmp_path / "out", verify=True)
     assert_merged(built.base, out, expected_state(built.base, 0.0))
+
+
+def test_verl_fsdp_config_of_another_world_size(built: Built, tmp_path: Path) -> None:
+    run = tmp_path / "verl"
+    shutil.copytree(built.root / "verl", run)
+    config = run / f"global_step_{VERL_LATEST}" / "actor" / "fsdp_config.json"
+    config.write_text(json.dumps({"FSDP_version": 2, "world_size": 4}))
+    before = tree_hash(run)
+    with pytest.raises(CheckpointError, match=r"says world_size 4.*world size 2"):
+        merge_fsdp_weights(_cfg(built.base, run), tmp_path / "out")
+    assert not (tmp_path / "out").exists() and tree_hash(run) == before

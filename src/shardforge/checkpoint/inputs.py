@@ -9,9 +9,11 @@ A table maps each candidate kind to its reader; adding a kind is adding a row.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +32,8 @@ log = logging.getLogger("shardforge")
 
 # first keys that only a torchtitan checkpoint has (HF names are `model.embed_tokens...`)
 TITAN_MARKERS: tuple[str, ...] = ("tok_embeddings.weight", "layers.0.attention")
+# verl writes this beside its rank files: {"FSDP_version": 2, "world_size": W}
+FSDP_CONFIG = "fsdp_config.json"
 
 
 @dataclass(frozen=True)
@@ -56,10 +60,30 @@ def _open_dcp(candidate: Candidate) -> dict[str, NamedSource]:
     return {k: NamedSource(e.path, DcpSource(e)) for k, e in meta.tensors.items()}
 
 
-def _open_rank_files(candidate: Candidate) -> dict[str, NamedSource]:
-    from shardforge.rankfiles import plan_rank_files
+def check_fsdp_config(model_dir: Path, world_size: int) -> None:
+    """verl's `fsdp_config.json` beside the rank files must name their world size."""
+    path = model_dir / FSDP_CONFIG
+    if not path.is_file():
+        return
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8")).get("world_size")
+    except (ValueError, AttributeError, OSError):
+        log.warning("%s: not readable JSON; ignored", path)
+        return
+    if isinstance(recorded, int) and recorded != world_size:
+        raise CheckpointError(
+            f"{path}: says world_size {recorded}, but {model_dir} holds the rank files of "
+            f"world size {world_size}; the folder mixes runs or is incomplete"
+        )
 
-    plans = plan_rank_files(candidate.model_dir)
+
+def _open_rank_files(candidate: Candidate) -> dict[str, NamedSource]:
+    from shardforge.rankfiles.rank_file import read_rank_file
+    from shardforge.rankfiles.rank_plan import list_rank_files, plan_from_files
+
+    paths = list_rank_files(candidate.model_dir)
+    check_fsdp_config(candidate.model_dir, len(paths))
+    plans = plan_from_files([read_rank_file(p) for p in paths.values()])
     return {k: NamedSource((k,), RankFileSource(p)) for k, p in plans.items()}
 
 
