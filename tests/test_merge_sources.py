@@ -138,7 +138,14 @@ def save_layouts(rank: int, world_size: int, base: str, other: str, root: str) -
     _save_rank_file(odd, r / "mixed" / "checkpoint-2" / "pytorch_model_fsdp_0", rank)
     # torchtitan: its names, sharded on dim 0 as FSDP2 shards, saved with dcp.save
     mesh = init_device_mesh("cpu", (world_size,))
-    titan = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in titan_state(base).items()}
+    titan: dict[str, Any] = {
+        k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in titan_state(base).items()
+    }
+    # a training checkpoint's other states, which the merge skips
+    emb = titan["tok_embeddings.weight"]
+    titan["optimizer"] = {"state": {"tok_embeddings.weight": {"exp_avg": emb.clone()}}}
+    titan["lr_scheduler"] = {"last_epoch": TITAN_STEP}
+    titan["train_state"] = {"step": TITAN_STEP, "ntokens_seen": torch.tensor(1234)}
     dcp.save(titan, checkpoint_id=r / "titan" / f"step-{TITAN_STEP}")
     dist.barrier()
 
