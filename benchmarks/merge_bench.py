@@ -121,13 +121,19 @@ def _write_part(
 
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(1234 + rank)
+    # Random values, tiled from one block: content does not matter to the merge, and drawing
+    # gigabytes of random numbers would dominate the generator's time.
+    block = torch.randn(1 << 22, generator=gen).to(getattr(torch, dtype))
     state: dict[str, Any] = {}
     for name, shape in zip(names, shapes, strict=True):
         rows = shape[0]
         per = -(-rows // world)  # torch.chunk semantics: ceil, the last ranks may get less or none
         start, stop = min(rank * per, rows), min((rank + 1) * per, rows)
         local = torch.empty((stop - start, *shape[1:]), dtype=getattr(torch, dtype))
-        local.copy_(torch.randn(local.shape, generator=gen))
+        flat = local.view(-1)
+        for at in range(0, flat.numel(), block.numel()):
+            n = min(block.numel(), flat.numel() - at)
+            flat[at : at + n] = block[:n]
         stride = torch.empty(shape, device="meta").stride()
         state[name] = DTensor.from_local(
             local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride

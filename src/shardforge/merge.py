@@ -28,6 +28,7 @@ from shardforge.checkpoint.companions import (
     write_generation_config,
     write_tokenizer,
 )
+from shardforge.checkpoint.fastio import prefetch
 from shardforge.checkpoint.inputs import adapt_names, open_checkpoint
 from shardforge.checkpoint.keys import KeyMap, map_keys
 from shardforge.checkpoint.layouts import LAST, Candidate, list_checkpoints, resolve_checkpoint
@@ -234,6 +235,9 @@ def _prepare(
     for c in inputs:
         where = f" (step {c.step})" if 0 <= c.step < LAST else ""
         log.info("checkpoint: %s [%s layout, %s]%s", c.model_dir, c.layout, c.kind, where)
+    # The disk starts reading the data files while transformers imports and the architecture
+    # is checked (a hint to the kernel; nothing is held in this process).
+    prefetch(sorted(p for c in inputs for p in c.model_dir.iterdir() if p.is_file()))
     sources = _sources(cfg, inputs)
     config = load_model_config(sources.config, cfg.trust_remote_code)
     expected = build_expected(config, cfg.trust_remote_code)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from shardforge.checkpoint.chunk_record import RawChunk, locate, read_chunk
+from shardforge.checkpoint.fastio import CopyJob, copy_jobs
 from shardforge.checkpoint.metadata import Chunk, TensorEntry
 from shardforge.checkpoint.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan, PlannedTensor
 from shardforge.errors import CheckpointError
@@ -188,10 +189,26 @@ def write_plan(
                 _preallocate(fd, pf.size)
                 pwrite_all(fd, memoryview(pf.header), 0)
                 progress(len(pf.header))
+                # Tensors stored as they are written (no cast, slabs along dim 0) are copied
+                # file to file by a few threads at once; the others go through memory, one
+                # tensor (or one chunk) at a time.
+                jobs: list[CopyJob] = []
+                through_memory = []
                 for planned in pf.tensors:
                     src = sources[planned.spec.name]
                     if isinstance(src, TensorEntry):
                         src = DcpSource(src)
+                    same = src.dtype == planned.spec.dtype
+                    slabs = src.slabs(reader) if same else None
+                    if slabs is None:
+                        through_memory.append((planned, src))
+                        continue
+                    jobs += [
+                        CopyJob(s.path, s.src_offset, fd, planned.offset + s.dst_offset, s.nbytes)
+                        for s in slabs
+                    ]
+                copy_jobs(jobs, copy_range, progress)
+                for planned, src in through_memory:
                     write_source(reader, fd, planned.offset, planned.spec.dtype, src, progress)
                 os.fsync(fd)
             finally:
