@@ -7,23 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from shardforge.checkpoint.metadata import METADATA_FILE
-from shardforge.checkpoint.safe_pickle import load_metadata_pickle
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """torch's FileSystemReader, reading `.metadata` through the allow-list unpickler."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = load_metadata_pickle(Path(str(self.path)) / METADATA_FILE, as_torch=True)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        assert isinstance(metadata, Metadata)
-        return metadata
+from shardforge.checkpoint.safe_reader import SafeFileSystemReader
 
 
 def merge_with_transformers(

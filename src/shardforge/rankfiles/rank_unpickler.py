@@ -29,23 +29,8 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from shardforge.checkpoint.safe_pickle import STORAGE_DTYPES
 from shardforge.errors import CheckpointError
-
-# typed-storage class name -> element dtype (torch.save writes the legacy names)
-STORAGE_DTYPES: dict[str, torch.dtype] = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-}
 
 _DTYPES: dict[str, torch.dtype] = {
     name: value

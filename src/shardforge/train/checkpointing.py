@@ -225,7 +225,7 @@ def load_checkpoint(
 ) -> TrainerState:
     """Load model and optimizer shards (resharding to this world size) and the trainer state.
 
-    The DCP metadata is read through an allow-list unpickler (see `safe_reader`).
+    The DCP metadata is read through an allow-list unpickler (see `shardforge.checkpoint.safe_reader`).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -235,7 +235,7 @@ def load_checkpoint(
         set_optimizer_state_dict,
     )
 
-    from shardforge.train.safe_reader import SafeFileSystemReader
+    from shardforge.checkpoint.safe_reader import SafeFileSystemReader
 
     state = TrainerState.read(path)
     model_sd = get_model_state_dict(model)

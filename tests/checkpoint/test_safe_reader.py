@@ -1,4 +1,4 @@
-"""Resume reads DCP metadata through an allow-list: real metadata loads, a hostile pickle fails."""
+"""Resume and --engine transformers read DCP metadata through an allow-list: real metadata loads, a hostile pickle fails."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from shardforge.checkpoint.safe_reader import SafeFileSystemReader, read_dcp_metadata
 from shardforge.errors import CheckpointError
-from shardforge.train.safe_reader import SafeFileSystemReader, read_dcp_metadata
 
 
 def _save(directory: Path) -> dict[str, torch.Tensor]:
