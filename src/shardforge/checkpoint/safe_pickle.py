@@ -23,22 +23,22 @@ from shardforge.errors import CheckpointError
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
 
+# the classes of torch.distributed.checkpoint.metadata a `.metadata` pickle may name
+_DCP_METADATA_NAMES = (
+    "Metadata",
+    "TensorStorageMetadata",
+    "ChunkStorageMetadata",
+    "BytesStorageMetadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "TensorProperties",
+    "_MEM_FORMAT_ENCODING",
+)
+
 # (module, name) a metadata pickle may reference -> the name of today's class. Older torch
 # versions kept some classes elsewhere; those paths map onto the same names.
 _METADATA_CLASSES: dict[tuple[str, str], str] = {
-    **{
-        (_DCP_METADATA, n): n
-        for n in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "ChunkStorageMetadata",
-            "BytesStorageMetadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorProperties",
-            "_MEM_FORMAT_ENCODING",
-        )
-    },
+    **{(_DCP_METADATA, n): n for n in _DCP_METADATA_NAMES},
     (_DCP_FILESYSTEM, "_StorageInfo"): "_StorageInfo",
     # torch 2.2 kept TensorProperties and its memory-format enum in the sharded-tensor package
     ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"): "TensorProperties",
@@ -173,19 +173,7 @@ _PLAIN: dict[str, Any] = {
 
 # where each allowed name lives today, for torch's own reader (--engine transformers)
 _TORCH: dict[str, tuple[str, str]] = {
-    **{
-        n: (_DCP_METADATA, n)
-        for n in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "ChunkStorageMetadata",
-            "BytesStorageMetadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorProperties",
-            "_MEM_FORMAT_ENCODING",
-        )
-    },
+    **{n: (_DCP_METADATA, n) for n in _DCP_METADATA_NAMES},
     "_StorageInfo": (_DCP_FILESYSTEM, "_StorageInfo"),
     "Size": ("torch", "Size"),
     "_get_layout": ("torch.serialization", "_get_layout"),
