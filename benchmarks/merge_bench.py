@@ -145,6 +145,7 @@ def make_checkpoint(root: Path, size_bytes: int, dtype: str, ranks: int) -> tupl
     """Write base config + tokenizer and `checkpoint-1/pytorch_model_fsdp_0/`; return (cfg, dcp)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from shardforge.checkpoint.safe_pickle import load_metadata_pickle
     from shardforge.testing.dist import run_on_ranks
     from shardforge.testing.tiny import make_tokenizer
 
@@ -188,8 +189,8 @@ def make_checkpoint(root: Path, size_bytes: int, dtype: str, ranks: int) -> tupl
             [list(s) for _, s in part],
             dtype,
         )
-        with (part_dir / ".metadata").open("rb") as f:
-            meta = pickle.load(f)  # our own freshly written file
+        # even our own file goes through the allow-list reader (torch's classes, for re-saving)
+        meta = load_metadata_pickle(part_dir / ".metadata", as_torch=True)
         renames = {}
         for src in part_dir.glob("*.distcp"):
             new = src.name.replace(".distcp", f"_p{index}.distcp")
