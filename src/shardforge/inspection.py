@@ -363,9 +363,8 @@ def read_dcp(model_dir: Path) -> Contents:
     ranks = _distcp_ranks(model_dir)
     optimizer = _summary(meta, by_kind["optimizer"], "mixed") or _beside_optimizer(model_dir)
     versions: dict[str, str] = {}
-    dcp_version = _dcp_metadata_version(model_dir)
-    if dcp_version:
-        versions["dcp_metadata"] = dcp_version
+    if meta.version:
+        versions["dcp_metadata"] = meta.version
     return Contents(
         storage="dcp",
         tensors=tensors,
@@ -376,15 +375,6 @@ def read_dcp(model_dir: Path) -> Contents:
         other_state=_summary(meta, by_kind["other"], "mixed"),
         versions=versions,
     )
-
-
-def _dcp_metadata_version(model_dir: Path) -> str | None:
-    """The `version` field of `.metadata` (torch 2.9+), read through the allow-list."""
-    from shardforge.checkpoint.safe_pickle import load_metadata_pickle
-
-    raw = load_metadata_pickle(model_dir / METADATA_FILE)
-    version = getattr(raw, "version", None)
-    return str(version) if isinstance(version, str) else None
 
 
 def _rank_state(rank_dir: Path, kind: str) -> StateSummary | None:

@@ -62,6 +62,7 @@ class CheckpointMetadata:
     directory: Path
     tensors: dict[str, TensorEntry]
     non_tensor_keys: tuple[str, ...]
+    version: str | None = None  # the format version torch 2.9+ records in `.metadata`
 
 
 def _safe_relative(directory: Path, relative: Any, key: str) -> Path:
@@ -150,7 +151,10 @@ def read_metadata(directory: str | Path) -> CheckpointMetadata:
     except (AttributeError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{meta_path}: malformed DCP metadata ({exc})") from None
     _check_files(d, tensors)
-    return CheckpointMetadata(d, tensors, tuple(non_tensor))
+    version = getattr(raw, "version", None)
+    return CheckpointMetadata(
+        d, tensors, tuple(non_tensor), version if isinstance(version, str) else None
+    )
 
 
 def _parse(raw: Any, d: Path, meta_path: Path) -> tuple[dict[str, TensorEntry], list[str]]:

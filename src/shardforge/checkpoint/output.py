@@ -51,7 +51,7 @@ def check_free_space(out: Path, needed: int) -> None:
         )
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make renames and new entries in `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -60,17 +60,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-@contextmanager
-def atomic_directory(out: Path) -> Iterator[Path]:
-    """Yield a temporary directory beside `out`; on success it becomes `out` (replacing any
-    previous one), on any exception it is removed and `out` is left as it was."""
+def _fresh_temp_sibling(out: Path) -> Path:
+    """An empty hidden directory beside `out` (a leftover of an interrupted run is replaced)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(out, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    return tmp
+
+
+@contextmanager
+def atomic_directory(out: Path) -> Iterator[Path]:
+    """Yield a temporary directory beside `out`; on success it becomes `out` (replacing any
+    previous one), on any exception it is removed and `out` is left as it was."""
+    tmp = _fresh_temp_sibling(out)
     try:
         yield tmp
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if out.exists():
             old = temp_sibling(out, "old")
             os.rename(out, old)
@@ -82,7 +88,7 @@ def atomic_directory(out: Path) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -121,13 +127,10 @@ def check_output_file(out: Path, overwrite: bool, inputs: list[Path]) -> None:
 def atomic_file(out: Path) -> Iterator[Path]:
     """Yield a temporary directory beside `out`; on success the file `out.name` written in it
     replaces `out`, on any exception the directory is removed and `out` is left as it was."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_sibling(out, "tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = _fresh_temp_sibling(out)
     try:
         yield tmp
         os.replace(tmp / out.name, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

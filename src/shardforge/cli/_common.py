@@ -26,6 +26,18 @@ OVERRIDE_CONTEXT: dict[str, Any] = {
 }
 
 
+def spelled_option(name: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Any]:
+    """A click option taking both spellings users type: `--output_path` and `--output-path`."""
+    dashed = name.replace("_", "-")
+    flags = [f"--{name}", f"--{dashed}"] if dashed != name else [f"--{name}"]
+    return click.option(*flags, name, **kwargs)
+
+
+def debug_option() -> Callable[[Callable[..., Any]], Any]:
+    """`--debug`: show the traceback of a user error instead of the one-line message."""
+    return click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+
+
 def setup_logging(quiet: bool = False) -> None:
     logging.basicConfig(
         level=logging.WARNING if quiet else logging.INFO,

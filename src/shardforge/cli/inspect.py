@@ -11,9 +11,11 @@ import click
 
 from shardforge.cli._common import (
     OVERRIDE_CONTEXT,
+    debug_option,
     fire_overrides,
     run_guarded,
     setup_logging,
+    spelled_option,
     split_debug,
 )
 
@@ -172,9 +174,7 @@ def do_inspect(
 )
 @click.argument("path_or_config", metavar="PATH_OR_CFG", type=click.Path())
 @click.option("--step", type=int, default=None, help="Describe this step instead of the latest.")
-@click.option(
-    "--state_dict_dirname",
-    "--state-dict-dirname",
+@spelled_option(
     "state_dict_dirname",
     default=None,
     help="The model folder inside each step, e.g. pytorch_ema_model_fsdp_0 for EMA weights.",
@@ -183,7 +183,7 @@ def do_inspect(
 @click.option(
     "--all", "show_all", is_flag=True, help=f"List every tensor (default: first/last {TABLE_ENDS})."
 )
-@click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+@debug_option()
 @click.pass_context
 def command(
     ctx: click.Context,

@@ -11,9 +11,11 @@ import click
 from shardforge.cli._common import (
     OVERRIDE_CONTEXT,
     OVERRIDES_HELP,
+    debug_option,
     fire_overrides,
     run_guarded,
     setup_logging,
+    spelled_option,
     split_debug,
 )
 
@@ -92,9 +94,7 @@ def do_merge_sharded_fsdp_weights(
     "one tensor per input; the output appears only when complete. " + OVERRIDES_HELP,
 )
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option(
-    "--output_path",
-    "--output-path",
+@spelled_option(
     "output_path",
     default=None,
     help="Directory (--format hf) or file to create; required except with --format torch "
@@ -110,17 +110,13 @@ def do_merge_sharded_fsdp_weights(
     help="Output dtype of floating tensors: bfloat16, float16, float32 or as_saved "
     "(default: the config's torch_dtype, else as saved).",
 )
-@click.option(
-    "--max_shard_size",
-    "--max-shard-size",
+@spelled_option(
     "max_shard_size",
     default=None,
     help="Largest weights file, e.g. 5GB (default: as save_pretrained).",
 )
 @click.option("--verify", is_flag=True, help="Re-read the output and compare every tensor.")
-@click.option(
-    "--remove_checkpoint_dir",
-    "--remove-checkpoint-dir",
+@spelled_option(
     "remove_checkpoint_dir",
     is_flag=True,
     help="Delete the sharded model checkpoint after a passed verification (implies --verify).",
@@ -140,24 +136,18 @@ def do_merge_sharded_fsdp_weights(
     help="stream (bounded memory, default) or transformers (meta model + dcp.load + "
     "save_pretrained; whole model in memory).",
 )
-@click.option(
-    "--state_dict_dirname",
-    "--state-dict-dirname",
+@spelled_option(
     "state_dict_dirname",
     default=None,
     help="The model folder inside each step, e.g. pytorch_ema_model_fsdp_0 (EMA weights).",
 )
-@click.option(
-    "--average_last",
-    "--average-last",
+@spelled_option(
     "average_last",
     type=int,
     default=None,
     help="Merge the element-wise mean of the last K checkpoints (fp32 accumulation).",
 )
-@click.option(
-    "--average_steps",
-    "--average-steps",
+@spelled_option(
     "average_steps",
     default=None,
     help="Merge the element-wise mean of these steps, e.g. 100,200,300.",
@@ -171,15 +161,13 @@ def do_merge_sharded_fsdp_weights(
     'torch: one torch.save file {"state_dict": ...} with CPU tensors, written one tensor at a '
     "time.",
 )
-@click.option(
-    "--dry_run",
-    "--dry-run",
+@spelled_option(
     "dry_run",
     is_flag=True,
     help="Print the plan (inputs, output files, dtypes, bytes, free disk) and write nothing.",
 )
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-@click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+@debug_option()
 @click.pass_context
 def command(
     ctx: click.Context,

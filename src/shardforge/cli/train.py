@@ -11,9 +11,11 @@ import click
 from shardforge.cli._common import (
     OVERRIDE_CONTEXT,
     OVERRIDES_HELP,
+    debug_option,
     fire_overrides,
     run_guarded,
     setup_logging,
+    spelled_option,
     split_debug,
 )
 
@@ -60,16 +62,16 @@ def do_train(
     show_default=True,
     help="torchrun: start the ranks with torchrun; python: one rank in this process.",
 )
-@click.option("--nproc_per_node", "--nproc-per-node", type=int, help="Ranks on this machine.")
+@spelled_option("nproc_per_node", type=int, help="Ranks on this machine.")
 @click.option("--nnodes", help="Number of machines (or MIN:MAX), passed to torchrun.")
-@click.option("--node_rank", "--node-rank", type=int, help="This machine's rank (torchrun).")
-@click.option("--rdzv_endpoint", "--rdzv-endpoint", help="host:port of the rendezvous.")
-@click.option("--rdzv_backend", "--rdzv-backend", help="Rendezvous backend (default c10d).")
-@click.option("--rdzv_id", "--rdzv-id", help="Job id shared by all machines.")
-@click.option("--master_addr", "--master-addr", help="Address of rank 0's machine (static).")
-@click.option("--master_port", "--master-port", type=int, help="Port on rank 0's machine.")
-@click.option("--max_restarts", "--max-restarts", type=int, help="Restarts torchrun may make.")
-@click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+@spelled_option("node_rank", type=int, help="This machine's rank (torchrun).")
+@spelled_option("rdzv_endpoint", help="host:port of the rendezvous.")
+@spelled_option("rdzv_backend", help="Rendezvous backend (default c10d).")
+@spelled_option("rdzv_id", help="Job id shared by all machines.")
+@spelled_option("master_addr", help="Address of rank 0's machine (static).")
+@spelled_option("master_port", type=int, help="Port on rank 0's machine.")
+@spelled_option("max_restarts", type=int, help="Restarts torchrun may make.")
+@debug_option()
 @click.pass_context
 def command(ctx: click.Context, config: str, launcher: str, debug: bool, **launch: Any) -> None:
     args, stray_debug = split_debug(list(ctx.args))

@@ -11,6 +11,7 @@ import yaml
 from shardforge.cli._common import (
     OVERRIDE_CONTEXT,
     OVERRIDES_HELP,
+    debug_option,
     fire_overrides,
     run_guarded,
     setup_logging,
@@ -41,7 +42,7 @@ def do_validate(config: str | Path, override_args: list[str] | None = None) -> s
     "not (every problem is listed). " + OVERRIDES_HELP,
 )
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+@debug_option()
 @click.pass_context
 def command(ctx: click.Context, config: str, debug: bool) -> None:
     args, stray_debug = split_debug(list(ctx.args))

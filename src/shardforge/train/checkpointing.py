@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardforge.checkpoint.output import fsync_dir
 from shardforge.errors import CheckpointError
 
 log = logging.getLogger("shardforge")
@@ -122,14 +123,6 @@ def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
     return path
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     with path.open("w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
@@ -195,14 +188,14 @@ def save_checkpoint(
     dist.barrier()
     if rank == 0:
         _write_json(tmp / STATE_FILE, asdict(state))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():
             stale = output_dir / f"checkpoint-{state.step}.old"
             shutil.rmtree(stale, ignore_errors=True)
             final.rename(stale)
             shutil.rmtree(stale)
         tmp.rename(final)
-        _fsync_dir(output_dir)
+        fsync_dir(output_dir)
         prune(output_dir, save_total_limit)
         log.info("saved %s", final)
     dist.barrier()
