@@ -35,7 +35,7 @@ Examples:
   # verl / LMMs-Engine per-rank files (model_world_size_W_rank_R.pt), latest step
   shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --checkpoint checkpoints/
   # the EMA weights of step 500
-  shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --step 500 \
+  shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --step 500 \\
       --state_dict_dirname pytorch_ema_model_fsdp_0
   # a torchtitan step-N/ checkpoint (names mapped by the config's model_type)
   shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --checkpoint outputs/checkpoint
