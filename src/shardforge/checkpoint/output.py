@@ -13,6 +13,7 @@ from pathlib import Path
 from types import FrameType
 
 from shardforge.errors import MergeError
+from shardforge.fsutil import fsync_dir
 
 # free space kept in reserve beyond the planned output size
 DISK_MARGIN = 16 << 20
@@ -49,15 +50,6 @@ def check_free_space(out: Path, needed: int) -> None:
             f"{parent}: not enough free disk space: the merged model needs {needed / 1e9:.2f} GB, "
             f"{free / 1e9:.2f} GB are free"
         )
-
-
-def fsync_dir(path: Path) -> None:
-    """Make renames and new entries in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fresh_temp_sibling(out: Path) -> Path:

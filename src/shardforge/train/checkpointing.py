@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardforge.checkpoint.output import fsync_dir
 from shardforge.errors import CheckpointError
+from shardforge.fsutil import fsync_dir
 
 log = logging.getLogger("shardforge")
 
