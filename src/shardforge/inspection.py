@@ -565,7 +565,7 @@ def inspect_path_or_config(
     cfg_path = Path(path_or_config)
     if not cfg_path.is_file():
         raise CheckpointError(f"{cfg_path}: config file does not exist")
-    cfg = load_cfg(cfg_path, **parse_override_args(override_args or []))
+    cfg = load_cfg(cfg_path, command="inspect", **parse_override_args(override_args or []))
     out_dir = Path(str(cfg.output_dir))
     if not out_dir.exists():
         raise CheckpointError(

@@ -414,7 +414,7 @@ def merge_fsdp_weights(
         MergeError: mismatch with the architecture, existing output, no disk space, failed
             verification.
     """
-    config = coerce_cfg(cfg)
+    config = coerce_cfg(cfg, command="merge")
     if engine not in ENGINES:
         raise MergeError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
     if output_format not in FORMATS:

@@ -166,3 +166,27 @@ def test_torchtitan_step_folders(tmp_path: Path) -> None:
     assert (got.layout, got.step, got.adapter) == ("torchtitan", 20, TORCHTITAN)
     assert resolve_checkpoint(tmp_path / "step-10").adapter == TORCHTITAN
     assert [c.step for c in sorted(find_candidates(tmp_path), key=lambda c: c.step)] == [10, 20]
+
+
+def test_a_newer_full_model_save_stops_the_merge(tmp_path: Path) -> None:
+    """checkpoint-30 is sharded, the run then wrote its final full model (step 40): merging the
+    older shards silently would lose 10 steps. --step merges them anyway."""
+    import os
+
+    run = tmp_path / "run"
+    dcp_dir(run / "checkpoint-30" / "model")
+    (run / "checkpoint-30" / "trainer_state.json").write_text("{}")
+    (run / "model.safetensors").write_bytes(b"x")
+    old = (run / "checkpoint-30" / "model" / ".metadata").stat().st_mtime
+    os.utime(run / "model.safetensors", (old + 60, old + 60))
+    with pytest.raises(CheckpointError, match=r"full-model save .*--step 30"):
+        resolve_checkpoint(run)
+    assert resolve_checkpoint(run, step=30).step == 30
+    # an older full save (the base model copied in first) does not stop it
+    os.utime(run / "model.safetensors", (old - 60, old - 60))
+    assert resolve_checkpoint(run).step == 30
+    # HF Trainer: a later step folder holding full weights
+    (run / "checkpoint-40").mkdir()
+    (run / "checkpoint-40" / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"checkpoint-40/model.safetensors.index.json"):
+        resolve_checkpoint(run)

@@ -470,3 +470,57 @@ def test_single_file_formats_refuse_existing_outputs(env: Path) -> None:
     assert target.read_bytes() != b"keep me"
     assert sorted(p.name for p in env.iterdir()) == ["adir", "cfg.yml", "m.safetensors", "run"]
     assert tree_hash(env / "run") == before
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"), [("--verfy", "--verify"), ("--outputpath", "--output_path")]
+)
+def test_a_mistyped_option_is_an_option_error(env: Path, typo: str, meant: str) -> None:
+    before = tree_hash(env / "run")
+    result = invoke(env, "--output_path", str(env / "out"), typo)
+    assert result.exit_code == 2
+    error = one_line_error(result.stderr)
+    assert f"no such option {typo}; did you mean {meant}?" in error
+    assert "config key" not in error and "output_dir" not in error
+    assert not (env / "out").exists()
+    assert tree_hash(env / "run") == before
+
+
+AXOLOTL_EXTRAS = {
+    # a full Axolotl training config: none of this concerns the merge
+    "adapter": "lora",
+    "lora_r": 16,
+    "load_in_4bit": True,
+    "plugins": ["axolotl.integrations.liger.LigerPlugin"],
+    "liger_rms_norm": True,
+    "val_set_size": 0.05,
+    "wandb_project": None,
+    "special_tokens": None,
+    "dataset_prepared_path": "last_run_prepared",
+    "lr_scheduler": "one_cycle",
+    "optimizer": "adamw_bnb_8bit",
+    "datasets": [{"path": "tatsu-lab/alpaca", "type": "alpaca:chatml", "name": "x"}],
+    "fsdp": ["full_shard", "auto_wrap"],
+    "fsdp_config": {"fsdp_sharding_strategy": "HYBRID_SHARD", "fsdp_use_orig_params": False},
+}
+
+
+def test_any_axolotl_config_drives_the_merge(env: Path, pristine: Path) -> None:
+    cfg = yaml.safe_load((env / "cfg.yml").read_text()) | AXOLOTL_EXTRAS
+    (env / "cfg.yml").write_text(yaml.safe_dump(cfg))
+    result = invoke(env, "--output_path", str(env / "out"))
+    assert result.exit_code == 0, result.output
+    assert (env / "out" / "model.safetensors").is_file()
+    unused = [line for line in result.stderr.splitlines() if "not used by this command" in line]
+    assert len(unused) == 1, result.stderr
+    assert "merge uses 2 of the config's 16 top-level keys" in unused[0]
+    # the same config is refused by train's validation, one line per unsupported feature
+    from shardforge.cli.validate import command as validate
+
+    checked = CliRunner().invoke(validate, [str(env / "cfg.yml"), "--for", "train"])
+    assert checked.exit_code == 2
+    for key in ("adapter", "load_in_4bit", "plugins", "liger_rms_norm", "val_set_size"):
+        assert f"  - {key}: " in checked.output and "not supported" in checked.output
+    assert "wandb_project" not in checked.output  # a null placeholder is fine
+    merge_ok = CliRunner().invoke(validate, [str(env / "cfg.yml"), "--for", "merge"])
+    assert merge_ok.exit_code == 0, merge_ok.output

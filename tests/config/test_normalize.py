@@ -76,3 +76,32 @@ def test_unknown_option_and_unknown_prefixed_key_are_errors(tmp_path: Path) -> N
     problems = info.value.problems
     assert any("fsdp: unknown option 'sharded_magic'" in q for q in problems)
     assert "fsdp.ofload_params: unknown key; did you mean 'offload_params'?" in problems
+
+
+@pytest.mark.parametrize(
+    ("strategy", "reshard", "hybrid"),
+    [
+        ("FULL_SHARD", True, False),
+        ("SHARD_GRAD_OP", False, False),
+        ("HYBRID_SHARD", True, True),
+        ("HYBRID_SHARD_ZERO2", False, True),
+        (2, False, False),
+    ],
+)
+def test_sharding_strategy_is_mapped_never_dropped(
+    tmp_path: Path, strategy: object, reshard: bool, hybrid: bool
+) -> None:
+    p = tmp_path / "cfg.yml"
+    p.write_text(f"base_model: m\nfsdp_config:\n  fsdp_sharding_strategy: {strategy}\n")
+    cfg = load_cfg(p)
+    assert cfg.fsdp.reshard_after_forward is reshard
+    assert cfg.fsdp.hybrid_shard is hybrid
+
+
+def test_hybrid_shard_list_option_and_no_shard(tmp_path: Path) -> None:
+    p = tmp_path / "cfg.yml"
+    p.write_text("base_model: m\nfsdp: [hybrid_shard, auto_wrap]\n")
+    assert load_cfg(p).fsdp.hybrid_shard is True
+    p.write_text("base_model: m\nfsdp_config:\n  fsdp_sharding_strategy: NO_SHARD\n")
+    with pytest.raises(ConfigError, match="NO_SHARD"):
+        load_cfg(p)

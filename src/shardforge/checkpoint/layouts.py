@@ -312,7 +312,46 @@ def resolve_checkpoint(
                 "(the save did not finish, or .metadata was not copied)"
             )
         raise CheckpointError(f"{r}: no complete checkpoint found; looked for {LOOKED_FOR}")
-    return _pick(cands, r, step)
+    picked = _pick(cands, r, step)
+    if step is None:
+        check_no_newer_full_save(r, picked)
+    return picked
+
+
+FULL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def _full_weights(folder: Path) -> Path | None:
+    return next((folder / n for n in FULL_WEIGHTS if (folder / n).is_file()), None)
+
+
+def _written(c: Candidate) -> float:
+    """When a checkpoint was completed: the newest file time in its model folder."""
+    times = [c.model_dir.stat().st_mtime]
+    times += [p.stat().st_mtime for p in c.model_dir.iterdir() if p.is_file()]
+    return max(times)
+
+
+def check_no_newer_full_save(root: Path, picked: Candidate) -> None:
+    """The latest sharded checkpoint is not the run's latest state when a full-model save
+    (FULL_STATE_DICT, HF Trainer's final save) is newer: say so instead of merging older
+    weights. `--step` merges the sharded checkpoint anyway."""
+    newer: list[str] = []
+    top = _full_weights(root)
+    if top is not None and top.stat().st_mtime > _written(picked):
+        newer.append(f"{top.name} in {root.name}/")
+    for sub in root.iterdir() if root.is_dir() else ():
+        m = _CHECKPOINT_DIR.match(sub.name)
+        weights = _full_weights(sub) if m and sub.is_dir() else None
+        if m and weights is not None and int(m.group(1)) > picked.step:
+            newer.append(f"{sub.name}/{weights.name}")
+    if newer:
+        label = picked.model_dir.relative_to(root) if picked.model_dir != root else root.name
+        raise CheckpointError(
+            f"{root}: a full-model save ({', '.join(newer)}) is newer than the latest sharded "
+            f"checkpoint {label}; that save already is the run's latest model. To merge the "
+            f"older sharded checkpoint anyway, pass --step {picked.step}"
+        )
 
 
 def list_checkpoints(root: str | Path, state_dict_dirname: str | None = None) -> list[Candidate]:

@@ -72,6 +72,43 @@ def split_debug(args: list[str]) -> tuple[list[str], bool]:
     return rest, len(rest) != len(args)
 
 
+def _option_names(command: click.Command) -> list[str]:
+    return [o for p in command.params if isinstance(p, click.Option) for o in p.opts]
+
+
+def check_options(ctx: click.Context, args: list[str]) -> list[str]:
+    """The extra arguments of a command, all of which must be config overrides.
+
+    An argument that names neither an option of the command nor a config key (shardforge's or
+    Axolotl's) is an option error with a suggestion among the command's options, so `--verfy`
+    reads "no such option --verfy; did you mean --verify?" rather than an unknown config key.
+    """
+    import difflib
+
+    from shardforge.config.axolotl import known_top_level_keys
+
+    keys = known_top_level_keys()
+    options = _option_names(ctx.command)
+    for arg in args:
+        if not arg.startswith("--") or len(arg) == 2:
+            continue
+        name = arg[2:].split("=", 1)[0]
+        key = name.replace("-", "_").split(".", 1)[0]
+        if key in keys:
+            continue
+        close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.7)
+        if close:
+            fail(f"no such option --{name}; did you mean {close[0]}?", 2)
+        near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.75)
+        hint = f"; did you mean the config key --{near[0]}?" if near else ""
+        fail(
+            f"no such option --{name} (neither an option of `{ctx.command.name}` nor a config "
+            f"key){hint}\n  see `shardforge {ctx.command.name} --help` and docs/config.md",
+            2,
+        )
+    return args
+
+
 def fire_overrides(kwargs: dict[str, Any]) -> list[str]:
     """fire passes `--key value` as kwargs; turn them back into override arguments."""
     out: list[str] = []

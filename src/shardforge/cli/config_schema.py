@@ -1,4 +1,5 @@
-"""`shardforge config-schema`: print the JSON schema of the config (for editors and docs)."""
+"""`shardforge config-schema`: print the JSON schema of the config (for editors and docs), or
+the Axolotl compatibility table (`--axolotl-table`)."""
 
 from __future__ import annotations
 
@@ -9,23 +10,37 @@ import click
 from shardforge.config import ShardforgeConfig
 
 
-def do_config_schema() -> str:
-    """The config's JSON schema as indented text."""
+def do_config_schema(axolotl_table: bool = False) -> str:
+    """The config's JSON schema as indented text; or the Axolotl key table as markdown."""
+    if axolotl_table:
+        from shardforge.config.axolotl import compatibility_table
+
+        return compatibility_table()
     return json.dumps(ShardforgeConfig.model_json_schema(), indent=2)
 
 
 @click.command(
     "config-schema",
-    epilog="\b\nExamples:\n  shardforge config-schema > shardforge.schema.json\n",
-    help="Print the JSON schema of shardforge configs: every key, its type, default and meaning.",
+    epilog="\b\nExamples:\n  shardforge config-schema > shardforge.schema.json\n"
+    "  shardforge config-schema --axolotl-table   # every Axolotl key: implemented, ignored or "
+    "not supported\n",
+    help="Print the JSON schema of shardforge configs: every key, its type, default and meaning. "
+    "With --axolotl-table, print how each key of Axolotl's config is treated instead.",
 )
-def command() -> None:
-    click.echo(do_config_schema())
+@click.option(
+    "--axolotl-table",
+    "--axolotl_table",
+    "axolotl_table",
+    is_flag=True,
+    help="Print the Axolotl compatibility table (markdown, as in docs/config.md).",
+)
+def command(axolotl_table: bool) -> None:
+    click.echo(do_config_schema(axolotl_table), nl=not axolotl_table)
 
 
-def do_cli() -> None:
-    """fire entry point: python -m shardforge.cli.config_schema."""
-    print(do_config_schema())
+def do_cli(axolotl_table: bool = False) -> None:
+    """fire entry point: python -m shardforge.cli.config_schema [--axolotl_table]."""
+    print(do_config_schema(axolotl_table), end="" if axolotl_table else "\n")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import click
 
 from shardforge.cli._common import (
     OVERRIDE_CONTEXT,
+    check_options,
     debug_option,
     fire_overrides,
     run_guarded,
@@ -195,6 +196,7 @@ def command(
     debug: bool,
 ) -> None:
     args, stray_debug = split_debug(list(ctx.args))
+    args = check_options(ctx, args)
     setup_logging()
     text = run_guarded(
         lambda: do_inspect(path_or_config, step, args, as_json, show_all, state_dict_dirname),

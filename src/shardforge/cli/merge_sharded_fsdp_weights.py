@@ -11,6 +11,7 @@ import click
 from shardforge.cli._common import (
     OVERRIDE_CONTEXT,
     OVERRIDES_HELP,
+    check_options,
     debug_option,
     fire_overrides,
     run_guarded,
@@ -79,7 +80,7 @@ def do_merge_sharded_fsdp_weights(
     if "average_steps" in options:
         options["average_steps"] = parse_steps(options["average_steps"])
     overrides = parse_override_args(override_args or [])
-    cfg = load_cfg(config, **overrides)
+    cfg = load_cfg(config, command="merge", **overrides)
     return merge_fsdp_weights(cfg, output_path, **options)
 
 
@@ -191,6 +192,7 @@ def command(
     debug: bool,
 ) -> None:
     args, stray_debug = split_debug(list(ctx.args))
+    args = check_options(ctx, args)
     setup_logging()  # --quiet hides the progress bar; the chosen checkpoint is still printed
     out = run_guarded(
         lambda: do_merge_sharded_fsdp_weights(

@@ -11,6 +11,7 @@ import click
 from shardforge.cli._common import (
     OVERRIDE_CONTEXT,
     OVERRIDES_HELP,
+    check_options,
     debug_option,
     fire_overrides,
     run_guarded,
@@ -75,6 +76,7 @@ def do_train(
 @click.pass_context
 def command(ctx: click.Context, config: str, launcher: str, debug: bool, **launch: Any) -> None:
     args, stray_debug = split_debug(list(ctx.args))
+    args = check_options(ctx, args)
     setup_logging(quiet=os.environ.get("RANK", "0") != "0")
     debug = debug or stray_debug
     run_guarded(lambda: do_train(config, args, launcher, debug, **launch), debug)

@@ -11,6 +11,13 @@ import yaml
 from addict import Dict as _AddictDict
 from pydantic import ValidationError
 
+from shardforge.config.axolotl import (
+    COMMANDS,
+    SCOPED,
+    Sorted,
+    sort_keys,
+    unsupported_problem,
+)
 from shardforge.config.errors import describe_validation_error, did_you_mean
 from shardforge.config.normalize import normalize_axolotl
 from shardforge.config.schema import ShardforgeConfig
@@ -132,16 +139,66 @@ def _flatten(overrides: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _normalize(data: Mapping[str, Any], source: str) -> tuple[dict[str, Any], list[str]]:
-    normalized, notices, problems = normalize_axolotl(dict(data))
-    for notice in notices:
+def _listing(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def _notices(found: Sorted, command: str, total: int) -> list[str]:
+    """The notice lines of one sorted config: each kind of key once, in one line."""
+    if command in SCOPED:
+        unused = total - len(found.data)
+        if not unused:
+            return []
+        return [
+            f"{command} uses {len(found.data)} of the config's {total} top-level keys "
+            f"({', '.join(found.data)}); the other {unused} are not used by this command"
+        ]
+    out: list[str] = []
+    if found.renamed:
+        out.append(f"Axolotl keys read as shardforge's: {_listing(found.renamed)}")
+    if found.ignored:
+        out.append(
+            f"{len(found.ignored)} key(s) cannot change the result here and are ignored: "
+            f"{_listing(found.ignored)} (see docs/config.md)"
+        )
+    if command == "all" and found.unsupported:
+        keys = [k for k, _ in found.unsupported]
+        out.append(
+            f"{len(keys)} key(s) need features shardforge train does not support (train refuses "
+            f"them; merge and inspect do not use them): {_listing(keys)}"
+        )
+    return out
+
+
+def _prepare(
+    data: Mapping[str, Any], source: str, command: str, overrides: Mapping[str, Any]
+) -> ShardforgeConfig:
+    """Normalize Axolotl spellings, apply overrides, sort the keys for `command`, validate once.
+
+    Every problem (unknown key, unsupported feature, wrong type, missing key) is raised at once.
+    Commands that read only a few keys (merge, inspect) take them as they are and leave the rest,
+    fsdp spellings included, unread.
+    """
+    if command not in COMMANDS:
+        raise ValueError(f"command must be one of {', '.join(COMMANDS)}, got {command!r}")
+    flat = _flatten(overrides)
+    total = len(set(map(str, data)) | {k.split(".", 1)[0] for k in flat})
+    notices: list[str] = []
+    problems: list[str] = []
+    if command in SCOPED:
+        normalized = dict(data)
+    else:
+        normalized, notices, problems = normalize_axolotl(dict(data))
+    for dotted, value in flat.items():
+        _set_dotted(normalized, dotted, value)
+    found = sort_keys(normalized, command)
+    problems = problems + found.problems
+    problems += [unsupported_problem(key, feature) for key, feature in found.unsupported]
+    for notice in [*notices, *_notices(found, command, total)]:
         log.warning("%s: notice: %s", source, notice)
-    return normalized, problems
-
-
-def _validate(normalized: dict[str, Any], problems: list[str], source: str) -> ShardforgeConfig:
     try:
-        model = ShardforgeConfig.model_validate(normalized)
+        model = ShardforgeConfig.model_validate(found.data)
     except ValidationError as exc:
         problems = problems + describe_validation_error(exc, ShardforgeConfig)
         raise ConfigError(source, problems) from None
@@ -150,36 +207,39 @@ def _validate(normalized: dict[str, Any], problems: list[str], source: str) -> S
     return model
 
 
-def validate_cfg(data: Mapping[str, Any], source: str = "<config>") -> ShardforgeConfig:
+def validate_cfg(
+    data: Mapping[str, Any], source: str = "<config>", command: str = "all"
+) -> ShardforgeConfig:
     """Normalize and validate a raw mapping; all problems are raised at once as a ConfigError."""
-    return _validate(*_normalize(data, source), source)
+    return _prepare(data, source, command, {})
 
 
-def load_cfg(path: str | Path, **overrides: Any) -> DictDefault:
+def load_cfg(path: str | Path, command: str = "all", **overrides: Any) -> DictDefault:
     """Load, override, normalize and validate a YAML config; return its attribute view.
 
     Overrides are keyword arguments: ``load_cfg("cfg.yml", learning_rate=1e-4,
     fsdp={"offload_params": True})``; dotted names work through ``**{"fsdp.offload_params": True}``.
-    Every problem (unknown key, wrong type, missing key) is reported at once in a ConfigError.
+    `command` says what the config is for: ``"all"`` (default: every shardforge key is validated,
+    Axolotl keys for features train lacks are accepted with a notice), ``"train"`` (those are
+    errors), ``"merge"`` / ``"inspect"`` (only the keys that command reads are validated, so any
+    Axolotl config loads). Every problem is reported at once in a ConfigError.
     """
-    normalized, problems = _normalize(read_yaml(path), str(path))
-    for dotted, value in _flatten(overrides).items():
-        _set_dotted(normalized, dotted, value)
-    return to_view(_validate(normalized, problems, str(path)))
+    return to_view(_prepare(read_yaml(path), str(path), command, overrides))
 
 
 def to_view(model: ShardforgeConfig) -> DictDefault:
     return DictDefault(model.model_dump(mode="python"))
 
 
-def coerce_cfg(cfg: Any) -> ShardforgeConfig:
-    """Accept what users pass as `cfg`: the view from load_cfg, a model, a mapping or a path."""
+def coerce_cfg(cfg: Any, command: str = "all") -> ShardforgeConfig:
+    """Accept what users pass as `cfg`: the view from load_cfg, a model, a mapping or a path
+    (a path or mapping is read for `command`)."""
     if isinstance(cfg, ShardforgeConfig):
         return cfg
     if isinstance(cfg, DictDefault):
         return cfg.to_model()
     if isinstance(cfg, str | Path):
-        return load_cfg(cfg).to_model()
+        return load_cfg(cfg, command=command).to_model()
     if isinstance(cfg, Mapping):
-        return validate_cfg(cfg)
+        return validate_cfg(cfg, command=command)
     raise TypeError(f"cfg must be a config path, a mapping or load_cfg()'s result, got {type(cfg)}")

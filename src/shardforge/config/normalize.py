@@ -9,34 +9,58 @@ from __future__ import annotations
 
 from typing import Any
 
-# Axolotl `fsdp:` list options -> (fsdp block key, value)
-FSDP_LIST_OPTIONS: dict[str, tuple[str, Any] | None] = {
-    "full_shard": ("reshard_after_forward", True),
-    "shard_grad_op": ("reshard_after_forward", False),
-    "hybrid_shard": None,
-    "offload": ("offload_params", True),
-    "auto_wrap": None,
+from shardforge.config.axolotl_keys import FSDP_CONFIG_KEYS
+
+# Axolotl `fsdp:` list options -> fsdp block settings (empty: nothing to set under FSDP2)
+FSDP_LIST_OPTIONS: dict[str, dict[str, Any]] = {
+    "full_shard": {"reshard_after_forward": True},
+    "shard_grad_op": {"reshard_after_forward": False},
+    "hybrid_shard": {"hybrid_shard": True, "reshard_after_forward": True},
+    "hybrid_shard_zero2": {"hybrid_shard": True, "reshard_after_forward": False},
+    "_hybrid_shard_zero2": {"hybrid_shard": True, "reshard_after_forward": False},
+    "offload": {"offload_params": True},
+    "auto_wrap": {},
+}
+
+# FSDP1 `sharding_strategy` (fsdp_config) -> FSDP2 settings. FSDP2 has no NO_SHARD.
+SHARDING_STRATEGIES: dict[str, dict[str, Any]] = {
+    "FULL_SHARD": {"reshard_after_forward": True},
+    "SHARD_GRAD_OP": {"reshard_after_forward": False},
+    "HYBRID_SHARD": {"hybrid_shard": True, "reshard_after_forward": True},
+    "HYBRID_SHARD_ZERO2": {"hybrid_shard": True, "reshard_after_forward": False},
+    "_HYBRID_SHARD_ZERO2": {"hybrid_shard": True, "reshard_after_forward": False},
+}
+# torch's ShardingStrategy enum numbers, which some configs carry instead of the name
+_STRATEGY_NUMBERS = {
+    1: "FULL_SHARD",
+    2: "SHARD_GRAD_OP",
+    4: "HYBRID_SHARD",
+    5: "_HYBRID_SHARD_ZERO2",
 }
 
 # Keys of Axolotl's fsdp_config (after dropping the `fsdp_` prefix) that FSDP2 makes moot.
-IGNORED_FSDP_KEYS = frozenset(
-    {
-        "auto_wrap_policy",
-        "sync_module_states",
-        "use_orig_params",
-        "cpu_ram_efficient_loading",
-        "backward_prefetch",
-        "forward_prefetch",
-        "sharding_strategy",
-        "limit_all_gathers",
-    }
-)
+IGNORED_FSDP_KEYS = frozenset(k for k, row in FSDP_CONFIG_KEYS.items() if row.status == "ignored")
 
 # Renamed keys inside the fsdp block.
 RENAMED_FSDP_KEYS = {
     "offload_params": "offload_params",
     "cpu_offload": "offload_params",
 }
+
+
+def _sharding_strategy(value: Any) -> tuple[dict[str, Any] | None, str]:
+    """(FSDP2 settings, problem) of an FSDP1 sharding strategy name or number."""
+    name = str(_STRATEGY_NUMBERS.get(value, value) if isinstance(value, int) else value)
+    name = name.strip().upper().removeprefix("SHARDINGSTRATEGY.")
+    if name in SHARDING_STRATEGIES:
+        return SHARDING_STRATEGIES[name], ""
+    if name == "NO_SHARD":
+        return None, (
+            "fsdp_config.fsdp_sharding_strategy: NO_SHARD (pure data parallel) has no FSDP2 "
+            "equivalent in shardforge; use FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD"
+        )
+    known = ", ".join(s for s in SHARDING_STRATEGIES if not s.startswith("_"))
+    return None, f"fsdp_config.fsdp_sharding_strategy: unknown strategy {value!r} (known: {known})"
 
 
 def _strip_prefix(key: str) -> str:
@@ -60,12 +84,12 @@ def normalize_axolotl(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str], l
         fsdp_value = fsdp_value.split()
     if isinstance(fsdp_value, list):
         for option in fsdp_value:
-            mapped = FSDP_LIST_OPTIONS.get(str(option), "unknown")
-            if mapped == "unknown":
-                known = ", ".join(FSDP_LIST_OPTIONS)
+            mapped = FSDP_LIST_OPTIONS.get(str(option).strip().lower())
+            if mapped is None:
+                known = ", ".join(o for o in FSDP_LIST_OPTIONS if not o.startswith("_"))
                 problems.append(f"fsdp: unknown option {option!r} (known: {known})")
-            elif mapped is not None:
-                block[mapped[0]] = mapped[1]
+            else:
+                block.update(mapped)
         notices.append(f"fsdp: {fsdp_value} (Axolotl list form) read as an fsdp block")
     elif isinstance(fsdp_value, dict):
         block.update(fsdp_value)
@@ -77,6 +101,14 @@ def normalize_axolotl(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str], l
             name = RENAMED_FSDP_KEYS.get(name, name)
             if name in IGNORED_FSDP_KEYS:
                 dropped.append(str(key))
+                continue
+            if name == "sharding_strategy":
+                settings, problem = _sharding_strategy(value)
+                if problem:
+                    problems.append(problem)
+                else:
+                    block.update(settings or {})
+                    notices.append(f"{key}: {value} read as {settings}")
                 continue
             block[name] = value
         notices.append("fsdp_config (Axolotl spelling) read as the fsdp block")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -64,6 +64,12 @@ class FsdpConfig(_Strict):
         default_factory=MixedPrecisionConfig,
         description="Parameter and gradient-reduction dtypes for FSDP2 mixed precision.",
     )
+    hybrid_shard: bool = Field(
+        False,
+        description="HSDP: a 2-D (replicate, shard) device mesh; parameters are sharded within "
+        "groups of `dp_shard_size` ranks (default: the ranks of one machine) and replicated "
+        "across groups. Axolotl's HYBRID_SHARD / hybrid_shard.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -74,16 +80,21 @@ class FsdpConfig(_Strict):
         return data
 
 
+DatasetType = Literal["completion", "chat_template", "alpaca", "input_output"]
+
+
 class DatasetConfig(_Strict):
     """One entry of `datasets:`: a local data file and how to turn its rows into tokens."""
 
     path: str = Field(
         description="Path to a local .json, .jsonl, .parquet or .txt file (or a directory of them)."
     )
-    type: Literal["completion", "chat_template"] = Field(
+    type: DatasetType = Field(
         "completion",
-        description="completion: train on the raw text of `field`; chat_template: render the "
-        "conversation in `field_messages` with the tokenizer's chat template.",
+        description="completion: train on the raw text of `field`; alpaca: instruction/input/"
+        "output rows in the Alpaca prompt; input_output: `segments` of text, each with a `label` "
+        "(train on it or not); chat_template: render the conversation in `field_messages` with "
+        "the chat template.",
     )
     ds_type: Literal["json", "parquet", "text"] | None = Field(
         None, description="File format; inferred from the file extension when absent."
@@ -91,9 +102,48 @@ class DatasetConfig(_Strict):
     field: str = Field("text", description="Column holding the text, for type completion.")
     field_messages: str = Field(
         "messages",
-        description="Column holding the list of {role, content} messages, for type chat_template.",
+        description="Column holding the list of messages, for type chat_template.",
     )
-    split: str = Field("train", description="Split to read from the data files.")
+    message_property_mappings: dict[str, str] = Field(
+        default_factory=lambda: {"role": "role", "content": "content"},
+        description="For chat_template: which key of each message holds the role and the "
+        "content, e.g. {role: from, content: value} for ShareGPT-style rows.",
+    )
+    roles: dict[str, list[str]] | None = Field(
+        None,
+        description="For chat_template: the role names of the data mapped to template roles, "
+        "e.g. {user: [human], assistant: [gpt]}. Unmapped roles are kept as they are.",
+    )
+    roles_to_train: list[str] = Field(
+        default_factory=lambda: ["assistant"],
+        description="For chat_template: the (mapped) roles whose turns are trained on, unless "
+        "train_on_inputs is set.",
+    )
+    split: str = Field(
+        "train",
+        description="Split to read, with an optional slice as in `datasets`: train, "
+        "train[:20%], train[10:200], train[50%:]. A local file is the split `train`.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _axolotl_message_fields(cls, data: object) -> object:
+        """Axolotl's older `message_field_role` / `message_field_content` spellings."""
+        if not isinstance(data, dict):
+            return data
+        legacy = {"message_field_role": "role", "message_field_content": "content"}
+        if not any(k in data for k in legacy):
+            return data
+        data = dict(data)
+        mapping = dict(data.get("message_property_mappings") or {"role": "role"})
+        mapping.setdefault("content", "content")
+        for key, prop in legacy.items():
+            if key in data:
+                value = data.pop(key)
+                if value is not None:
+                    mapping[prop] = value
+        data["message_property_mappings"] = mapping
+        return data
 
 
 class ShardforgeConfig(_Strict):
@@ -115,7 +165,35 @@ class ShardforgeConfig(_Strict):
         description="Allow model/tokenizer code shipped with the model to run. Off by default.",
     )
     chat_template: str | None = Field(
-        None, description="Jinja chat template to use instead of the tokenizer's own."
+        None,
+        description="Chat template for chat_template data sets and the saved tokenizer: a name "
+        "(see docs/config.md: chatml, llama3, tokenizer_default, jinja, ...) or Jinja text "
+        "(containing `{%` or `{{`). null: the tokenizer's own.",
+    )
+    chat_template_jinja: str | None = Field(
+        None, description="The Jinja text used when `chat_template: jinja`."
+    )
+    attn_implementation: str | None = Field(
+        None,
+        description="Attention kernel passed to transformers: eager, sdpa, flash_attention_2, "
+        "... (null: the transformers default). Axolotl's flash_attention / sdp_attention / "
+        "eager_attention flags set it.",
+    )
+    special_tokens: dict[str, str] | None = Field(
+        None,
+        description="Tokenizer special tokens to set, e.g. {pad_token: '<|pad|>', eos_token: "
+        "'<|im_end|>'}; new ones are added to the vocabulary (embeddings resized before "
+        "sharding) and saved with the tokenizer.",
+    )
+    tokens: list[str] | None = Field(
+        None,
+        description="Extra tokens added to the tokenizer's vocabulary (embeddings resized "
+        "before sharding).",
+    )
+    eot_tokens: list[str] | None = Field(
+        None,
+        description="End-of-turn tokens of the chat template: each must be a single token; in "
+        "trained turns they are trained on (added as special tokens when missing).",
     )
     output_dir: str = Field(
         "./model-out",
@@ -126,6 +204,11 @@ class ShardforgeConfig(_Strict):
     # -- data ------------------------------------------------------------------------------------
     datasets: list[DatasetConfig] = Field(
         default_factory=list, description="Training data sets (local files)."
+    )
+    train_on_inputs: bool = Field(
+        False,
+        description="Also train on prompt tokens (alpaca instruction/input, unlabelled "
+        "input_output segments, chat turns of roles not in roles_to_train).",
     )
     sequence_len: int = Field(2048, gt=0, description="Maximum tokens per training sequence.")
     sample_packing: bool = Field(
@@ -179,6 +262,12 @@ class ShardforgeConfig(_Strict):
     save_steps: int | None = Field(
         None, gt=0, description="Save a checkpoint every N optimizer steps (and always at the end)."
     )
+    saves_per_epoch: int | None = Field(
+        None,
+        gt=0,
+        description="Save this many checkpoints per epoch (evenly spaced; sets the save "
+        "interval from the number of steps per epoch). Exclusive with save_steps.",
+    )
     save_total_limit: int | None = Field(
         None, gt=0, description="Keep at most this many checkpoints; older ones are deleted."
     )
@@ -193,6 +282,18 @@ class ShardforgeConfig(_Strict):
     fsdp: FsdpConfig = Field(
         default_factory=FsdpConfig, description="FSDP2 sharding settings (see FsdpConfig)."
     )
+    dp_shard_size: int | None = Field(
+        None,
+        gt=0,
+        description="Ranks that shard the parameters among themselves; with fewer than all "
+        "ranks the rest replicate (HSDP, a 2-D mesh). Must divide the world size.",
+    )
+    dp_replicate_size: int | None = Field(
+        None,
+        gt=0,
+        description="Replica groups of the HSDP mesh (world size = dp_replicate_size x "
+        "dp_shard_size).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ShardforgeConfig:
@@ -200,4 +301,20 @@ class ShardforgeConfig(_Strict):
             raise ValueError("bf16 and fp16 are both set; choose one")
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("warmup_steps and warmup_ratio are both set; choose one")
+        if self.save_steps is not None and self.saves_per_epoch is not None:
+            raise ValueError("save_steps and saves_per_epoch are both set; choose one")
+        if self.chat_template == "jinja" and not self.chat_template_jinja:
+            raise ValueError("chat_template: jinja needs the template text in chat_template_jinja")
         return self
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_name_or_jinja(cls, value: str | None) -> str | None:
+        from shardforge.config.chat_templates import CHAT_TEMPLATE_NAMES, is_jinja
+
+        if value is None or is_jinja(value) or value in CHAT_TEMPLATE_NAMES:
+            return value
+        raise ValueError(
+            f"unknown template name {value!r}: use one of {', '.join(CHAT_TEMPLATE_NAMES)}, or "
+            "Jinja text (with {% or {{)"
+        )
