@@ -292,7 +292,13 @@ def _write_hf(prep: _Prepared, out: Path, opts: _Options) -> None:
         if not write_generation_config(prep.sources.generation, tmp):
             (tmp / "generation_config.json").unlink(missing_ok=True)
         if opts.save_tokenizer:
-            write_tokenizer(prep.sources.tokenizer, tmp, opts.trust_remote_code, opts.chat_template)
+            write_tokenizer(
+                prep.sources.tokenizer,
+                tmp,
+                opts.trust_remote_code,
+                opts.chat_template,
+                opts.chat_template_jinja,
+            )
         if opts.verify:
             _verify(prep, tmp, opts.quiet)
 
@@ -333,6 +339,7 @@ class _Options:
     save_tokenizer: bool
     trust_remote_code: bool
     chat_template: str | None
+    chat_template_jinja: str | None
     max_shard_size: int | str
 
 
@@ -464,6 +471,7 @@ def merge_fsdp_weights(
         save_tokenizer,
         config.trust_remote_code,
         config.chat_template,
+        config.chat_template_jinja,
         max_shard_size if max_shard_size is not None else default_max_shard_size(),
     )
     with sigterm_as_interrupt():

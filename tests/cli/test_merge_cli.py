@@ -489,6 +489,7 @@ def test_a_mistyped_option_is_an_option_error(env: Path, typo: str, meant: str) 
 AXOLOTL_EXTRAS = {
     # a full Axolotl training config: none of this concerns the merge
     "adapter": "lora",
+    "chat_template": "chatml",  # a name: the merged tokenizer gets the template text
     "lora_r": 16,
     "load_in_4bit": True,
     "plugins": ["axolotl.integrations.liger.LigerPlugin"],
@@ -513,7 +514,10 @@ def test_any_axolotl_config_drives_the_merge(env: Path, pristine: Path) -> None:
     assert (env / "out" / "model.safetensors").is_file()
     unused = [line for line in result.stderr.splitlines() if "not used by this command" in line]
     assert len(unused) == 1, result.stderr
-    assert "merge uses 2 of the config's 16 top-level keys" in unused[0]
+    assert "merge uses 3 of the config's 17 top-level keys" in unused[0]
+    saved = json.loads((env / "out" / "tokenizer_config.json").read_text())
+    template = saved.get("chat_template") or (env / "out" / "chat_template.jinja").read_text()
+    assert "<|im_start|>" in template and template != "chatml"
     # the same config is refused by train's validation, one line per unsupported feature
     from shardforge.cli.validate import command as validate
 

@@ -17,6 +17,7 @@ from shardforge.train.data import (
     IGNORE_INDEX,
     GlobalOrder,
     Sample,
+    TokenizeOptions,
     build_sequences,
     rank_slice,
     read_rows,
@@ -42,7 +43,9 @@ def test_readers_for_every_format(tmp_path: Path) -> None:
 
 
 def test_completion_appends_eos_and_trains_on_all_tokens(tok) -> None:  # type: ignore[no-untyped-def]
-    sample = tokenize_row({"text": "The cat sees the moon."}, DatasetConfig(path="x"), tok, None)
+    sample = tokenize_row(
+        {"text": "The cat sees the moon."}, DatasetConfig(path="x"), tok, TokenizeOptions()
+    )
     assert sample.input_ids[-1] == tok.eos_token_id
     assert sample.labels == sample.input_ids
     assert tok.decode(sample.input_ids[:-1]) == "The cat sees the moon."
@@ -51,7 +54,7 @@ def test_completion_appends_eos_and_trains_on_all_tokens(tok) -> None:  # type: 
 def test_chat_template_trains_on_assistant_turns_only(tok) -> None:  # type: ignore[no-untyped-def]
     messages = tiny_conversations(1)[0]
     ds = DatasetConfig(path="x", type="chat_template")
-    sample = tokenize_row({"messages": messages}, ds, tok, None)
+    sample = tokenize_row({"messages": messages}, ds, tok, TokenizeOptions())
     trained = [t for t, lab in zip(sample.input_ids, sample.labels, strict=True) if lab != -100]
     assert tok.decode(trained) == messages[1]["content"] + "</s>"
     assert sample.labels[0] == IGNORE_INDEX

@@ -47,9 +47,17 @@ def write_generation_config(sources: list[str], out: Path) -> bool:
 
 
 def write_tokenizer(
-    source: str, out: Path, trust_remote_code: bool, chat_template: str | None
+    source: str,
+    out: Path,
+    trust_remote_code: bool,
+    chat_template: str | None,
+    chat_template_jinja: str | None = None,
 ) -> None:
+    """Save the tokenizer of `source` into `out`, with the config's chat template (a name such as
+    `llama3` stands for its template text; `tokenizer_default` keeps the tokenizer's own)."""
     from transformers import AutoTokenizer
+
+    from shardforge.config.chat_templates import resolve_chat_template
 
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
@@ -58,6 +66,8 @@ def write_tokenizer(
             f"cannot load the tokenizer from {source!r} ({type(exc).__name__}); set "
             "tokenizer_config, or pass --no-save-tokenizer"
         ) from None
-    if chat_template:
-        tok.chat_template = chat_template
+    if chat_template and chat_template != "tokenizer_default":
+        tok.chat_template = resolve_chat_template(
+            chat_template, chat_template_jinja, tok.chat_template
+        )
     tok.save_pretrained(out)

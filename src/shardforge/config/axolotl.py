@@ -41,7 +41,15 @@ COMMAND_KEYS: dict[str, frozenset[str] | None] = {
     "train": None,
     "all": None,
     "merge": frozenset(
-        {"base_model", "base_model_config", "tokenizer_config", "output_dir", "trust_remote_code"}
+        {
+            "base_model",
+            "base_model_config",
+            "tokenizer_config",
+            "output_dir",
+            "trust_remote_code",
+            "chat_template",
+            "chat_template_jinja",
+        }
     ),
     "inspect": frozenset({"base_model", "output_dir"}),
 }

@@ -1,7 +1,8 @@
 """Training data: local files -> token rows -> fixed-length sequences -> a deterministic order.
 
-    read_rows(ds)                          rows of one data set (json/jsonl/parquet/text)
-    tokenize_row(row, ds, tokenizer, ...)  (input_ids, labels) of one row, by data set type
+    read_rows(ds)                          rows of one data set (json/jsonl/parquet/text), split
+    tokenize_row(row, ds, tokenizer, ...)  (input_ids, labels) of one row, by data set type:
+                                           completion, alpaca, input_output, chat_template
     to_sequences(samples, seq_len, ...)    packed or padded [N, seq_len] tensors
     GlobalOrder(n, seed)                   which sequence sits at each global position
 
@@ -21,8 +22,10 @@ from typing import Any
 
 import torch
 
+from shardforge.config.chat_templates import resolve_chat_template
 from shardforge.config.schema import DatasetConfig, ShardforgeConfig
 from shardforge.errors import ConfigError, ShardforgeError
+from shardforge.train.vocab import add_config_tokens
 
 IGNORE_INDEX = -100
 
@@ -96,8 +99,37 @@ def data_files(ds: DatasetConfig, key: str) -> list[tuple[Path, str]]:
     return out
 
 
+def _split_ranges(split: str, n: int, key: str) -> list[tuple[int, int]]:
+    """(start, stop) row ranges of `split` (train, train[:20%], train[10:200], ...) over n rows.
+
+    A local file is the split `train`; the slice syntax is that of `datasets`, whose
+    ReadInstruction resolves it (percent rounding included).
+    """
+    if split == "train":
+        return [(0, n)]
+    from datasets import ReadInstruction
+
+    try:
+        parts = ReadInstruction.from_spec(split).to_absolute({"train": n})
+    except (ValueError, AssertionError) as exc:
+        raise ConfigError(
+            f"{key}.split",
+            [
+                f"{split!r}: {exc}; a local file is the split `train`, sliced like train[:20%], "
+                "train[10:200] or train[50%:]"
+            ],
+        ) from None
+    return [(part.from_, part.to) for part in parts]
+
+
 def read_rows(ds: DatasetConfig, key: str) -> list[Row]:
-    return [row for file, ds_type in data_files(ds, key) for row in READERS[ds_type](file)]
+    """The rows of one data set entry (all its files, in name order), sliced by `split`."""
+    rows = [row for file, ds_type in data_files(ds, key) for row in READERS[ds_type](file)]
+    if ds.split == "train":
+        return rows
+    return [
+        row for start, stop in _split_ranges(ds.split, len(rows), key) for row in rows[start:stop]
+    ]
 
 
 @dataclass(frozen=True)
@@ -106,51 +138,192 @@ class Sample:
     labels: list[int]
 
 
-def _completion(row: Row, ds: DatasetConfig, tok: Any, chat_template: str | None) -> Sample:
-    text = row.get(ds.field)
-    if not isinstance(text, str):
-        raise ShardforgeError(f"{ds.path}: a row has no text field {ds.field!r} (set `field`)")
-    ids = list(tok(text)["input_ids"])
+@dataclass(frozen=True)
+class TokenizeOptions:
+    """What tokenization takes from the config besides the data set entry."""
+
+    train_on_inputs: bool = False
+    eot_tokens: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, cfg: ShardforgeConfig) -> TokenizeOptions:
+        return cls(cfg.train_on_inputs, tuple(cfg.eot_tokens or ()))
+
+
+class RowError(ValueError):
+    """A row the data set entry cannot turn into tokens; `field` is the entry's key at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _text(row: Row, name: str, field: str, optional: bool = False) -> str:
+    value = row.get(name)
+    if value is None and optional:
+        return ""
+    if not isinstance(value, str):
+        found = ", ".join(sorted(map(str, row))) or "none"
+        raise RowError(field, f"no text in {name!r} (the row's keys: {found})")
+    return value
+
+
+def _masked(ids: list[int], trained: bool) -> list[int]:
+    return list(ids) if trained else [IGNORE_INDEX] * len(ids)
+
+
+def _completion(row: Row, ds: DatasetConfig, tok: Any, opts: TokenizeOptions) -> Sample:
+    """All of `field`, plus EOS; every token is a target."""
+    ids = list(tok(_text(row, ds.field, "field"))["input_ids"])
     if tok.eos_token_id is not None:
         ids.append(tok.eos_token_id)
     return Sample(ids, list(ids))
 
 
-def _render(tok: Any, messages: list[Any], chat_template: str | None, prompt: bool) -> str:
-    return str(
-        tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=prompt, chat_template=chat_template
-        )
-    )
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
 
 
-def _chat(row: Row, ds: DatasetConfig, tok: Any, chat_template: str | None) -> Sample:
-    """Render with the chat template; only assistant turns are trained on.
+def _alpaca(row: Row, ds: DatasetConfig, tok: Any, opts: TokenizeOptions) -> Sample:
+    """The Alpaca prompt (with or without input), then the output and EOS.
 
-    Assistant spans are found by rendering growing prefixes of the conversation; when the template
-    does not render prefix-consistently, the whole conversation is trained on.
+    As Axolotl's `type: alpaca`: the prompt is tokenized with the tokenizer's usual special
+    tokens (BOS), the response on its own without BOS, EOS appended; the prompt is a target
+    only with train_on_inputs.
     """
+    instruction = _text(row, "instruction", "type")
+    context = _text(row, "input", "type", optional=True)
+    output = _text(row, "output", "type")
+    if context:
+        prompt = ALPACA_PROMPT.format(instruction=instruction, input=context)
+    else:
+        prompt = ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+    prompt_ids = list(tok(prompt)["input_ids"])
+    response = list(tok(output)["input_ids"])
+    if response and tok.bos_token_id is not None and response[0] == tok.bos_token_id:
+        response = response[1:]
+    if tok.eos_token_id is not None and (not response or response[-1] != tok.eos_token_id):
+        response.append(tok.eos_token_id)
+    labels = _masked(prompt_ids, opts.train_on_inputs) + response
+    return Sample(prompt_ids + response, labels)
+
+
+def _input_output(row: Row, ds: DatasetConfig, tok: Any, opts: TokenizeOptions) -> Sample:
+    """`segments` concatenated as they are; a segment with `label: false` is not a target.
+
+    As Axolotl's `type: input_output`: no template and no BOS or EOS added; the text brings
+    whatever special tokens it needs (special tokens in the text are recognised).
+    """
+    segments = row.get("segments")
+    if not isinstance(segments, list) or not segments:
+        raise RowError("type", "input_output rows need a non-empty list `segments`")
+    ids: list[int] = []
+    labels: list[int] = []
+    for j, seg in enumerate(segments):
+        if not isinstance(seg, dict) or not isinstance(seg.get("text"), str):
+            raise RowError("type", f"segments[{j}] needs a `text` string and a `label`")
+        if not isinstance(seg.get("label"), bool):
+            raise RowError("type", f"segments[{j}].label must be true or false")
+        part = list(tok(seg["text"], add_special_tokens=False)["input_ids"])
+        ids += part
+        labels += _masked(part, seg["label"] or opts.train_on_inputs)
+    return Sample(ids, labels)
+
+
+# data set role names -> template roles when `roles` is unset (ShareGPT's human/gpt)
+DEFAULT_ROLES: dict[str, list[str]] = {
+    "user": ["human", "user"],
+    "assistant": ["gpt", "assistant"],
+    "system": ["system"],
+    "tool": ["tool"],
+}
+
+
+def _messages(row: Row, ds: DatasetConfig) -> list[dict[str, Any]]:
+    """The row's conversation with the mapped property names and role names."""
     messages = row.get(ds.field_messages)
     if not isinstance(messages, list) or not messages:
-        raise ShardforgeError(
-            f"{ds.path}: a row has no message list {ds.field_messages!r} (set `field_messages`)"
+        found = ", ".join(sorted(map(str, row))) or "none"
+        raise RowError(
+            "field_messages", f"no message list in {ds.field_messages!r} (the row's keys: {found})"
         )
-    text = _render(tok, messages, chat_template, prompt=False)
-    spans: list[tuple[int, int]] = []
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        start = len(_render(tok, messages[:i], chat_template, prompt=True)) if i else 0
-        end = len(_render(tok, messages[: i + 1], chat_template, prompt=False))
-        spans.append((start, end))
+    mapping = {"role": "role", "content": "content", **ds.message_property_mappings}
+    role_of = {name: role for role, names in (ds.roles or DEFAULT_ROLES).items() for name in names}
+    out = []
+    for j, message in enumerate(messages):
+        for prop in ("role", "content"):
+            if not isinstance(message, dict) or mapping[prop] not in message:
+                keys = ", ".join(sorted(map(str, message))) if isinstance(message, dict) else "-"
+                raise RowError(
+                    "message_property_mappings",
+                    f"message {j} has no {prop} key {mapping[prop]!r} (its keys: {keys})",
+                )
+        converted = {prop: message[src] for prop, src in mapping.items() if src in message}
+        converted["role"] = role_of.get(message[mapping["role"]], message[mapping["role"]])
+        out.append(converted)
+    return out
+
+
+def _render(tok: Any, messages: list[Any], prompt: bool) -> str:
+    return str(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt))
+
+
+def _try_render(tok: Any, messages: list[Any], prompt: bool) -> str | None:
+    try:
+        return _render(tok, messages, prompt)
+    except Exception:  # a template may refuse a partial conversation (raise_exception, ...)
+        return None
+
+
+def _turn_end(text: str, start: int, end: int, content: Any, eot: tuple[str, ...]) -> int:
+    """With eot_tokens, a trained turn ends after the first of them following its content."""
+    if not eot:
+        return end
+    after = start
+    if isinstance(content, str) and content:
+        found = text.find(content, start, end)
+        after = found + len(content) if found >= 0 else start
+    hits = [i + len(t) for t in eot if (i := text.find(t, after, end)) >= 0]
+    return min(hits) if hits else end
+
+
+def _chat(row: Row, ds: DatasetConfig, tok: Any, opts: TokenizeOptions) -> Sample:
+    """The conversation rendered with the chat template; turns of `roles_to_train` are targets.
+
+    Each trained turn is the text its message adds to the rendering of the messages before it
+    (after the generation prompt, for assistant turns); with eot_tokens it ends after the first
+    of them. When the template does not render prefixes consistently every token is a target.
+    """
+    messages = _messages(row, ds)
+    try:
+        text = _render(tok, messages, prompt=False)
+    except Exception as exc:
+        raise RowError("field_messages", f"the chat template cannot render it ({exc})") from None
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
-    prefix_consistent = all(
-        text.startswith(_render(tok, messages[: i + 1], chat_template, prompt=False))
-        for i in range(len(messages))
-    )
-    if not spans or not prefix_consistent:
+    if opts.train_on_inputs:
         return Sample(ids, list(ids))
+    prefixes = [_try_render(tok, messages[: i + 1], prompt=False) for i in range(len(messages))]
+    if not all(p is not None and text.startswith(p) for p in prefixes):
+        return Sample(ids, list(ids))
+    spans: list[tuple[int, int]] = []
+    for i, message in enumerate(messages):
+        if message["role"] not in ds.roles_to_train:
+            continue
+        before = _try_render(tok, messages[:i], prompt=message["role"] == "assistant")
+        if before is not None and text.startswith(before):
+            start = len(before)
+        else:
+            start = len(prefixes[i - 1] or "") if i else 0
+        end = len(prefixes[i] or "")
+        spans.append((start, _turn_end(text, start, end, message.get("content"), opts.eot_tokens)))
     labels = [
         tid if any(s <= a < e for s, e in spans) else IGNORE_INDEX
         for tid, (a, _b) in zip(ids, enc["offset_mapping"], strict=True)
@@ -158,25 +331,41 @@ def _chat(row: Row, ds: DatasetConfig, tok: Any, chat_template: str | None) -> S
     return Sample(ids, labels)
 
 
-TOKENIZERS: dict[str, Callable[[Row, DatasetConfig, Any, str | None], Sample]] = {
+TOKENIZERS: dict[str, Callable[[Row, DatasetConfig, Any, TokenizeOptions], Sample]] = {
     "completion": _completion,
     "chat_template": _chat,
+    "alpaca": _alpaca,
+    "input_output": _input_output,
 }
 
 
-def tokenize_row(row: Row, ds: DatasetConfig, tokenizer: Any, chat_template: str | None) -> Sample:
-    """One row as (input_ids, labels), the way its data set's `type` says."""
-    return TOKENIZERS[ds.type](row, ds, tokenizer, chat_template)
+def tokenize_row(
+    row: Row,
+    ds: DatasetConfig,
+    tokenizer: Any,
+    opts: TokenizeOptions,
+    key: str = "datasets[0]",
+    where: str = "a row",
+) -> Sample:
+    """One row as (input_ids, labels), the way its data set's `type` says.
+
+    A row the type cannot use is a ConfigError naming the entry's key (`key`.field).
+    """
+    try:
+        return TOKENIZERS[ds.type](row, ds, tokenizer, opts)
+    except RowError as exc:
+        raise ConfigError(f"{key}.{exc.field}", [f"{where} of {ds.path}: {exc}"]) from None
 
 
 def load_samples(cfg: ShardforgeConfig, tokenizer: Any) -> list[Sample]:
     """All rows of all data sets, tokenized, in file order."""
+    opts = TokenizeOptions.of(cfg)
     out: list[Sample] = []
     for i, ds in enumerate(cfg.datasets):
-        tokenize = TOKENIZERS[ds.type]
+        key = f"datasets[{i}]"
         out += [
-            tokenize(row, ds, tokenizer, cfg.chat_template)
-            for row in read_rows(ds, f"datasets[{i}]")
+            tokenize_row(row, ds, tokenizer, opts, key, f"row {n}")
+            for n, row in enumerate(read_rows(ds, key), 1)
         ]
     return out
 
@@ -252,6 +441,8 @@ def rank_slice(
 
 
 def load_tokenizer(cfg: ShardforgeConfig) -> Any:
+    """The tokenizer, with the config's chat template and added tokens (special_tokens, tokens,
+    eot_tokens); the same on every rank, and the one saved to output_dir."""
     from transformers import AutoTokenizer
 
     from shardforge.train.model import require_local_or_hub_id
@@ -263,8 +454,11 @@ def load_tokenizer(cfg: ShardforgeConfig) -> Any:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ConfigError(key, [f"cannot load a tokenizer from {source!r} ({exc})"]) from None
-    if cfg.chat_template:
-        tok.chat_template = cfg.chat_template
+    own = tok.chat_template if isinstance(tok.chat_template, str) else None
+    template = resolve_chat_template(cfg.chat_template, cfg.chat_template_jinja, own)
+    if template is not None:
+        tok.chat_template = template
+    add_config_tokens(tok, cfg)
     return tok
 
 
