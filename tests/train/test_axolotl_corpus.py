@@ -1,0 +1,175 @@
+"""The Axolotl-shaped configs of tests/config/axolotl_corpus, end to end: every `train-ok` config
+trains on 2 gloo ranks and its checkpoint merges into a model transformers loads; every
+`train-unsupported` config is refused by the real `shardforge train` before any rank starts, one
+line per unsupported key, and still drives the merge."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from train_helpers import ROOT, train_env
+
+from shardforge.testing.dist import run_on_ranks
+from shardforge.testing.tiny import make_model, tiny_conversations, tiny_texts, write_jsonl
+
+CORPUS = ROOT / "tests" / "config" / "axolotl_corpus"
+
+pytestmark = pytest.mark.slow
+
+
+def _expect(path: Path) -> tuple[str, list[str]]:
+    first = path.read_text().splitlines()[0]
+    m = re.match(r"#\s*expect:\s*(train-ok|train-unsupported:\s*(.*))$", first)
+    assert m, path
+    keys = [k.strip() for k in (m.group(2) or "").split(",") if k.strip()]
+    return ("ok" if m.group(1) == "train-ok" else "unsupported"), keys
+
+
+def _data(root: Path) -> None:
+    """The five data files the corpus configs name (tiny, deterministic)."""
+    texts = tiny_texts(24, seed=3)
+    chats = tiny_conversations(12, seed=3)
+    write_jsonl(root / "stories.jsonl", [{"text": t} for t in texts])
+    write_jsonl(root / "chats.jsonl", [{"messages": m, "thinking": ""} for m in chats])
+    write_jsonl(
+        root / "sharegpt.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
+                    for m in conv
+                ]
+            }
+            for conv in chats
+        ],
+    )
+    write_jsonl(
+        root / "alpaca.jsonl",
+        [
+            {"instruction": "Tell me a story.", "input": t[:20] if i % 2 else "", "output": t}
+            for i, t in enumerate(texts)
+        ],
+    )
+    write_jsonl(
+        root / "segments.jsonl",
+        [
+            {"segments": [{"text": "Q: story? ", "label": False}, {"text": t, "label": True}]}
+            for t in texts
+        ],
+    )
+
+
+def _materialize(path: Path, root: Path) -> Path:
+    text = path.read_text()
+    text = text.replace("TINY_MODEL", str(root / "base"))
+    text = text.replace("OUTPUT_DIR", str(root / "runs" / path.stem))
+    text = text.replace("DATA_DIR", str(root))
+    out = root / "configs" / path.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("axolotl")
+    make_model(root / "base", "llama", vocab_size=320, seed=0)
+    _data(root)
+    configs = {p.stem: _materialize(p, root) for p in sorted(CORPUS.glob("*.yml"))}
+    expect = {p.stem: _expect(p) for p in sorted(CORPUS.glob("*.yml"))}
+    return {"root": root, "configs": configs, "expect": expect}
+
+
+def _train_all(rank: int, world: int, paths: list[str], stores: str) -> None:
+    """Train every config in turn on these ranks (each run makes and ends its process group,
+    as a torchrun job would)."""
+    import torch.distributed as dist
+
+    from shardforge.config import load_cfg
+    from shardforge.train.loop import run_training
+
+    for i, path in enumerate(paths):
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "gloo", init_method=f"file://{stores}/s{i}", rank=rank, world_size=world
+            )
+        run_training(load_cfg(path, command="train").to_model())
+    dist.init_process_group("gloo", init_method=f"file://{stores}/end", rank=rank, world_size=world)
+
+
+def test_train_ok_configs_train_on_two_ranks_and_merge(corpus: dict[str, Any]) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from shardforge.cli.main import cli
+    from shardforge.config import load_cfg
+    from shardforge.train.preflight import preflight
+
+    ok = [name for name, (kind, _) in corpus["expect"].items() if kind == "ok"]
+    assert len(ok) >= 5
+    paths = [str(corpus["configs"][name]) for name in ok]
+    for path in paths:  # what the launcher checks before starting ranks
+        preflight(load_cfg(path, command="train").to_model(), path)
+    stores = corpus["root"] / "stores"
+    stores.mkdir()
+    run_on_ranks(_train_all, 2, paths, str(stores))
+    for name, path in zip(ok, paths, strict=True):
+        cfg = load_cfg(path, command="train")
+        out_dir = Path(cfg.output_dir)
+        merged = corpus["root"] / "merged" / name
+        if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
+            merged = out_dir  # the final save is the full model already
+        else:
+            result = CliRunner().invoke(
+                cli,
+                ["merge-sharded-fsdp-weights", path, "--output_path", str(merged), "--quiet"],
+            )
+            assert result.exit_code == 0, (name, result.output)
+        model = AutoModelForCausalLM.from_pretrained(merged)
+        assert model.config.vocab_size == model.get_input_embeddings().weight.shape[0]
+        files = list(merged.glob("*.safetensors"))
+        assert files and all(load_file(str(f)) for f in files), name
+
+
+def test_unsupported_configs_are_refused_by_train_and_merge_reads_them(
+    corpus: dict[str, Any],
+) -> None:
+    """Through the real CLI in one subprocess per config: exit 2 before any rank, one error line
+    with every unsupported key on its own detail line, nothing written to output_dir."""
+    from shardforge.cli.validate import command as validate
+
+    for name, (kind, keys) in corpus["expect"].items():
+        if kind != "unsupported":
+            continue
+        path = corpus["configs"][name]
+        checked = CliRunner().invoke(validate, [str(path), "--for", "merge"])
+        assert checked.exit_code == 0, (name, checked.output)
+        refused = CliRunner().invoke(validate, [str(path), "--for", "train"])
+        assert refused.exit_code == 2, name
+        for key in keys:
+            assert re.search(rf"^  - {re.escape(key)}: .*not supported", refused.output, re.M), (
+                name,
+                key,
+                refused.output,
+            )
+    name = "mistral-qlora-fsdp"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardforge", "train", str(corpus["configs"][name])],
+        capture_output=True,
+        text=True,
+        env=train_env(),
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and len(errors[0]) <= 300, proc.stderr
+    assert "Traceback" not in proc.stderr and "launching" not in proc.stderr
+    assert "adapter: LoRA/QLoRA adapters is not supported by shardforge train yet" in proc.stderr
+    assert not (corpus["root"] / "runs" / name).exists()
