@@ -79,7 +79,9 @@ def test_config_argument_with_override(built: Built, tmp_path: Path) -> None:
     assert (doc["source"], doc["step"]) == (str(cfg), 2)
     missing = run(cfg)
     assert missing.exit_code == 1
-    assert missing.stderr.strip().splitlines() == [
+    lines = missing.stderr.strip().splitlines()
+    assert "inspect uses 2 of the config's 3 top-level keys" in lines[0]  # one notice line
+    assert lines[1:] == [
         f"error: {cfg}: output_dir {tmp_path / 'nowhere'} does not exist; train first, or give "
         "the checkpoint directory instead of the config"
     ]

@@ -528,3 +528,12 @@ def test_any_axolotl_config_drives_the_merge(env: Path, pristine: Path) -> None:
     assert "wandb_project" not in checked.output  # a null placeholder is fine
     merge_ok = CliRunner().invoke(validate, [str(env / "cfg.yml"), "--for", "merge"])
     assert merge_ok.exit_code == 0, merge_ok.output
+    # the Python API takes the same config by path
+    from safetensors.torch import load_file
+
+    from shardforge import merge_fsdp_weights
+
+    merge_fsdp_weights(str(env / "cfg.yml"), env / "out2", quiet=True)
+    first, second = (load_file(str(env / d / "model.safetensors")) for d in ("out", "out2"))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)

@@ -67,7 +67,8 @@ def test_all_problems_reported_at_once_with_user_keys(tmp_path: Path) -> None:
 
 def test_unknown_key_without_close_match_points_to_schema(tmp_path: Path) -> None:
     with pytest.raises(
-        ConfigError, match=r"zzz: unknown key \(neither shardforge's nor Axolotl's\); see docs/config"
+        ConfigError,
+        match=r"zzz: unknown key \(neither shardforge's nor Axolotl's\); see docs/config",
     ):
         load_cfg(write(tmp_path, "base_model: m\nzzz: 1\n"))
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import logging
 import math
 import os
 import shutil
@@ -220,3 +222,133 @@ def test_kill_9_during_save_resumes_from_the_last_complete_checkpoint(
     ]
     assert not (out / "checkpoint-4.tmp").exists()
     assert os.listdir(out / "checkpoint-4" / "model")
+
+
+def test_hsdp_trains_resumes_and_merges_like_full_shard(
+    reference: Path, base_cfg: dict[str, Any], tmp_path: Path
+) -> None:
+    """HSDP on 4 ranks (2 replicas x 2 shards) computes the plain 2-rank FULL_SHARD run: same
+    losses; its checkpoint resumes at 2 ranks and merges into the same weights."""
+    from safetensors.torch import load_file
+
+    from shardforge.merge import merge_fsdp_weights
+
+    out = tmp_path / "hsdp"
+    cfg = {
+        **base_cfg,
+        "output_dir": str(out),
+        "micro_batch_size": 3,  # 3 x 4 ranks x 1 = the reference's global batch of 12
+        "gradient_accumulation_steps": 1,
+        "dp_shard_size": 2,
+        "fsdp": {**base_cfg["fsdp"], "hybrid_shard": True},
+    }
+    proc = run_train(write_config(tmp_path / "hsdp.yml", cfg), nproc=4)
+    assert "HSDP: 2 replicas of 2-rank shard groups" in proc.stderr
+    state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["mesh_shape"] == [2, 2] and state["world_size"] == 4
+    assert json.loads((reference / "checkpoint-6" / "trainer_state.json").read_text())[
+        "mesh_shape"
+    ] == [2]
+    _assert_same_losses(losses(out), losses(reference), range(1, 7))
+
+    resumed = _stopped_after(out, 4, tmp_path / "resumed")
+    plain = {**base_cfg, "output_dir": str(resumed), "resume_from_checkpoint": "auto"}
+    proc = run_train(write_config(tmp_path / "plain.yml", plain), nproc=2)
+    assert "checkpoint-4 at step 4" in proc.stderr and "HSDP" not in proc.stderr
+    _assert_same_losses(losses(resumed), losses(reference), range(5, 7))
+
+    merged = {}
+    for name, run in (("hsdp", out), ("reference", reference)):
+        path = merge_fsdp_weights(
+            {**base_cfg, "output_dir": str(run)}, tmp_path / f"merged-{name}", quiet=True
+        )
+        merged[name] = load_file(str(path / "model.safetensors"))
+    assert merged["hsdp"].keys() == merged["reference"].keys()
+    for key, tensor in merged["reference"].items():
+        torch.testing.assert_close(merged["hsdp"][key], tensor, rtol=1e-5, atol=1e-7, msg=key)
+
+
+def _train_here(cfg: dict[str, Any], config: Path) -> None:
+    """`shardforge train CONFIG --launcher python`: one rank in this process (real gloo, DCP)."""
+    from shardforge.train.launch import do_train
+
+    assert do_train(write_config(config, cfg), [], "python") == 0
+
+
+def _one_rank(base_cfg: dict[str, Any], out: Path, **extra: Any) -> dict[str, Any]:
+    """The reference's config at 1 rank (the same global batch of 12)."""
+    return {**base_cfg, "output_dir": str(out), "micro_batch_size": 6, **extra}
+
+
+def test_a_larger_max_steps_continues_the_lr_without_a_jump(
+    reference: Path, base_cfg: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Resumed after step 4 of 6 with max_steps 10: the lr goes on decaying from where the
+    checkpoint was, no higher than before and in steps no larger than the schedule's own."""
+    out = _stopped_after(reference, 4, tmp_path / "out")
+    cfg = _one_rank(base_cfg, out, max_steps=10, resume_from_checkpoint="auto")
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        _train_here(cfg, tmp_path / "cfg.yml")
+    assert "total steps changed (6 -> 10)" in caplog.text
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == list(range(1, 11))
+    lrs = [m["lr"] for m in metrics]
+    planned = [m["lr"] for m in read_metrics(reference)]
+    assert lrs[:5] == planned[:5]  # the checkpoint's schedule up to its step (and the next lr)
+    largest = max(abs(b - a) for a, b in itertools.pairwise(planned))
+    after_warmup = lrs[base_cfg["warmup_steps"] :]
+    for a, b in itertools.pairwise(lrs):
+        assert abs(b - a) <= largest + 1e-12, lrs
+    assert all(b <= a for a, b in itertools.pairwise(after_warmup)), lrs
+    assert lrs[-1] > 0.0
+
+
+def test_resuming_a_finished_run(
+    reference: Path, base_cfg: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At max_steps: nothing to do, nothing written. Beyond it: the finished cosine schedule
+    leaves lr 0, which is said once."""
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    cfg = _one_rank(base_cfg, out, resume_from_checkpoint="auto")
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        _train_here(cfg, tmp_path / "same.yml")
+    done = [r.getMessage() for r in caplog.records if "nothing to do" in r.getMessage()]
+    assert done == [
+        f"nothing to do: {out / 'checkpoint-6'} already reached max_steps=6 (set a larger "
+        "max_steps to train further)"
+    ]
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        _train_here({**cfg, "max_steps": 8}, tmp_path / "more.yml")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "start a new run from the merged weights" in warned[0]
+    assert [m["lr"] for m in read_metrics(out)][6:] == [0.0, 0.0]
+    assert ckpt.is_complete(out / "checkpoint-8")
+
+
+def test_saves_per_epoch_sets_the_save_interval(base_cfg: dict[str, Any], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cfg = _one_rank(base_cfg, out, max_steps=5, save_steps=None, saves_per_epoch=3)
+    _train_here(cfg, tmp_path / "cfg.yml")
+    sequences = round(12 / read_metrics(out)[0]["epoch"])
+    every = max(1, math.ceil(sequences / 12) // 3)
+    assert every == 2  # 81 sequences: 7 steps per epoch, a checkpoint every 7 // 3 steps
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-5",
+    ]
+
+
+def test_attn_implementations_train(base_cfg: dict[str, Any], tmp_path: Path) -> None:
+    """eager and sdpa are the same attention: one step of each gives the same loss."""
+    loss = {}
+    for impl in ("eager", "sdpa"):
+        cfg = _one_rank(base_cfg, tmp_path / impl, max_steps=1, attn_implementation=impl)
+        _train_here(cfg, tmp_path / f"{impl}.yml")
+        loss[impl] = read_metrics(tmp_path / impl)[0]["loss"]
+    assert math.isclose(loss["eager"], loss["sdpa"], rel_tol=1e-5), loss

@@ -134,3 +134,39 @@ def test_sharded_load_equals_the_base_model_on_two_ranks(base: Path, tmp_path: P
     saved = AutoModelForCausalLM.from_pretrained(out).state_dict()
     for key, tensor in AutoModelForCausalLM.from_pretrained(base).state_dict().items():
         assert torch.equal(saved[key], tensor), key
+
+
+@pytest.fixture
+def one_rank() -> Any:
+    """A real one-rank gloo process group in this process (destroyed after the test)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_reshard_after_forward_reaches_fully_shard(
+    base: Path, one_rank: Any, reshard: bool
+) -> None:
+    """false (Axolotl's SHARD_GRAD_OP) keeps each block's parameters gathered after forward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    cfg = _cfg(base, fsdp={"reshard_after_forward": reshard})
+    model = build_meta_model(cfg)
+    shard_model(model, cfg, init_device_mesh("cpu", (1,)))
+    materialize_and_load(model, cfg, torch.device("cpu"), 0)
+    block = model.model.layers[0]
+    assert isinstance(block.mlp.up_proj.weight, DTensor)  # sharded before forward
+    model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits.sum()
+    assert isinstance(block.mlp.up_proj.weight, DTensor) is reshard
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_attn_implementation_reaches_the_model(base: Path, impl: str) -> None:
+    model = build_meta_model(_cfg(base, attn_implementation=impl))
+    assert model.config._attn_implementation == impl

@@ -11,6 +11,7 @@ from train_helpers import run_train, write_config
 
 from shardforge.config import validate_cfg
 from shardforge.errors import ConfigError
+from shardforge.train.launch import LaunchOptions, do_train
 from shardforge.train.preflight import preflight
 
 
@@ -86,12 +87,82 @@ def test_auto_detected_wrap_class_and_a_good_config_pass(base_cfg: dict[str, Any
     preflight(validate_cfg(cfg))
 
 
-def test_an_error_found_by_the_ranks_is_the_last_line(
+def test_an_error_found_by_the_ranks_is_printed_once_as_the_last_line(
     base_cfg: dict[str, Any], tmp_path: Path
 ) -> None:
-    """Too little data for one global batch is only known after tokenizing (on the ranks)."""
-    cfg = {**base_cfg, "output_dir": str(tmp_path / "out"), "micro_batch_size": 500}
+    """Too little data for one global batch is only known after tokenizing (on the ranks): one
+    `error:` line, no traceback or torchrun failure report; the config's notice (Axolotl's
+    fsdp_config spelling) is printed once, not once per rank."""
+    cfg = {
+        **{k: v for k, v in base_cfg.items() if k != "fsdp"},
+        "fsdp_config": {"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"},
+        "output_dir": str(tmp_path / "out"),
+        "micro_batch_size": 500,
+    }
     proc = run_train(write_config(tmp_path / "big.yml", cfg), nproc=2, check=False)
     assert proc.returncode == 1
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: datasets: ") and "fewer than one global batch (2000" in last
+    lines = proc.stderr.strip().splitlines()
+    assert (
+        lines[-1].startswith("error: datasets: ")
+        and "fewer than one global batch (2000" in lines[-1]
+    )
+    assert [line for line in lines if "error:" in line] == lines[-1:], proc.stderr
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    notices = [line for line in lines if "notice:" in line]
+    assert notices and len(notices) == len(set(notices)), notices
+
+
+def _preflight_problem(cfg: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as info:
+        preflight(validate_cfg(cfg), "cfg.yml")
+    return str(info.value)
+
+
+def test_output_dir_is_never_the_base_model(base_cfg: dict[str, Any], tmp_path: Path) -> None:
+    base = Path(base_cfg["base_model"])
+    (tmp_path / "link").symlink_to(base)
+    for out in (base, base / "out", tmp_path / "link" / "out"):
+        text = _preflight_problem({**base_cfg, "output_dir": str(out)})
+        assert text.startswith("cfg.yml: output_dir: ") and "base model directory" in text, text
+
+
+@pytest.mark.parametrize(
+    "saved", ["model.safetensors", "model.safetensors.index.json", "pytorch_model-00001.bin"]
+)
+def test_a_fresh_run_never_overwrites_a_saved_model(
+    base_cfg: dict[str, Any], tmp_path: Path, saved: str
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / saved).write_bytes(b"")
+    text = _preflight_problem({**base_cfg, "output_dir": str(out)})
+    assert (
+        text.startswith("cfg.yml: output_dir: ")
+        and f"already holds a saved model ({saved})" in text
+    )
+    preflight(validate_cfg({**base_cfg, "output_dir": str(out), "resume_from_checkpoint": "auto"}))
+
+
+def test_attn_implementation_is_checked(base_cfg: dict[str, Any]) -> None:
+    text = _preflight_problem({**base_cfg, "attn_implementation": "flash"})
+    assert "attn_implementation: unknown value 'flash'; transformers accepts eager, " in text
+    assert "sdpa" in text and "flash_attention_2" in text
+    preflight(validate_cfg({**base_cfg, "attn_implementation": "eager"}))
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("impl", ["flash_attention_2", "flash_attention_3"])
+def test_flash_attention_needs_a_gpu(base_cfg: dict[str, Any], impl: str) -> None:
+    text = _preflight_problem({**base_cfg, "attn_implementation": impl})
+    assert f"attn_implementation: {impl} needs a CUDA GPU and the flash-attn package" in text
+
+
+def test_mesh_sizes_are_checked_before_launch(base_cfg: dict[str, Any], tmp_path: Path) -> None:
+    """The launcher knows the world size (nproc_per_node x nnodes) and checks the mesh."""
+    cfg = {**base_cfg, "output_dir": str(tmp_path / "out"), "dp_shard_size": 3}
+    config = write_config(tmp_path / "hsdp.yml", cfg)
+    with pytest.raises(ConfigError, match="dp_shard_size: 3 does not divide the world size 4"):
+        do_train(config, [], "torchrun", LaunchOptions(nproc_per_node=4))
+    with pytest.raises(ConfigError, match="dp_shard_size: 4 does not divide the world size 6"):
+        do_train(config, ["--dp_shard_size", "4"], "torchrun", LaunchOptions(2, nnodes="3"))
+    assert not (tmp_path / "out").exists()

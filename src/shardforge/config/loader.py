@@ -150,9 +150,10 @@ def _notices(found: Sorted, command: str, total: int) -> list[str]:
         unused = total - len(found.data)
         if not unused:
             return []
+        others = "1 other key is" if unused == 1 else f"{unused} other keys are"
         return [
             f"{command} uses {len(found.data)} of the config's {total} top-level keys "
-            f"({', '.join(found.data)}); the other {unused} are not used by this command"
+            f"({', '.join(found.data)}); {others} not used by this command"
         ]
     out: list[str] = []
     if found.renamed:

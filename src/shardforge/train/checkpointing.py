@@ -54,6 +54,7 @@ class TrainerState:
     total_steps: int
     seed: int
     scheduler: dict[str, Any] = field(default_factory=dict)
+    mesh_shape: list[int] = field(default_factory=list)  # [world] or [replicate, shard] (HSDP)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     torch_version: str = ""

@@ -7,11 +7,13 @@ runs the rank it was started as.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -20,7 +22,7 @@ from shardforge.config import load_cfg, parse_override_args
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ShardforgeError
 from shardforge.train.preflight import preflight
-from shardforge.train.runtime import under_torchrun
+from shardforge.train.runtime import local_world_size, under_torchrun
 
 log = logging.getLogger("shardforge")
 
@@ -33,10 +35,28 @@ ERROR_FILE_ENV = "SHARDFORGE_RANK_ERROR_FILE"
 
 
 def report_rank_error(exc: ShardforgeError) -> None:
-    """On rank 0 started by `do_train`: leave the error for the launcher to print last."""
+    """On a rank started by `do_train`: leave the error for the launcher, which prints it once,
+    and exit quietly with its status. (The first rank to fail writes the file; elsewhere this
+    returns and the rank prints the error itself.)"""
     path = os.environ.get(ERROR_FILE_ENV)
-    if path and os.environ.get("RANK", "0") == "0":
-        Path(path).write_text(f"{exc.exit_code}\n{exc}", encoding="utf-8")
+    if not path:
+        return
+    with contextlib.suppress(FileExistsError), open(path, "x", encoding="utf-8") as f:
+        f.write(f"{exc.exit_code}\n{exc}")
+    raise SystemExit(exc.exit_code)
+
+
+@contextlib.contextmanager
+def _quiet(enabled: bool) -> Iterator[None]:
+    """Hold back shardforge's notices and warnings (not errors) while `enabled`."""
+    logger = logging.getLogger("shardforge")
+    level = logger.level
+    if enabled:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @dataclass(frozen=True)
@@ -61,20 +81,29 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else CPU_RANKS
 
 
-def load_checked(config: str | Path, override_args: list[str]) -> ShardforgeConfig:
+def load_checked(
+    config: str | Path, override_args: list[str], world: tuple[int, int] | None = None
+) -> ShardforgeConfig:
     """The validated config with every pre-launch check passed (raises ConfigError otherwise).
 
-    Ranks started by `do_train`'s torchrun skip the checks the launcher has just made.
+    `world` is (world size, ranks per machine) when known (under torchrun: from its
+    environment). Ranks started by `do_train`'s torchrun skip the checks the launcher has just
+    made and keep the config's notices to themselves (the launcher printed them); so do all ranks
+    but rank 0 under a plain torchrun.
     """
-    cfg = load_cfg(config, **parse_override_args(override_args)).to_model()
-    if os.environ.get(PREFLIGHT_DONE_ENV) != "1":
-        preflight(cfg, str(config))
+    launched = os.environ.get(PREFLIGHT_DONE_ENV) == "1"
+    with _quiet(launched or os.environ.get("RANK", "0") != "0"):
+        cfg = load_cfg(config, command="train", **parse_override_args(override_args)).to_model()
+        if not launched:
+            if world is None and under_torchrun():
+                world = (int(os.environ["WORLD_SIZE"]), local_world_size() or 1)
+            preflight(cfg, str(config), world)
     return cfg
 
 
 def torchrun_command(config: str, override_args: list[str], opts: LaunchOptions) -> list[str]:
     nproc = opts.nproc_per_node or default_nproc()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    cmd = [sys.executable, "-m", "shardforge.train.torchrun", "--nproc_per_node", str(nproc)]
     passthrough = {
         "--nnodes": opts.nnodes,
         "--node_rank": opts.node_rank,
@@ -93,6 +122,17 @@ def torchrun_command(config: str, override_args: list[str], opts: LaunchOptions)
     return [*cmd, "-m", "shardforge.train", str(config), *override_args]
 
 
+def _launch_world(launcher: Launcher, nproc: int, nnodes: str | None) -> tuple[int, int] | None:
+    """(world size, ranks per machine) of the job `do_train` starts, when known up front."""
+    if under_torchrun():
+        return None  # load_checked reads torchrun's environment
+    if launcher == "python":
+        return (1, 1)
+    if nnodes is None or nnodes.isdigit():
+        return (nproc * int(nnodes or 1), nproc)
+    return None  # an elastic MIN:MAX: the ranks check their mesh when they start
+
+
 def do_train(
     config: str | Path,
     override_args: list[str] | None = None,
@@ -105,19 +145,20 @@ def do_train(
     `debug` is passed on to the ranks (tracebacks instead of one-line errors).
     """
     args = list(override_args or [])
-    cfg = load_checked(config, args)
+    opts = opts or LaunchOptions()
+    nproc = opts.nproc_per_node or default_nproc()
+    cfg = load_checked(config, args, _launch_world(launcher, nproc, opts.nnodes))
     if under_torchrun() or launcher == "python":
         from shardforge.train.loop import run_training
 
         run_training(cfg)
         return 0
-    cmd = torchrun_command(
-        str(config), [*args, "--debug"] if debug else args, opts or LaunchOptions()
-    )
-    nproc = (opts or LaunchOptions()).nproc_per_node or default_nproc()
+    cmd = torchrun_command(str(config), [*args, "--debug"] if debug else args, opts)
     with tempfile.TemporaryDirectory(prefix="shardforge-") as tmp:
         error_file = Path(tmp) / "rank-error"
-        env = {**os.environ, PREFLIGHT_DONE_ENV: "1", ERROR_FILE_ENV: str(error_file)}
+        env = {**os.environ, PREFLIGHT_DONE_ENV: "1"}
+        if not debug:  # with --debug every rank shows its traceback, and torchrun its report
+            env[ERROR_FILE_ENV] = str(error_file)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         log.info("launching: %s", " ".join(cmd))
         status = subprocess.call(cmd, env=env)

@@ -39,8 +39,21 @@ from shardforge.train.model import (
     model_config_source,
     shard_model,
 )
-from shardforge.train.optim import build_optimizer, build_scheduler, scheduler_state
-from shardforge.train.runtime import Runtime, device_mesh, init_distributed
+from shardforge.train.optim import (
+    Continuation,
+    build_optimizer,
+    build_scheduler,
+    continuation,
+    scheduler_state,
+)
+from shardforge.train.runtime import (
+    Runtime,
+    device_mesh,
+    init_distributed,
+    local_world_size,
+    mesh_shape,
+)
+from shardforge.train.vocab import grow_vocab_size
 
 log = logging.getLogger("shardforge")
 
@@ -130,16 +143,14 @@ def run_training(cfg: ShardforgeConfig) -> TrainResult:
 
 def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
     torch.manual_seed(cfg.seed)
+    mesh = mesh_shape(cfg, rt.world_size, local_world_size())  # a bad size stops before any write
     if cfg.tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     out = Path(cfg.output_dir)
     tokenizer = load_tokenizer(cfg)
     model_config = load_model_config(cfg)
-    if rt.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        write_output_metadata(cfg, model_config, tokenizer)
-    dist.barrier()
+    grow_vocab_size(model_config, tokenizer)  # a row per added token, before the model is built
 
     seqs = build_sequences(cfg, tokenizer)
     global_batch = cfg.micro_batch_size * rt.world_size * cfg.gradient_accumulation_steps
@@ -150,16 +161,34 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
             "gradient_accumulation_steps); add data or lower micro_batch_size"
         )
     total_steps = cfg.max_steps or math.ceil(cfg.num_epochs * len(seqs) / global_batch)
+    every = save_interval(cfg, len(seqs), global_batch)
+
+    resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
+    saved = ckpt.TrainerState.read(resume) if resume is not None else None
+    if resume is not None and saved is not None and saved.step >= total_steps:
+        if rt.is_main:
+            log.info(
+                "nothing to do: %s already reached max_steps=%d (set a larger max_steps to "
+                "train further)",
+                resume,
+                total_steps,
+            )
+        return TrainResult(steps=saved.step, output_dir=out, resumed_from=resume)
 
     model = build_meta_model(cfg, model_config)
-    shard_model(model, cfg, device_mesh(rt))
+    shard_model(model, cfg, device_mesh(rt, mesh))
     materialize_and_load(model, cfg, rt.device, rt.rank)
+    if rt.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        write_output_metadata(cfg, model_config, tokenizer)
+    dist.barrier()
     model.train()
     optimizer = build_optimizer(model.parameters(), cfg)
-    scheduler = build_scheduler(optimizer, cfg, total_steps)
+    scheduler = build_scheduler(
+        optimizer, cfg, total_steps, _continuation(saved, total_steps, cfg, rt)
+    )
 
     step, consumed = 0, 0
-    resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
     if resume is not None:
         step, consumed = _resume(resume, model, optimizer, scheduler, cfg, rt, global_batch)
     elif cfg.resume_from_checkpoint == "auto" and rt.is_main:
@@ -178,6 +207,8 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
             rt.world_size,
             rt.device.type,
         )
+        if len(mesh) == 2:
+            log.info("HSDP: %d replicas of %d-rank shard groups", *mesh)
     try:
         while step < total_steps:
             started = time.perf_counter()
@@ -210,7 +241,7 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
             if final and cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
                 ckpt.save_full_model(out, model, model_config)
                 dist.barrier()
-            elif final or (cfg.save_steps is not None and step % cfg.save_steps == 0):
+            elif final or (every is not None and step % every == 0):
                 state = ckpt.TrainerState(
                     step=step,
                     world_size=rt.world_size,
@@ -219,6 +250,7 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
                     total_steps=total_steps,
                     seed=cfg.seed,
                     scheduler=scheduler_state(scheduler),
+                    mesh_shape=list(mesh),
                 )
                 ckpt.save_checkpoint(
                     out, ckpt.stamped(state), model, optimizer, cfg.save_total_limit
@@ -229,6 +261,43 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
             metrics_file.close()
     result.steps = step
     return result
+
+
+def save_interval(cfg: ShardforgeConfig, num_sequences: int, global_batch: int) -> int | None:
+    """Steps between periodic checkpoints: `save_steps`, or `saves_per_epoch` evenly spaced
+    checkpoints per epoch (at least one step apart); None: only the final save."""
+    if cfg.saves_per_epoch is None:
+        return cfg.save_steps
+    steps_per_epoch = math.ceil(num_sequences / global_batch)
+    return max(1, steps_per_epoch // cfg.saves_per_epoch)
+
+
+def _continuation(
+    saved: ckpt.TrainerState | None, total_steps: int, cfg: ShardforgeConfig, rt: Runtime
+) -> Continuation | None:
+    """How the lr schedule continues from a checkpoint whose total number of steps differs."""
+    if saved is None or saved.total_steps == total_steps:
+        return None
+    resumed = continuation(cfg, saved.step, saved.total_steps, saved.scheduler)
+    if rt.is_main:
+        if resumed.multiplier == 0.0:
+            log.warning(
+                "warning: the checkpoint at step %d ended its learning-rate schedule (lr 0); the "
+                "remaining %d steps train at lr 0. To train further, merge it and start a new run "
+                "from the merged weights (base_model)",
+                saved.step,
+                total_steps - saved.step,
+            )
+        else:
+            log.info(
+                "total steps changed (%d -> %d): the lr continues from the checkpoint's and "
+                "decays (%s) over the remaining %d steps",
+                saved.total_steps,
+                total_steps,
+                cfg.lr_scheduler,
+                total_steps - saved.step,
+            )
+    return resumed
 
 
 def _resume(
@@ -279,7 +348,9 @@ def _train_step(
     for micro, batch in enumerate(batches):
         model.set_requires_gradient_sync(micro == len(batches) - 1)  # type: ignore[operator]
         loss_sum = _loss_sum(model, batch, rt.device)
-        # FSDP averages gradients over ranks; scale back so they are exact sums / targets
+        # FSDP averages gradients over all ranks (under HSDP: reduce-scatter within a shard
+        # group, all-reduce across replicas, divided by both sizes); scale back so they are
+        # exact sums / targets
         (loss_sum * (rt.world_size / targets)).backward()
         loss_total += loss_sum.detach()
     grad_norm = _grad_norm_and_clip(model, cfg.max_grad_norm)

@@ -91,10 +91,19 @@ def build_meta_model(cfg: ShardforgeConfig, model_config: Any | None = None) -> 
     from transformers import AutoModelForCausalLM
 
     model_config = model_config if model_config is not None else load_model_config(cfg)
-    with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(
-            model_config, trust_remote_code=cfg.trust_remote_code, dtype=torch.float32
-        )
+    extra: dict[str, Any] = {}
+    if cfg.attn_implementation is not None:
+        extra["attn_implementation"] = cfg.attn_implementation
+    try:
+        with _parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(
+                model_config, trust_remote_code=cfg.trust_remote_code, dtype=torch.float32, **extra
+            )
+    except (ValueError, ImportError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if extra and re.search(r"attn|attention", first, re.IGNORECASE):
+            raise ConfigError("attn_implementation", [first]) from None
+        raise
     return model
 
 
@@ -192,6 +201,8 @@ def read_full_state_dict(base_model: str, model: nn.Module) -> dict[str, torch.T
     """The base weights as float32 tensors keyed like `model`'s state dict (rank 0 only)."""
     from safetensors.torch import load_file
 
+    from shardforge.train.vocab import extend_rows
+
     base = Path(base_model)
     if not base.is_dir():
         from huggingface_hub import snapshot_download
@@ -203,6 +214,7 @@ def read_full_state_dict(base_model: str, model: nn.Module) -> dict[str, torch.T
         for key, tensor in load_file(str(file)).items():
             if key in expected:
                 out[key] = tensor.to(torch.float32)
+    extend_rows(out, model)  # rows for tokens the config added (vocab.grow_vocab_size)
     tied = getattr(model.config, "tie_word_embeddings", False)
     if tied and "lm_head.weight" in expected and "lm_head.weight" not in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]

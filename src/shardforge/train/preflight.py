@@ -22,6 +22,7 @@ from shardforge.train.model import (
     load_model_config,
     wrap_classes,
 )
+from shardforge.train.runtime import mesh_shape
 
 log = logging.getLogger("shardforge")
 
@@ -104,6 +105,79 @@ def check_resume(cfg: ShardforgeConfig) -> list[Problem]:
     return []
 
 
+# a full Hugging Face model save (FULL_STATE_DICT's final save, or any save_pretrained)
+FULL_MODEL_PATTERNS = (*WEIGHT_FILES, *WEIGHT_INDEX_FILES, "pytorch_model*.bin")
+
+
+def check_output(cfg: ShardforgeConfig) -> list[Problem]:
+    """output_dir is not (inside) the base model, and a fresh run overwrites no saved model."""
+    out = Path(cfg.output_dir).resolve()
+    base = Path(cfg.base_model)
+    if base.is_dir():
+        base = base.resolve()
+        if out == base or base in out.parents:
+            where = "is" if out == base else "is inside"
+            return [
+                (
+                    "output_dir",
+                    f"{cfg.output_dir} {where} the base model directory {cfg.base_model}; "
+                    "training would write over the base model: use another output_dir",
+                )
+            ]
+    if cfg.resume_from_checkpoint is None and out.is_dir():
+        saved = sorted({p.name for pattern in FULL_MODEL_PATTERNS for p in out.glob(pattern)})
+        if saved:
+            return [
+                (
+                    "output_dir",
+                    f"{out} already holds a saved model ({', '.join(saved)}) that a fresh run "
+                    "would overwrite; use an empty output_dir",
+                )
+            ]
+    return []
+
+
+def check_attention(cfg: ShardforgeConfig) -> list[Problem]:
+    """attn_implementation is one transformers knows, and flash attention has a GPU."""
+    import torch
+
+    impl = cfg.attn_implementation
+    if impl is None:
+        return []
+    known = attention_implementations()
+    if impl not in known and "/" not in impl:  # org/name: a kernel from the hub
+        return [
+            (
+                "attn_implementation",
+                f"unknown value {impl!r}; transformers accepts {', '.join(known)}",
+            )
+        ]
+    if impl.startswith("flash_attention") and not torch.cuda.is_available():
+        return [
+            (
+                "attn_implementation",
+                f"{impl} needs a CUDA GPU and the flash-attn package; use sdpa or eager",
+            )
+        ]
+    return []
+
+
+def attention_implementations() -> list[str]:
+    """The attn_implementation values this transformers accepts."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+
+
+def check_mesh(cfg: ShardforgeConfig, world: tuple[int, int]) -> list[Problem]:
+    """dp_shard_size / dp_replicate_size / fsdp.hybrid_shard fit the world size."""
+    try:
+        mesh_shape(cfg, *world)
+    except ConfigError as exc:
+        return _problems_of(exc)
+    return []
+
+
 def check_device(cfg: ShardforgeConfig) -> list[Problem]:
     """Settings that only mean something with a GPU."""
     import torch
@@ -122,17 +196,27 @@ def check_device(cfg: ShardforgeConfig) -> list[Problem]:
 
 CHECKS: tuple[Callable[[ShardforgeConfig], list[Problem]], ...] = (
     check_datasets,
+    check_attention,
     check_model,
     check_tokenizer,
+    check_output,
     check_resume,
     check_device,
 )
 
 
-def preflight(cfg: ShardforgeConfig, source: str = "config") -> None:
-    """Run every check; raise one ConfigError listing all problems, each with its key."""
+def preflight(
+    cfg: ShardforgeConfig, source: str = "config", world: tuple[int, int] | None = None
+) -> None:
+    """Run every check; raise one ConfigError listing all problems, each with its key.
+
+    `world` is (world size, ranks per machine) when known: then the HSDP mesh sizes are checked.
+    """
     problems: list[Problem] = []
-    for check in CHECKS:
+    checks = list(CHECKS)
+    if world is not None:
+        checks.append(lambda c: check_mesh(c, world))
+    for check in checks:
         seen = {key for key, _ in problems}
         problems += [p for p in check(cfg) if p[0] not in seen]  # one problem per key
     if problems:

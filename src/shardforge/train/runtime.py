@@ -7,8 +7,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import ConfigError
 
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+MESH_DIMS = ("dp_replicate", "dp_shard")
 
 
 def under_torchrun() -> bool:
@@ -56,7 +61,54 @@ def init_distributed() -> Runtime:
     return Runtime(rank, world, local, device)
 
 
-def device_mesh(rt: Runtime) -> object:
+def mesh_shape(
+    cfg: ShardforgeConfig, world_size: int, local_world_size: int | None = None
+) -> tuple[int, ...]:
+    """(world,) for FULL_SHARD, or (replicate, shard) for HSDP; a size that does not fit the
+    world size is a ConfigError naming its key.
+
+    The shard size is `dp_shard_size`, else `world / dp_replicate_size`, else (with
+    `fsdp.hybrid_shard`) the ranks of one machine; one replica is plain FULL_SHARD.
+    """
+    shard, replicate = cfg.dp_shard_size, cfg.dp_replicate_size
+    if shard is not None and replicate is not None and shard * replicate != world_size:
+        raise ConfigError(
+            "dp_replicate_size",
+            [
+                f"dp_replicate_size x dp_shard_size = {replicate} x {shard} = "
+                f"{replicate * shard}, but the world size is {world_size}"
+            ],
+        )
+    for key, size in (("dp_shard_size", shard), ("dp_replicate_size", replicate)):
+        if size is not None and world_size % size:
+            raise ConfigError(key, [f"{size} does not divide the world size {world_size}"])
+    if shard is None and replicate is not None:
+        shard = world_size // replicate
+    if shard is None and cfg.fsdp.hybrid_shard:
+        shard = local_world_size or world_size
+        if world_size % shard:
+            raise ConfigError(
+                "fsdp.hybrid_shard",
+                [
+                    f"the {shard} ranks of one machine do not divide the world size "
+                    f"{world_size}; set dp_shard_size"
+                ],
+            )
+    if shard is None or shard == world_size:
+        return (world_size,)
+    return (world_size // shard, shard)
+
+
+def local_world_size() -> int | None:
+    """Ranks on this machine, as torchrun tells them (None outside torchrun)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else None
+
+
+def device_mesh(rt: Runtime, shape: tuple[int, ...]) -> DeviceMesh:
+    """A 1-D mesh over all ranks, or the 2-D (dp_replicate, dp_shard) mesh of HSDP."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(rt.device.type, (rt.world_size,))
+    if len(shape) == 1:
+        return init_device_mesh(rt.device.type, shape)
+    return init_device_mesh(rt.device.type, shape, mesh_dim_names=MESH_DIMS)
