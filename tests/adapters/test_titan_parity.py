@@ -90,7 +90,12 @@ def test_torchtitan_llama3_logits_and_to_hf_parity() -> None:
     assert "layers.0.attention.qkv_linear.wq.weight" in titan_sd
 
     config = _hf_config()
-    ours = dict(get_adapter("llama").iter_hf(titan_sd.items(), config))
+    adapter = get_adapter("llama")
+    ours = {}
+    for name, tensor in titan_sd.items():
+        hf_name = adapter.convert_name(name, config)
+        if hf_name is not None:
+            ours[hf_name] = adapter.transform(hf_name, tensor, config)
     theirs = Llama3StateDictAdapter(titan_config, None).to_hf(dict(titan_sd))
     assert ours.keys() == theirs.keys()
     for name, t in theirs.items():

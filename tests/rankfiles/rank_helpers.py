@@ -7,6 +7,7 @@ Imported by name (``from rank_helpers import ...``); the name is unique across t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +88,26 @@ def logits(model_dir: Path, state_dict: dict[str, torch.Tensor] | None = None) -
     ids = torch.tensor([[1, 5, 9, 33, 120, 7, 250, 2], [1, 44, 45, 46, 47, 48, 49, 50]])
     with torch.no_grad():
         return model(input_ids=ids).logits
+
+
+def full_tensors(plan: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Every full tensor of a rank-file plan, read the way the merge reads it."""
+    from shardforge.checkpoint.sources import RankFileSource
+    from shardforge.checkpoint.stream import ChunkReader
+
+    with ChunkReader() as reader:
+        return {key: RankFileSource(tp).read(reader) for key, tp in plan.items()}
+
+
+def local_tensor(rank_file: Any, key: str) -> torch.Tensor:
+    """One rank's local shard of `key` (only its bytes are read)."""
+    import os
+
+    from shardforge.rankfiles.rank_file import read_local
+
+    rec = rank_file.tensors[key]
+    fd = os.open(rec.path, os.O_RDONLY)
+    try:
+        return read_local(fd, rec)
+    finally:
+        os.close(fd)

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from rank_helpers import local_tensor
 from safetensors.torch import load_file
 
 from shardforge.errors import CheckpointError
-from shardforge.rankfiles import Placement, plan_rank_files, read_local_tensor, read_rank_file
+from shardforge.rankfiles import Placement, plan_rank_files, read_rank_file
 
 
 def test_records_describe_local_shards(ranks_2_fp32: tuple[Path, Path]) -> None:
@@ -38,16 +39,10 @@ def test_records_describe_local_shards(ranks_2_fp32: tuple[Path, Path]) -> None:
         fh.seek(rec.data_offset)
         assert fh.read(len(member_bytes)) == member_bytes
     for key, rec in rf.tensors.items():
-        local = read_local_tensor(rf, key)
+        local = local_tensor(rf, key)
         assert local.shape == rec.local_shape
         start = -(-original[key].shape[0] // 2)  # rank 1 holds the second torch.chunk
         assert torch.equal(local, original[key][start:]), key
-
-
-def test_read_local_tensor_unknown_key(ranks_2_fp32: tuple[Path, Path]) -> None:
-    rf = read_rank_file(ranks_2_fp32[1] / "model_world_size_2_rank_0.pt")
-    with pytest.raises(CheckpointError, match="no entry 'nope'"):
-        read_local_tensor(rf, "nope")
 
 
 def test_plain_and_strided_tensors(tmp_path: Path) -> None:
@@ -59,7 +54,7 @@ def test_plain_and_strided_tensors(tmp_path: Path) -> None:
     rf = read_rank_file(path)
     assert not rf.tensors["a"].is_dtensor and not rf.tensors["a"].contiguous
     for key, t in sd.items():
-        assert torch.equal(read_local_tensor(rf, key), t), key
+        assert torch.equal(local_tensor(rf, key), t), key
     plan = plan_rank_files(tmp_path)
     assert plan["b"].shape == (3, 4) and plan["c"].shape == ()
     assert plan["a"].slabs() is None and plan["b"].slabs() is None  # must be assembled

@@ -1,7 +1,7 @@
 """Memory: streaming full tensors out of rank files (~265 MB written by 2 real gloo ranks) grows
 the reading process's peak RSS by about one tensor, not by the checkpoint size.
 
-Bound stated: peak RSS during `plan_rank_files` + `iter_tensors` over every key, minus the RSS
+Bound stated: peak RSS during `plan_rank_files` + reading every key as the merge does, minus the RSS
 before (after imports), stays below 1.25 x the largest tensor + 32 MB, and below 50% of the
 checkpoint. Loading the files (torch.load) would grow it by at least the checkpoint size.
 """
@@ -28,7 +28,9 @@ VOCAB = 32000
 
 CHILD = r"""
 import json, math, sys
-from shardforge.rankfiles import iter_tensors, plan_rank_files
+from shardforge.checkpoint.sources import RankFileSource
+from shardforge.checkpoint.stream import ChunkReader
+from shardforge.rankfiles import plan_rank_files
 
 def status(field):
     for line in open("/proc/self/status"):
@@ -39,11 +41,14 @@ with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to the c
     f.write("5")
 base = status("VmRSS")
 total = largest = 0
-for key, tensor in iter_tensors(plan_rank_files(sys.argv[1])):
+reader = ChunkReader()
+for key, plan in plan_rank_files(sys.argv[1]).items():
+    tensor = RankFileSource(plan).read(reader)
     n = tensor.numel() * tensor.element_size()
     total, largest = total + n, max(largest, n)
     assert math.isfinite(float(tensor.view(-1)[-1]))  # the last element was read
     del tensor
+reader.close()
 print(json.dumps({"base": base, "peak": status("VmHWM"), "total": total, "largest": largest}))
 """
 
@@ -66,7 +71,7 @@ def save_big(rank: int, world_size: int, config_dir: str, out: str) -> None:
     torch.save(model.state_dict(), f"{out}/model_world_size_{world_size}_rank_{rank}.pt")
 
 
-def test_iter_tensors_peak_memory_is_about_one_tensor(tmp_path: Path) -> None:
+def test_reading_every_tensor_peaks_at_about_one_tensor(tmp_path: Path) -> None:
     config_dir = tmp_path / "config"
     make_config("llama", VOCAB, **BIG).save_pretrained(config_dir)
     ranks = tmp_path / "ranks"

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from rank_helpers import logits, make_rank_files
+from rank_helpers import full_tensors, logits, make_rank_files
 from safetensors.torch import load_file
 
+from shardforge.checkpoint.layouts import resolve_checkpoint
 from shardforge.errors import CheckpointError
-from shardforge.rankfiles import Placement, iter_tensors, plan_rank_files
+from shardforge.rankfiles import Placement, plan_rank_files
 from shardforge.rankfiles.rank_plan import local_box
 
 
@@ -23,7 +24,7 @@ def _check_round_trip(
     plan = plan_rank_files(rank_dir)
     assert set(plan) == set(original)
     merged = {}
-    for key, tensor in iter_tensors(plan):
+    for key, tensor in full_tensors(plan).items():
         assert tensor.dtype == dtype
         assert torch.equal(tensor, original[key]), key
         merged[key] = tensor
@@ -172,3 +173,24 @@ def test_no_rank_files(tmp_path: Path) -> None:
         plan_rank_files(tmp_path)
     with pytest.raises(CheckpointError, match="not a directory"):
         plan_rank_files(tmp_path / "nope")
+
+
+def test_verl_layout_round_trip(ranks_2_fp32: tuple[Path, Path], tmp_path: Path) -> None:
+    """global_step_N/actor/ rank files + huggingface/ config, latest from the latest file."""
+    model_dir, rank_dir = ranks_2_fp32
+    root = tmp_path / "verl"
+    for n in (2, 4):
+        actor = root / f"global_step_{n}" / "actor"
+        shutil.copytree(rank_dir, actor)
+        shutil.copytree(model_dir, actor / "huggingface", ignore=shutil.ignore_patterns("*.safe*"))
+        (actor / "fsdp_config.json").write_text('{"FSDP_version": 2, "world_size": 2}')
+    (root / "global_step_2" / "actor" / "model_world_size_2_rank_1.pt").unlink()  # stale step
+    (root / "latest_checkpointed_iteration.txt").write_text("4")
+
+    found = resolve_checkpoint(root)
+    assert found.model_dir == root / "global_step_4" / "actor"
+    merged = full_tensors(plan_rank_files(found.model_dir))
+    original = load_file(model_dir / "model.safetensors")
+    assert merged.keys() == original.keys()
+    assert all(torch.equal(merged[k], original[k]) for k in original)
+    assert torch.equal(logits(model_dir, merged), logits(model_dir))

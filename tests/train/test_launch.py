@@ -17,7 +17,7 @@ def test_single_machine_is_standalone() -> None:
         "2",
         "--standalone",
         "-m",
-        "shardforge.train",
+        "shardforge.cli.train_rank",
         "cfg.yml",
         "--max_steps",
         "3",
@@ -32,14 +32,14 @@ def test_multi_machine_options_are_passed_through() -> None:
     assert "--standalone" not in cmd
     text = " ".join(cmd)
     assert "--nnodes 2 --node_rank 1 --rdzv_endpoint h0:29500 --rdzv_id job" in text
-    assert cmd[-3:] == ["-m", "shardforge.train", "cfg.yml"]
+    assert cmd[-3:] == ["-m", "shardforge.cli.train_rank", "cfg.yml"]
 
 
 def test_training_never_imports_the_merge() -> None:
     import subprocess
 
     code = (
-        "import sys, shardforge.cli.train, shardforge.train.__main__, shardforge.train.loop, "
+        "import sys, shardforge.cli.train, shardforge.cli.train_rank, shardforge.train.loop, "
         "shardforge.train.preflight\n"
         "bad = sorted(m for m in sys.modules if m.startswith(('shardforge.checkpoint', "
         "'shardforge.merge', 'shardforge.rankfiles')))\n"

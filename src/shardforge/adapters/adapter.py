@@ -16,7 +16,7 @@ The only transform is Llama's RoPE q/k row permutation, which needs that one who
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,16 +127,6 @@ class StateDictAdapter:
         if n_heads is None:
             raise CheckpointError(f"config.json has no {heads_key}; needed to convert {hf_name}")
         return interleaved_to_half(tensor, int(n_heads), what=hf_name)
-
-    def iter_hf(
-        self, items: Iterable[tuple[str, torch.Tensor]], config: Any
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Convert (torchtitan name, tensor) pairs lazily, dropping skipped and tied entries."""
-        for name, tensor in items:
-            hf_name = self.convert_name(name, config)
-            if hf_name is None:
-                continue
-            yield hf_name, self.transform(hf_name, tensor, config)
 
 
 ADAPTERS: dict[str, StateDictAdapter] = {

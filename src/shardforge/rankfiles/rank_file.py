@@ -3,7 +3,7 @@
 The file is a ``torch.save`` zip (records stored uncompressed): ``<root>/data.pkl`` (the state
 dict, parsed by `rank_unpickler`), ``<root>/byteorder`` and one ``<root>/data/<key>`` record
 per storage. `read_rank_file` turns it into plain per-key records that say where each local
-shard's bytes are in the file; `read_local_tensor` reads just those bytes.
+shard's bytes are in the file; `read_local` reads just those bytes.
 """
 
 from __future__ import annotations
@@ -221,15 +221,3 @@ def read_local(fd: int, rec: TensorRecord, out: torch.Tensor | None = None) -> t
     if out is not None:
         return out.copy_(strided)
     return strided.contiguous()
-
-
-def read_local_tensor(rank_file: RankFile, key: str) -> torch.Tensor:
-    """This rank's local shard of `key` as a tensor (reads only that shard's bytes)."""
-    rec = rank_file.tensors.get(key)
-    if rec is None:
-        raise CheckpointError(f"{rank_file.path}: no entry {key!r}")
-    fd = os.open(rec.path, os.O_RDONLY)
-    try:
-        return read_local(fd, rec)
-    finally:
-        os.close(fd)

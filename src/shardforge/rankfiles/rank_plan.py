@@ -1,8 +1,8 @@
-"""Plan and stream the assembly of full tensors from a set of per-rank DTensor files.
+"""Plan the assembly of full tensors from a set of per-rank DTensor files.
 
     plan = plan_rank_files("global_step_100/actor")    # key -> TensorPlan; all checks first
-    for key, tensor in iter_tensors(plan):             # one full tensor at a time
-        ...
+
+(`checkpoint.sources.RankFileSource` then reads one full tensor at a time, or copies its slabs.)
 
 Each rank's local shard is placed where torch puts it: ``Shard(d)`` on a mesh dimension of
 size n gives coordinate c the c-th ``torch.chunk``-style piece (ceil(len/n) rows each, the last
@@ -14,8 +14,6 @@ from the same rule applied per mesh dimension.
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +24,6 @@ from shardforge.rankfiles.rank_file import (
     RankFile,
     TensorRecord,
     parse_rank_name,
-    read_local,
     read_rank_file,
 )
 from shardforge.rankfiles.rank_unpickler import Placement
@@ -247,31 +244,3 @@ def plan_rank_files(directory: str | Path) -> dict[str, TensorPlan]:
     paths = list_rank_files(directory)
     files = [read_rank_file(p) for p in paths.values()]
     return plan_from_files(files)
-
-
-def iter_tensors(plan: Mapping[str, TensorPlan]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (key, full tensor) one at a time, reading only each piece's bytes.
-
-    Memory: the tensor being assembled plus, for a non-contiguous shard, that one shard.
-    """
-    fds: dict[Path, int] = {}
-    try:
-        for key, tp in plan.items():
-            out = torch.empty(tp.shape, dtype=tp.dtype)
-            for piece in tp.pieces:
-                rec = piece.record
-                fd = fds.get(rec.path)
-                if fd is None:
-                    fd = fds[rec.path] = os.open(rec.path, os.O_RDONLY)
-                region = out
-                for dim, (start, size) in enumerate(zip(piece.offsets, piece.sizes, strict=True)):
-                    if size != tp.shape[dim]:
-                        region = region.narrow(dim, start, size)
-                if region.is_contiguous():
-                    read_local(fd, rec, out=region)
-                else:
-                    region.copy_(read_local(fd, rec))
-            yield key, out
-    finally:
-        for fd in fds.values():
-            os.close(fd)

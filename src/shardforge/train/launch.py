@@ -1,7 +1,7 @@
 """Start training: check the config, then run the ranks (torchrun, or one rank in-process).
 
 Outside torchrun, `train` re-executes itself as `python -m torch.distributed.run ... -m
-shardforge.train CONFIG [overrides]`; under torchrun (LOCAL_RANK / TORCHELASTIC_RUN_ID set) it
+shardforge.cli.train_rank CONFIG [overrides]`; under torchrun (LOCAL_RANK / TORCHELASTIC_RUN_ID set) it
 runs the rank it was started as.
 """
 
@@ -119,7 +119,7 @@ def torchrun_command(config: str, override_args: list[str], opts: LaunchOptions)
     for flag, value in passthrough.items():
         if value is not None:
             cmd += [flag, str(value)]
-    return [*cmd, "-m", "shardforge.train", str(config), *override_args]
+    return [*cmd, "-m", "shardforge.cli.train_rank", str(config), *override_args]
 
 
 def _launch_world(launcher: Launcher, nproc: int, nnodes: str | None) -> tuple[int, int] | None:

@@ -1,4 +1,5 @@
-"""One training rank, as torchrun starts it: `python -m shardforge.train CONFIG [overrides]`."""
+"""One training rank, as `shardforge train` has torchrun start it:
+`python -m shardforge.cli.train_rank CONFIG [overrides]` (the config was checked by the launcher)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def main(argv: list[str]) -> None:
 
     args, debug = split_debug(argv)
     if not args:
-        print("usage: python -m shardforge.train CONFIG [--key value ...]", file=sys.stderr)
+        print("usage: python -m shardforge.cli.train_rank CONFIG [--key value ...]", file=sys.stderr)
         raise SystemExit(2)
     setup_logging(quiet=os.environ.get("RANK", "0") != "0")
 
