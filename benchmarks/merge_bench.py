@@ -14,6 +14,7 @@ output bytes are recorded. The script prints the medians and the ratios shardfor
 
     python benchmarks/merge_bench.py --size 1GB --repeats 3
     python benchmarks/merge_bench.py --size 4GB --dtype float32 --cache cold
+    python benchmarks/merge_bench.py --size 4GB --contenders shardforge --baseline /tmp/old  # vs. a checkout
 
 `--cache cold` evicts the checkpoint's files from the page cache before every run
 (posix_fadvise DONTNEED after an fsync, no root needed); `--cache warm` reads them once first.
@@ -145,7 +146,7 @@ def make_checkpoint(root: Path, size_bytes: int, dtype: str, ranks: int) -> tupl
     """Write base config + tokenizer and `checkpoint-1/pytorch_model_fsdp_0/`; return (cfg, dcp)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from shardforge.checkpoint.safe_pickle import load_metadata_pickle
+    from shardforge.io.unpickler import load_metadata_pickle
     from shardforge.testing.dist import run_on_ranks
     from shardforge.testing.tiny import make_tokenizer
 
@@ -239,11 +240,14 @@ PEER_SNIPPETS = {
 }
 
 
-def command_for(name: str, cfg: Path, ckpt: Path, out: Path) -> list[str]:
+def command_for(name: str, cfg: Path, ckpt: Path, out: Path, baseline: str = "") -> list[str]:
+    merge = ["merge-sharded-fsdp-weights", str(cfg), "--checkpoint", str(ckpt),
+             "--output_path", str(out), "--quiet", "--no-save-tokenizer"]  # fmt: skip
     if name == "shardforge":
-        exe = Path(sys.executable).parent / "shardforge"
-        return [str(exe), "merge-sharded-fsdp-weights", str(cfg), "--checkpoint", str(ckpt),
-                "--output_path", str(out), "--quiet", "--no-save-tokenizer"]  # fmt: skip
+        return [str(Path(sys.executable).parent / "shardforge"), *merge]
+    if name == "baseline":  # another checkout's source (e.g. the previous release), same packages
+        return ["env", f"PYTHONPATH={Path(baseline).resolve() / 'src'}", sys.executable, "-m",
+                "shardforge", *merge]  # fmt: skip
     if name == "copy":
         files = " ".join(f"'{p}'" for p in sorted(ckpt.glob("*.distcp")))
         return ["bash", "-c", f"mkdir -p '{out}' && cp {files} '{out}/' && sync '{out}'/*"]
@@ -327,6 +331,12 @@ def main() -> None:
         "--peer-mem-limit", default="", help="address-space cap for peers, e.g. 20GB"
     )
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    parser.add_argument(
+        "--baseline",
+        default="",
+        help="a checkout of another shardforge version (e.g. `git worktree add /tmp/old <ref>`): "
+        "adds the contender `baseline`, its merge run from that source with these packages",
+    )
     args = parser.parse_args()
 
     size = parse_size(args.size)
@@ -339,6 +349,8 @@ def main() -> None:
     files = [*sorted(ckpt.glob("*.distcp")), ckpt / ".metadata"]
     ckpt_bytes = sum(p.stat().st_size for p in files)
     names = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    if args.baseline and "baseline" not in names:
+        names.append("baseline")
     results = {n: Result() for n in names}
     peer_limit = parse_size(args.peer_mem_limit) if args.peer_mem_limit else None
 
@@ -351,8 +363,9 @@ def main() -> None:
             out = root / f"merged-{name}"
             shutil.rmtree(out, ignore_errors=True)
             (evict if args.cache == "cold" else warm)(files)
-            limit = peer_limit if name not in ("shardforge", "copy") else None
-            seconds, rss, code, err = run_one(command_for(name, cfg, ckpt, out), limit, root)
+            limit = peer_limit if name not in ("shardforge", "baseline", "copy") else None
+            cmd = command_for(name, cfg, ckpt, out, args.baseline)
+            seconds, rss, code, err = run_one(cmd, limit, root)
             if code != 0:
                 res.failure = f"exit {code}: {err.strip().splitlines()[-1] if err.strip() else ''}"
                 print(f"  {name}: FAILED ({res.failure})", file=sys.stderr)

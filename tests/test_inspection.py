@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardforge.checkpoint.safe_pickle import load_metadata_pickle
 from shardforge.errors import CheckpointError
 from shardforge.inspection import inspect_checkpoint, inspect_path_or_config
+from shardforge.io.unpickler import load_metadata_pickle
 from shardforge.testing.dist import run_on_ranks
 from shardforge.testing.tiny import make_model
 
@@ -314,7 +314,7 @@ def test_bad_inputs_are_refused_with_one_line(checkpoints: Built, tmp_path: Path
     for path, message in cases.items():
         with pytest.raises(CheckpointError, match=message) as info:
             inspect_checkpoint(path)
-        assert "\n" not in str(info.value) and str(path) in str(info.value)
+        assert "\n" not in info.value.message and str(path) in info.value.message
     assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == []
 
 

@@ -2,8 +2,10 @@
 merge process's peak RSS growth far below the checkpoint size.
 
 Bound stated: peak RSS during the merge (verification included) minus the RSS before it (after
-imports and the model code are loaded) stays below 15% of the checkpoint size, and the
-process's whole peak RSS below the checkpoint size. A merger that loads the model (as torch's dcp_to_torch_save or accelerate do) grows by at
+imports and the model code are loaded) stays below 15% of the checkpoint size plus what
+verification holds (it reads the checkpoint through torch's DCP reader, one tensor at a time:
+the largest tensor and torch's copy of a stored chunk of it, at most 1.5 x the largest tensor
+here), and the process's whole peak RSS below the checkpoint size. A merger that loads the model (as torch's dcp_to_torch_save or accelerate do) grows by at
 least the checkpoint size.
 """
 
@@ -32,6 +34,8 @@ BIG: dict[str, int] = {
 }
 VOCAB = 32000
 GROWTH_BOUND = 0.15  # of the checkpoint size
+LARGEST_TENSOR = VOCAB * BIG["hidden_size"] * 4  # embeddings / lm_head, fp32: 131 MB
+VERIFY_BOUND = 1.5  # of the largest tensor: it and one of its two stored chunks
 
 CHILD = r"""
 import json, sys, time
@@ -122,7 +126,7 @@ def test_peak_memory_stays_far_below_checkpoint_size(big: Path, tmp_path: Path) 
         f"peak {mem['peak'] / 1e6:.0f} MB, growth {growth / 1e6:.0f} MB, "
         f"merge + verify {mem['seconds']:.1f} s"
     )
-    assert growth < GROWTH_BOUND * ckpt_bytes, mem
+    assert growth < GROWTH_BOUND * ckpt_bytes + VERIFY_BOUND * LARGEST_TENSOR, mem
     assert mem["peak"] < ckpt_bytes, mem
     written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     assert abs(written - ckpt_bytes) < 0.05 * ckpt_bytes  # all of it was written

@@ -25,6 +25,7 @@ from shardforge.checkpoint.layouts import (
     LAST,
     OPTIMIZER_DIRS,
     STEP_LAYOUTS,
+    TRAINING_STATE_ROOTS,
     Candidate,
     find_candidates,
     has_rank_files,
@@ -44,7 +45,7 @@ RANK_STATE_FILES: dict[str, re.Pattern[str]] = {
     "other": re.compile(r"^extra_state_world_size_(\d+)_rank_(\d+)\.pt$"),
 }
 # top-level DCP keys that are training state but not optimizer state (torchtitan)
-OTHER_STATE_ROOTS: frozenset[str] = frozenset({"lr_scheduler", "dataloader", "train_state"})
+OTHER_STATE_ROOTS: frozenset[str] = TRAINING_STATE_ROOTS
 # JSON files in or beside a model directory that may record versions and the world size:
 # shardforge's trainer_state.json, verl's fsdp_config.json and huggingface/config.json
 STATE_JSON_FILES: tuple[str, ...] = (

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,8 +28,9 @@ from shardforge.checkpoint.companions import (
     write_tokenizer,
 )
 from shardforge.checkpoint.fastio import prefetch
+from shardforge.checkpoint.hf_writer import write_plan
 from shardforge.checkpoint.inputs import adapt_names, open_checkpoint
-from shardforge.checkpoint.keys import KeyMap, map_keys
+from shardforge.checkpoint.keys import KeyMap, check_tied_copies, map_keys
 from shardforge.checkpoint.layouts import LAST, Candidate, list_checkpoints, resolve_checkpoint
 from shardforge.checkpoint.output import (
     atomic_directory,
@@ -48,8 +48,9 @@ from shardforge.checkpoint.plan import (
     plan_output,
 )
 from shardforge.checkpoint.plan_report import describe_plan
+from shardforge.checkpoint.removal import plan_removal, remove_shards
 from shardforge.checkpoint.sources import DcpSource, TensorSource, average
-from shardforge.checkpoint.stream import write_plan
+from shardforge.checkpoint.stream import ChunkReader
 from shardforge.checkpoint.torch_writer import verify_torch_file, write_torch_file
 from shardforge.checkpoint.verify import verify_output
 from shardforge.config import coerce_cfg
@@ -213,10 +214,13 @@ def _hf_sources(
     try:
         check_against(expected, named, keymap.to_hf, list(keymap.unexpected), source)
     except MergeError as exc:
-        raise MergeError(f"{candidate.model_dir}: {exc}") from None
+        raise MergeError(f"{candidate.model_dir}: {exc.message}", exc.details) from None
     if keymap.skipped_optimizer:
         log.info("skipped %d optimizer entries", len(keymap.skipped_optimizer))
-    return keymap, {hf: named[key].source for key, hf in keymap.to_hf.items()}
+    by_hf = {hf: named[key].source for key, hf in keymap.to_hf.items()}
+    with ChunkReader() as reader:
+        check_tied_copies(expected.tied, by_hf, lambda s: s.read(reader), str(candidate.model_dir))
+    return keymap, by_hf
 
 
 def _prepare(
@@ -272,7 +276,7 @@ def _prepare(
 def _write_hf(prep: _Prepared, out: Path, opts: _Options) -> None:
     """The full Hugging Face directory: weights (+ index), config, generation config,
     tokenizer."""
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, opts.overwrite) as tmp:
         if opts.engine == "stream":
             with _progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
                 write_plan(prep.plan, prep.by_name, tmp, update)
@@ -305,13 +309,13 @@ def _write_hf(prep: _Prepared, out: Path, opts: _Options) -> None:
 
 def _verify(prep: _Prepared, directory: Path, quiet: bool) -> None:
     with _progress(prep.plan.total_bytes, "verifying", quiet) as update:
-        n = verify_output(prep.plan, prep.by_name, directory, update)
+        n = verify_output(prep.plan, prep.by_name, directory, update, prep.expected.tied)
     log.info("verified %d tensors: identical to the checkpoint", n)
 
 
 def _write_safetensors(prep: _Prepared, out: Path, opts: _Options) -> None:
     """One `model.safetensors`-format file at `out` (no index, config or tokenizer)."""
-    with atomic_file(out) as tmp:
+    with atomic_file(out, opts.overwrite) as tmp:
         with _progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
             write_plan(prep.plan, prep.by_name, tmp, update)
         if opts.verify:
@@ -323,11 +327,11 @@ def _write_torch(prep: _Prepared, out: Path, opts: _Options) -> None:
     """One torch.save-format file ``{"state_dict": ...}`` at `out`, one tensor at a time."""
     specs = [t.spec for _, t in prep.plan.tensors()]
     specs = [s for n in prep.expected.saved_names for s in specs if s.name == n]
-    with atomic_file(out) as tmp:
+    with atomic_file(out, opts.overwrite) as tmp:
         with _progress(sum(s.nbytes for s in specs), "merging", opts.quiet) as update:
             write_torch_file(specs, prep.by_name, tmp / out.name, update)
         if opts.verify:
-            n = verify_torch_file(specs, prep.by_name, tmp / out.name)
+            n = verify_torch_file(specs, prep.by_name, tmp / out.name, prep.expected.tied)
             log.info("verified %d tensors: identical to the checkpoint", n)
 
 
@@ -341,6 +345,7 @@ class _Options:
     chat_template: str | None
     chat_template_jinja: str | None
     max_shard_size: int | str
+    overwrite: bool = False
 
 
 # --format -> writer of the output
@@ -400,8 +405,12 @@ def merge_fsdp_weights(
             ``as_saved``); default the config's ``dtype``/``torch_dtype``, else as saved.
         max_shard_size: largest safetensors file (``"5GB"``, bytes); default as save_pretrained.
         verify: re-read the output and compare every tensor with the checkpoint.
-        remove_checkpoint_dir: delete the model checkpoint directory after a passed
-            verification (implies ``verify``).
+        remove_checkpoint_dir: after a passed verification (implies ``verify``), delete the
+            model shard files the merge read (DCP ``.metadata`` and the ``.distcp`` files it
+            names, or the ``model_world_size_W_rank_R.pt`` files) and their folder if then
+            empty; each removed file is logged. Refused before merging when optimizer or
+            trainer state shares those files (torchtitan, Lightning, a model + optimizer DCP)
+            or when they are reached through a symbolic link.
         overwrite: replace an existing output.
         engine: ``stream`` (bounded memory) or ``transformers`` (meta model, ``dcp.load``,
             ``save_pretrained``; holds the whole model in memory; plain DCP, ``hf`` only).
@@ -439,6 +448,10 @@ def merge_fsdp_weights(
         check(out, overwrite, [])  # fail fast, before reading anything
     if single_file and max_shard_size is not None:
         raise MergeError(f"--max_shard_size does not apply to --format {output_format}")
+    removal = None
+    if remove_checkpoint_dir:  # refused here, before the merge reads or writes, when it must be
+        root = checkpoint if checkpoint is not None else config.output_dir
+        removal = plan_removal(resolve_checkpoint(root, step, state_dict_dirname), root)
     prep = _prepare(
         config,
         checkpoint,
@@ -460,6 +473,11 @@ def merge_fsdp_weights(
         )
     if engine != "stream" and not prep.plain_dcp:
         raise MergeError("--engine transformers reads plain DCP checkpoints only")
+    if removal is not None and removal.model_dir != prep.sources.checkpoint.model_dir.absolute():
+        raise MergeError(
+            f"{removal.model_dir}: the checkpoint changed while the merge started (now "
+            f"{prep.sources.checkpoint.model_dir}); run it again"
+        )
     if dry_run:
         sys.stdout.write(describe_plan(prep, out, output_format, save_tokenizer) + "\n")
         return out
@@ -473,12 +491,12 @@ def merge_fsdp_weights(
         config.chat_template,
         config.chat_template_jinja,
         max_shard_size if max_shard_size is not None else default_max_shard_size(),
+        overwrite,
     )
     with sigterm_as_interrupt():
         FORMATS[output_format](prep, out, opts)
     log.info("wrote %s (%.1f MB)", out, prep.plan.total_bytes / 1e6)
-    if remove_checkpoint_dir:
-        model_dir = prep.sources.checkpoint.model_dir
-        shutil.rmtree(model_dir)
-        log.info("removed the sharded checkpoint %s", model_dir)
+    if removal is not None:  # the output is verified and published
+        removed = remove_shards(removal)
+        log.info("removed %d shard files of %s", len(removed.files), removal.model_dir)
     return out

@@ -43,7 +43,7 @@ def test_fsdp_prefix_is_removed() -> None:
     assert config.architectures == ["LlamaForCausalLM"]
 
 
-def test_every_problem_in_one_line() -> None:
+def test_every_problem_counted_in_the_headline_and_listed_in_details() -> None:
     exp = build_expected(make_config("llama"), False)
     names = [n for n in exp.saved_names if n != "model.norm.weight"]
     entries = {n: TensorEntry(n, (n,), torch.float32, exp.shapes[n], ()) for n in names}
@@ -53,8 +53,10 @@ def test_every_problem_in_one_line() -> None:
     to_hf = {n: n for n in names}
     with pytest.raises(MergeError) as info:
         check_against(exp, entries, to_hf, ["model.extra"], "base")
-    msg = str(info.value)
-    assert "\n" not in msg
-    assert "1 missing: model.norm.weight" in msg
-    assert "1 unexpected: model.extra" in msg
-    assert f"{first} [1, 2] vs" in msg
+    err = info.value
+    assert "\n" not in err.message
+    assert "(1 missing, 1 unexpected, 1 shape mismatches)" in err.message
+    assert "missing: model.norm.weight" in err.details
+    assert "unexpected: model.extra" in err.details
+    shape = f"shape mismatch (checkpoint vs config): {first} [1, 2] vs"
+    assert any(d.startswith(shape) for d in err.details)

@@ -7,6 +7,7 @@ import pytest
 
 from shardforge.checkpoint.fastio import CopyJob, copy_jobs, prefetch
 from shardforge.checkpoint.stream import copy_range
+from shardforge.errors import CheckpointError
 
 
 def _files(tmp_path: Path, n: int, size: int) -> list[Path]:
@@ -46,7 +47,7 @@ def test_copy_jobs_raise_the_first_error(tmp_path: Path) -> None:
     fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         jobs = [CopyJob(src, 0, fd, 0, 4096), CopyJob(tmp_path / "missing.bin", 0, fd, 0, 10)]
-        with pytest.raises(FileNotFoundError):
+        with pytest.raises(CheckpointError, match=r"missing\.bin: cannot read"):
             copy_jobs(jobs, copy_range, workers=4)
     finally:
         os.close(fd)

@@ -71,8 +71,10 @@ def test_optimizer_directory_points_to_the_model(tmp_path: Path, opt: str, model
 
 def test_nothing_found_lists_what_was_looked_for(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("x")
-    with pytest.raises(CheckpointError, match="looked for checkpoint-N/model/"):
+    with pytest.raises(CheckpointError, match="no complete checkpoint found") as info:
         resolve_checkpoint(tmp_path)
+    assert "\n" not in info.value.message  # the layouts looked for are details
+    assert "- checkpoint-N/model/ (shardforge)" in info.value.details
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_checkpoint(tmp_path / "nope")
     (tmp_path / "e").mkdir()
@@ -190,3 +192,32 @@ def test_a_newer_full_model_save_stops_the_merge(tmp_path: Path) -> None:
     (run / "checkpoint-40" / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(CheckpointError, match=r"checkpoint-40/model.safetensors.index.json"):
         resolve_checkpoint(run)
+
+
+def test_an_unfinished_save_is_named(tmp_path: Path) -> None:
+    """A step folder whose model folder has .distcp files but no .metadata is the reason no
+    checkpoint is found: the error says which folder and why, in its first line."""
+    run = tmp_path / "run"
+    (run / "checkpoint-4" / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (run / "checkpoint-4" / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"x")
+    (run / "step-2").mkdir()
+    (run / "step-2" / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(CheckpointError) as info:
+        resolve_checkpoint(run)
+    assert info.value.message == (
+        f"{run}: no complete checkpoint: checkpoint-4/pytorch_model_fsdp_0 has .distcp files "
+        "but no .metadata: the save did not finish"
+    )
+    assert info.value.details == [
+        "step-2 has .distcp files but no .metadata: the save did not finish"
+    ]
+
+
+def test_every_layout_says_where_its_training_state_lives() -> None:
+    """The removal decision is data: each layout a candidate can carry has a row, and the ones
+    that keep optimizer state inside the model's shard files say so."""
+    from shardforge.checkpoint.layouts import DCP, LAYOUT_STATE, LAYOUTS, RANK_FILES, SHARD_FILES
+
+    assert set(LAYOUTS) | {DCP, RANK_FILES} == set(LAYOUT_STATE)
+    assert {n for n, s in LAYOUT_STATE.items() if s.shared} == {"torchtitan", "lightning"}
+    assert set(SHARD_FILES) == {DCP, RANK_FILES}

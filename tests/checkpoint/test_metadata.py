@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardforge.checkpoint.metadata import read_metadata
+from shardforge.checkpoint.hf_writer import write_plan
+from shardforge.checkpoint.metadata import Chunk, read_metadata
 from shardforge.checkpoint.plan import TensorSpec, plan_output
-from shardforge.checkpoint.stream import ChunkReader, write_plan
+from shardforge.checkpoint.sources import DcpSource
+from shardforge.checkpoint.stream import ChunkReader
 from shardforge.errors import CheckpointError
 from shardforge.testing.dist import run_on_ranks
 
@@ -76,7 +78,7 @@ def test_streams_every_kind_of_chunk_into_safetensors(sharded: Path, tmp_path: P
     specs = [TensorSpec(k, e.dtype, e.shape) for k, e in meta.tensors.items()]
     specs[0] = TensorSpec("rows", torch.float16, meta.tensors["rows"].shape)  # cast while streaming
     plan = plan_output(specs, "5GB", 0)
-    write_plan(plan, dict(meta.tensors), tmp_path, lambda n: None)
+    write_plan(plan, {k: DcpSource(v) for k, v in meta.tensors.items()}, tmp_path, lambda n: None)
     got = load_file(tmp_path / "model.safetensors")
     for key, ref in originals().items():
         want = ref.to(torch.float16) if key == "rows" else ref
@@ -190,3 +192,37 @@ def test_storage_paths_leaving_the_directory_are_refused(
     _rewrite(ckpt, escape)
     with pytest.raises(CheckpointError, match="leaves the checkpoint directory"):
         read_metadata(ckpt)
+
+
+def _grid(rows: int, cols: int, block: int) -> list[Chunk]:
+    f = Path("f")
+    return [
+        Chunk((r * block, c * block), (block, block), f, 0, 1)
+        for r in range(rows)
+        for c in range(cols)
+    ]
+
+
+def test_tiling_is_exact_and_quick_for_many_chunks() -> None:
+    """Thousands of chunks are checked in a sweep along dim 0 (not every pair); an overlap
+    between chunks that are not neighbours in any order, a gap, and a chunk outside are found."""
+    import time
+
+    from shardforge.checkpoint.metadata import _check_tiling
+
+    where = Path("m")
+    start = time.perf_counter()
+    rows = [Chunk((i, 0), (1, 8), Path("f"), 0, 1) for i in range(8192)]
+    _check_tiling("rows", (8192, 8), rows[::-1], where)  # every pair: 33 million checks
+    _check_tiling("grid", (32 * 4, 32 * 4), _grid(32, 32, 4), where)
+    assert time.perf_counter() - start < 5.0
+    grid = _grid(8, 8, 4)
+    grid[63] = Chunk((1, 2), (4, 4), Path("f"), 0, 1)  # the last block moved onto the first ones
+    with pytest.raises(CheckpointError, match="overlap"):
+        _check_tiling("grid", (32, 32), grid, where)
+    with pytest.raises(CheckpointError, match="cover 1008 of 1024 elements"):
+        _check_tiling("grid", (32, 32), _grid(8, 8, 4)[:-1], where)
+    with pytest.raises(CheckpointError, match="lies outside its shape"):
+        _check_tiling("grid", (32, 31), _grid(8, 8, 4), where)
+    with pytest.raises(CheckpointError, match="negative dimension"):
+        _check_tiling("t", (-1, 4), [], where)

@@ -38,7 +38,7 @@ def test_replace_happens_only_at_the_end(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "old").write_text("old")
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, overwrite=True) as tmp:
         (tmp / "new").write_text("new")
         assert (out / "old").exists()
     assert [p.name for p in out.iterdir()] == ["new"]

@@ -15,7 +15,6 @@ from shardforge.checkpoint.sources import (
     DcpSource,
     TransformedSource,
     average,
-    write_source,
 )
 from shardforge.checkpoint.stream import ChunkReader
 from shardforge.errors import MergeError
@@ -29,13 +28,13 @@ def _save(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, DcpSource]:
 
 
 def _written(reader: ChunkReader, src: object, dtype: torch.dtype, tmp: Path) -> torch.Tensor:
-    """Write `src` through write_source into a file and read the bytes back."""
+    """Write `src` through its own `write_into` into a file and read the bytes back."""
     assert hasattr(src, "shape")
     shape = src.shape  # type: ignore[attr-defined]
     nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        write_source(reader, fd, 8, dtype, src, lambda n: None)  # type: ignore[arg-type]
+        src.write_into(reader, fd, 8, dtype, lambda n: None)  # type: ignore[attr-defined]
         data = bytearray(os.pread(fd, nbytes, 8))
     finally:
         os.close(fd)

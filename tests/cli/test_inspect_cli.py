@@ -130,8 +130,9 @@ def test_bad_paths_get_one_line_errors(tmp_path: Path, make: object, message: st
         result = run(path, *extra)
         assert result.exit_code == 1
         assert result.stdout == ""
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"error: {path}: ")
+        lines = result.stderr.strip().splitlines()  # one error line, then indented details
+        assert lines[0].startswith(f"error: {path}: ")
+        assert all(line.startswith("  ") for line in lines[1:])
         assert message in lines[0] and "Traceback" not in result.stderr
     debug = run(path, "--debug")
     assert isinstance(debug.exception, CheckpointError) and message in str(debug.exception)

@@ -78,13 +78,17 @@ def invoke(env: Path, *args: str) -> Any:
 
 
 def one_line_error(stderr: str) -> str:
-    """The error is the last line, the only one starting with `error:`; no traceback.
-    (Lines before it are progress information, such as the chosen checkpoint.)"""
+    """The error is one `error:` line (at most 300 characters), the last one but for the
+    indented details under it (at most 20 and "(+N more)"); no traceback. (Lines before it are
+    progress information, such as the chosen checkpoint.) Returns the error and its details."""
     lines = [line for line in stderr.splitlines() if line.strip()]
-    assert lines and lines[-1].startswith("error: "), stderr
     assert sum(line.startswith("error") for line in lines) == 1, stderr
+    at = next(i for i, line in enumerate(lines) if line.startswith("error: "))
+    details = lines[at + 1 :]
+    assert all(d.startswith("  ") for d in details) and len(details) <= 21, stderr
+    assert len(lines[at]) <= 300, lines[at]
     assert "Traceback" not in stderr
-    return lines[-1]
+    return "\n".join(lines[at:])
 
 
 def assert_refused(env: Path, result: Any, before: str, *words: str) -> None:

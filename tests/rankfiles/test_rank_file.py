@@ -138,7 +138,7 @@ def test_compressed_record_is_refused(tmp_path: Path) -> None:
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
         for info in zin.infolist():
             zout.writestr(info.filename, zin.read(info))
-    with pytest.raises(CheckpointError, match="compressed; not supported"):
+    with pytest.raises(CheckpointError, match=r"unsupported zip feature.*compressed"):
         read_rank_file(dst)
 
 

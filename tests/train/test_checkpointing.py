@@ -158,13 +158,11 @@ def test_complete_checkpoints_resolve_and_prune(tmp_path: Path) -> None:
     fake("checkpoint-x")
     names = [p.name for p in ckpt.complete_checkpoints(tmp_path)]
     assert names == ["checkpoint-2", "checkpoint-10"]  # by step, not by name
-    assert ckpt.resolve_resume("auto", tmp_path) == tmp_path / "checkpoint-10"
     assert ckpt.resolve_resume("auto", tmp_path / "empty") is None
     assert ckpt.resolve_resume(None, tmp_path) is None
-    assert (
-        ckpt.resolve_resume(str(tmp_path / "checkpoint-2"), tmp_path) == tmp_path / "checkpoint-2"
-    )
-    for bad in ("checkpoint-12.tmp", "checkpoint-14", "nothing"):
+    with pytest.raises(CheckpointError, match="every checkpoint"):  # empty files: damaged
+        ckpt.resolve_resume("auto", tmp_path, announce=False)
+    for bad in ("checkpoint-2", "checkpoint-12.tmp", "checkpoint-14", "nothing"):
         with pytest.raises(CheckpointError, match="resume_from_checkpoint"):
             ckpt.resolve_resume(str(tmp_path / bad), tmp_path)
     assert [p.name for p in ckpt.prune(tmp_path, 1)] == ["checkpoint-2"]
@@ -172,43 +170,63 @@ def test_complete_checkpoints_resolve_and_prune(tmp_path: Path) -> None:
     assert (tmp_path / "checkpoint-12.tmp").exists()  # junk is never pruned as a checkpoint
 
 
-def _kill_tree(job: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the job and all its descendants at once (no chance to clean up)."""
-    children = psutil.Process(job.pid).children(recursive=True)
-    for p in [psutil.Process(job.pid), *children]:
+def _command(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # exited meanwhile (a helper process of the launcher)
+        return ""
+
+
+def _job_processes(job: subprocess.Popen[bytes], config: Path, ranks: int) -> list[psutil.Process]:
+    """The launcher, torchrun and its `ranks` rank processes (all name `config`), once they
+    all run."""
+    deadline = time.monotonic() + 240
+    while True:
+        procs = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
+        if sum(str(config) in _command(p) for p in procs) >= ranks + 2:
+            return procs
+        assert job.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.05)
+
+
+def _kill_all(job: subprocess.Popen[bytes], procs: list[psutil.Process]) -> None:
+    """SIGKILL every process of the job at once (no chance to clean up)."""
+    for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(signal.SIGKILL)
     job.wait(timeout=30)
-    psutil.wait_procs(children, timeout=30)
+    psutil.wait_procs(procs[1:], timeout=30)
 
 
 def test_kill_9_during_save_resumes_from_the_last_complete_checkpoint(
     reference: Path, base_cfg: dict[str, Any], tmp_path: Path
 ) -> None:
+    """A real save of step 4 is killed with SIGKILL as soon as its `checkpoint-4.tmp` appears
+    (the save takes about 200 ms; the test polls every millisecond): the next run resumes from
+    checkpoint-2 and computes what the uninterrupted run did."""
     out = tmp_path / "out"
     config = write_config(
         tmp_path / "cfg.yml",
         {**base_cfg, "output_dir": str(out), "resume_from_checkpoint": "auto"},
     )
-    # rank 0 stops inside the save of step 4, after the model shards are written
-    env = train_env({ckpt.PAUSE_ENV: "4"})
     job = subprocess.Popen(
         train_cmd(config, nproc=2),
         cwd=ROOT,
-        env=env,
+        env=train_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    marker = out / "checkpoint-4.tmp" / ckpt.PAUSED_MARKER
+    procs = _job_processes(job, config, ranks=2)
+    saving = out / "checkpoint-4.tmp"
     deadline = time.monotonic() + 240
-    while not marker.exists():
-        assert job.poll() is None, "training ended before reaching the save of step 4"
+    while not saving.exists():
+        assert job.poll() is None, "training ended before the save of step 4"
         assert time.monotonic() < deadline, "timed out waiting for the save of step 4"
-        time.sleep(0.2)
-    _kill_tree(job)  # kill -9 of the launcher, torchrun and every rank
+        time.sleep(0.001)
+    _kill_all(job, procs)  # kill -9 of the launcher, torchrun and every rank
     assert job.returncode == -signal.SIGKILL
-    assert (out / "checkpoint-4.tmp" / "model" / ".metadata").is_file()
+    assert saving.is_dir()
     assert not (out / "checkpoint-4").exists()
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
 
@@ -220,8 +238,83 @@ def test_kill_9_during_save_resumes_from_the_last_complete_checkpoint(
         "checkpoint-4",
         "checkpoint-6",
     ]
-    assert not (out / "checkpoint-4.tmp").exists()
+    assert not saving.exists()
     assert os.listdir(out / "checkpoint-4" / "model")
+
+
+def _truncate(path: Path, keep: float = 0.5) -> None:
+    with path.open("r+b") as f:
+        f.truncate(int(path.stat().st_size * keep))
+
+
+@pytest.mark.parametrize(
+    "damage,found",
+    [
+        ("model/__0_0.distcp", "truncated"),
+        ("optimizer/.metadata", "optimizer/.metadata"),
+        ("rng_state_1.pt", "rng_state_1.pt: unreadable"),
+        ("trainer_state.json", "trainer_state.json: unreadable"),
+    ],
+)
+def test_a_damaged_checkpoint_is_named_and_auto_falls_back(
+    reference: Path, tmp_path: Path, damage: str, found: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The merge's checks (paths, tiling, file sizes) plus the trainer state and RNG files:
+    `auto` skips the damaged latest checkpoint with one notice, a named one is one error."""
+    out = _stopped_after(reference, 4, tmp_path / "out")
+    _truncate(out / "checkpoint-4" / damage)
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        assert ckpt.resolve_resume("auto", out) == out / "checkpoint-2"
+    notices = [r.getMessage() for r in caplog.records]
+    assert len(notices) == 1 and "skipping checkpoint-4, which is damaged" in notices[0]
+    assert found in notices[0] and "\n" not in notices[0]
+    caplog.clear()
+    assert ckpt.resolve_resume("auto", out, announce=False) == out / "checkpoint-2"
+    assert not caplog.records
+    with pytest.raises(CheckpointError) as err:
+        ckpt.resolve_resume(str(out / "checkpoint-4"), out)
+    assert "cannot be resumed" in str(err.value) and found in str(err.value)
+    assert "\n" not in str(err.value)
+    _truncate(out / "checkpoint-2" / "model" / "__1_0.distcp")
+    with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged"):
+        ckpt.resolve_resume("auto", out, announce=False)
+
+
+def test_resume_falls_back_past_a_damaged_latest_checkpoint(
+    reference: Path, base_cfg: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A truncated data file in the latest checkpoint: training resumes from the previous one
+    (one notice) and computes what the uninterrupted run did."""
+    out = _stopped_after(reference, 4, tmp_path / "out")
+    _truncate(out / "checkpoint-4" / "model" / "__1_0.distcp")
+    cfg = _one_rank(base_cfg, out, resume_from_checkpoint="auto")
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        _train_here(cfg, tmp_path / "cfg.yml")
+    text = caplog.text
+    assert text.count("skipping checkpoint-4, which is damaged") == 1 and "truncated" in text
+    assert "checkpoint-2 at step 2" in text
+    _assert_same_losses(losses(out), losses(reference), range(3, 7))
+    assert ckpt.checkpoint_problem(out / "checkpoint-4") is None  # saved again, complete
+
+
+def test_a_named_damaged_checkpoint_is_one_error(
+    reference: Path, base_cfg: dict[str, Any], tmp_path: Path
+) -> None:
+    """`shardforge train` on 2 ranks with a damaged checkpoint named explicitly: one error
+    line, no traceback, nothing trained."""
+    out = _stopped_after(reference, 4, tmp_path / "out")
+    _truncate(out / "checkpoint-4" / "optimizer" / "__0_0.distcp")
+    named = str(out / "checkpoint-4")
+    config = write_config(
+        tmp_path / "cfg.yml", {**base_cfg, "output_dir": str(out), "resume_from_checkpoint": named}
+    )
+    proc = run_train(config, nproc=2, check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, proc.stderr
+    assert "checkpoint-4 cannot be resumed" in errors[0] and "truncated" in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
 
 
 def test_hsdp_trains_resumes_and_merges_like_full_shard(

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from shardforge.errors import MergeError
+from shardforge.checkpoint.keys import stored_once
+from shardforge.errors import MergeError, printable
 
 log = logging.getLogger("shardforge")
 
 FSDP_ARCH_PREFIX = "FSDP"
-MAX_LISTED = 20
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class ExpectedModel:
     @property
     def saved_names(self) -> list[str]:
         """Names written to disk: tied targets are stored once, under their source."""
-        return [n for n in self.shapes if n not in self.tied]
+        return stored_once(self.shapes, self.tied)
 
 
 def clean_architectures(config: Any) -> None:
@@ -57,7 +57,14 @@ def load_config(source: str, trust_remote_code: bool) -> Any:
     return config
 
 
-def _tied_pairs(model: Any, config: Any) -> dict[str, str]:
+def tied_pairs(model: Any, config: Any) -> dict[str, str]:
+    """The model's tied weights, target -> source, among its state-dict names (what
+    `save_pretrained` stores once, under the source; `keys.stored_once` applies it)."""
+    names = set(model.state_dict())
+    return {t: s for t, s in _declared_ties(model, config).items() if t in names and s in names}
+
+
+def _declared_ties(model: Any, config: Any) -> dict[str, str]:
     tied = getattr(model, "all_tied_weights_keys", None)  # transformers 5.x: target -> source
     if isinstance(tied, Mapping):
         return {str(k): str(v) for k, v in tied.items()}
@@ -87,7 +94,7 @@ def build_expected(config: Any, trust_remote_code: bool) -> ExpectedModel:
     sd = model.state_dict()
     shapes = {k: tuple(v.shape) for k, v in sd.items()}
     dtypes = {k: v.dtype for k, v in sd.items()}
-    tied = {t: s for t, s in _tied_pairs(model, config).items() if t in shapes and s in shapes}
+    tied = tied_pairs(model, config)
     total = sum(p.numel() for p in model.parameters())
     return ExpectedModel(config, shapes, dtypes, tied, total, _renamed_on_save(model, sd))
 
@@ -113,12 +120,6 @@ def _kind(dtype: torch.dtype) -> str:
     return "bool" if dtype == torch.bool else "int"
 
 
-def _listing(title: str, items: list[str]) -> str:
-    shown = ", ".join(items[:MAX_LISTED])
-    more = f" (+{len(items) - MAX_LISTED} more)" if len(items) > MAX_LISTED else ""
-    return f"{len(items)} {title}: {shown}{more}"
-
-
 def check_against(
     expected: ExpectedModel,
     entries: Mapping[str, Any],
@@ -128,13 +129,8 @@ def check_against(
 ) -> None:
     """Raise one MergeError listing every missing, unexpected, mis-shaped or mis-typed tensor
     (`entries`: checkpoint key -> anything with `shape` and `dtype`)."""
-    problems: list[str] = []
     present = set(to_hf.values())
     missing = [n for n in expected.saved_names if n not in present]
-    if missing:
-        problems.append(_listing("missing", missing))
-    if unexpected:
-        problems.append(_listing("unexpected", unexpected))
     bad_shape, bad_dtype = [], []
     for key, name in to_hf.items():
         e = entries[key]
@@ -142,13 +138,18 @@ def check_against(
             bad_shape.append(f"{name} {list(e.shape)} vs {list(expected.shapes[name])}")
         elif _kind(e.dtype) != _kind(expected.dtypes[name]):
             bad_dtype.append(f"{name} {e.dtype} vs {expected.dtypes[name]}")
-    if bad_shape:
-        problems.append(_listing("shape mismatches (checkpoint vs config)", bad_shape))
-    if bad_dtype:
-        problems.append(_listing("dtype mismatches (checkpoint vs config)", bad_dtype))
-    if problems:
+    # (what, count word, items): the headline counts each kind, the details list every item
+    kinds = [
+        ("missing", "missing", missing),
+        ("unexpected", "unexpected", [printable(k) for k in unexpected]),
+        ("shape mismatch (checkpoint vs config)", "shape mismatches", bad_shape),
+        ("dtype mismatch (checkpoint vs config)", "dtype mismatches", bad_dtype),
+    ]
+    found = [(what, word, items) for what, word, items in kinds if items]
+    if found:
+        counts = ", ".join(f"{len(items)} {word}" for _, word, items in found)
         raise MergeError(
-            f"the checkpoint does not match the architecture from {source}: "
-            + "; ".join(problems)
-            + ". Check base_model / base_model_config."
+            f"the checkpoint does not match the architecture from {source} ({counts}); "
+            "check base_model / base_model_config",
+            [f"{what}: {item}" for what, _, items in found for item in items],
         )

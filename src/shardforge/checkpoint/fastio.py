@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardforge.io.files import open_regular
+
 COPY_WORKERS = 4
 # Never prefetch more than this share of the memory the kernel reports as available.
 PREFETCH_SHARE_OF_AVAILABLE = 0.5
@@ -54,7 +56,7 @@ def prefetch(files: Iterable[Path], budget: int | None = None) -> int:
         if asked >= budget:
             break
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: no wait
         except OSError:
             continue
         try:
@@ -72,7 +74,7 @@ def prefetch(files: Iterable[Path], budget: int | None = None) -> int:
 def _run(job: CopyJob, copy: Callable[[int, int, int, int, int], None]) -> None:
     # Each job opens its own descriptor: a checkpoint may have thousands of data files, and
     # an open() costs microseconds next to a copy of megabytes.
-    fd = os.open(job.src, os.O_RDONLY)
+    fd = open_regular(job.src)  # a regular file, never a FIFO (no wait)
     try:
         copy(fd, job.dst_fd, job.src_offset, job.dst_offset, job.nbytes)
     finally:

@@ -57,7 +57,7 @@ def _open_dcp(candidate: Candidate) -> dict[str, NamedSource]:
 
     meta = read_metadata(candidate.model_dir)
     check_model_keys(candidate.model_dir, list(meta.tensors))
-    return {k: NamedSource(e.path, DcpSource(e)) for k, e in meta.tensors.items()}
+    return {k: NamedSource(e.path, DcpSource(e, meta.directory)) for k, e in meta.tensors.items()}
 
 
 def check_fsdp_config(model_dir: Path, world_size: int) -> None:

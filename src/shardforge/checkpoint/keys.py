@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
 
 from shardforge.errors import CheckpointError
+
+T = TypeVar("T")
 
 # segments that wrappers insert anywhere in a module path
 WRAPPER_SEGMENTS: frozenset[str] = frozenset(
@@ -84,3 +89,47 @@ def map_keys(paths: Mapping[str, tuple[str, ...]], expected: Iterable[str]) -> K
         seen[hf] = key
         to_hf[key] = hf
     return KeyMap(to_hf, best_prefix, optimizer, tuple(sorted(unexpected)))
+
+
+# ---------------------------------------------------------------- tied weights (one rule)
+
+
+def stored_once(names: Iterable[str], tied: Mapping[str, str]) -> list[str]:
+    """The names to store, in order: a tied target (`tied`: target -> source) is stored once,
+    under its source, as `save_pretrained` does."""
+    return [n for n in names if n not in tied]
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bits (NaNs and signed zeros compare exactly)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    )
+
+
+def check_tied_copies(
+    tied: Mapping[str, str],
+    stored: Mapping[str, T],
+    read: Callable[[T], torch.Tensor],
+    where: str,
+) -> list[str]:
+    """Compare both stored copies of every tied pair found in `stored` (name -> whatever
+    `read` turns into the tensor); return the targets that were compared equal (they are
+    dropped by `stored_once`). CheckpointError naming both keys when two copies differ: the
+    model ties them, so one would be silently lost."""
+    compared = []
+    for target, source in tied.items():
+        if target not in stored or source not in stored:
+            continue
+        a, b = read(stored[target]), read(stored[source])
+        if not same_tensor(a, b):
+            raise CheckpointError(
+                f"{where}: stores the tied weights {target} and {source} with different "
+                "values; the model ties them (tie_word_embeddings), so one would be lost. Set "
+                "tie_word_embeddings: false in the model config if they are meant to differ"
+            )
+        compared.append(target)
+        del a, b
+    return compared

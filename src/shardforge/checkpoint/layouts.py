@@ -44,6 +44,65 @@ OPTIMIZER_DIRS: dict[str, tuple[str, ...]] = {
 }
 
 
+# top-level DCP keys of training state that is not optimizer state (torchtitan)
+TRAINING_STATE_ROOTS: frozenset[str] = frozenset({"lr_scheduler", "dataloader", "train_state"})
+
+
+@dataclass(frozen=True)
+class ShardFiles:
+    """Which files of a model directory are its model shards: what the merge reads and what
+    `--remove_checkpoint_dir` may delete (nothing else in the folder is ever removed)."""
+
+    described: str
+    pattern: re.Pattern[str] | None  # the shard file names; None: the files `.metadata` names
+
+
+# model directory kind -> its shard files
+SHARD_FILES: dict[str, ShardFiles] = {
+    DCP: ShardFiles("the .metadata file and the .distcp files it names", None),
+    RANK_FILES: ShardFiles("the model_world_size_W_rank_R.pt files", _RANK_FILE),
+}
+
+
+@dataclass(frozen=True)
+class LayoutState:
+    """Where a layout keeps optimizer and trainer state: in the model's own shard files
+    (`shared`: removing the shards would delete it), or in files of its own (`beside`, never
+    removed)."""
+
+    shared: bool
+    beside: str  # in words, for messages and docs
+
+
+# layout (Candidate.layout) -> where its training state lives
+LAYOUT_STATE: dict[str, LayoutState] = {
+    "shardforge": LayoutState(False, "optimizer/, trainer_state.json, rng_state_R.pt"),
+    "hf-trainer": LayoutState(
+        False, "optimizer_0/, scheduler.pt, rng_state_R.pth, trainer_state.json"
+    ),
+    "accelerate": LayoutState(False, "optimizer_0/, scheduler.bin, random_states_R.pkl"),
+    "lmms-engine": LayoutState(False, "optimizer and EMA folders beside the model folder"),
+    "verl": LayoutState(
+        False,
+        "optim_world_size_W_rank_R.pt, extra_state_world_size_W_rank_R.pt, huggingface/, "
+        "fsdp_config.json",
+    ),
+    "torchtitan": LayoutState(True, "optimizer, lr_scheduler, dataloader, train_state entries"),
+    "lightning": LayoutState(True, "optimizer entries in the .ckpt/ DCP, meta.pt"),
+    # a model directory given directly: its entries (DCP) or file names (rank files) decide
+    DCP: LayoutState(False, "optimizer/ or optimizer_0/ beside it"),
+    RANK_FILES: LayoutState(False, "optim_world_size_W_rank_R.pt beside the rank files"),
+}
+
+
+def state_kind(path: tuple[str, ...]) -> str:
+    """What a checkpoint entry is: "optimizer", "training" (other training state) or "model"."""
+    if is_optimizer_key(path):
+        return "optimizer"
+    first = path[0].split(".", 1)[0] if path else ""
+    return "training" if first in TRAINING_STATE_ROOTS else "model"
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A complete checkpoint found under a root: its layout, step and model directory.
@@ -181,13 +240,49 @@ LAYOUTS: dict[str, Callable[[Path, str | None], list[Candidate]]] = {
     "lightning": _lightning,
 }
 
-LOOKED_FOR = (
-    "checkpoint-N/model/ (shardforge), checkpoint-N/pytorch_model_fsdp_0/ or "
-    "pytorch_model_fsdp_0/ (HF Trainer / accelerate, DCP; LMMs-Engine, rank files), "
-    "global_step_N/actor/ (verl rank files), step-N/ (torchtitan DCP), *.ckpt/ with meta.pt "
-    "(Lightning), a DCP directory with .metadata, or a folder of "
-    "model_world_size_W_rank_R.pt files"
+LOOKED_FOR: tuple[str, ...] = (
+    "checkpoint-N/model/ (shardforge)",
+    "checkpoint-N/pytorch_model_fsdp_0/ or pytorch_model_fsdp_0/ (HF Trainer / accelerate DCP, "
+    "LMMs-Engine rank files)",
+    "global_step_N/actor/ (verl rank files)",
+    "step-N/ (torchtitan DCP)",
+    "*.ckpt/ with meta.pt (Lightning)",
+    "a DCP directory with .metadata, or a folder of model_world_size_W_rank_R.pt files",
 )
+# step folders of every layout (where an unfinished save is looked for)
+_STEP_DIRS = (_CHECKPOINT_DIR, _GLOBAL_STEP_DIR, _TITAN_STEP_DIR)
+
+
+def _unfinished(folder: Path) -> str | None:
+    """Why `folder` holds shards but is not a complete checkpoint (None: it does not)."""
+    if _is_dcp(folder) or not folder.is_dir():
+        return None
+    if any(folder.glob("*.distcp")):
+        if any(folder.glob("__*.metadata")):
+            return (
+                "has per-rank metadata from use_collectives=False and no global .metadata; "
+                "this layout is not supported"
+            )
+        return "has .distcp files but no .metadata: the save did not finish"
+    return None
+
+
+def find_unfinished(root: Path) -> list[str]:
+    """`<folder> <why>` for each folder under `root` (itself, its step folders and their model
+    folders) that holds shards of a save that did not finish, newest step first."""
+    folders = [root]
+    steps = [d for d in root.iterdir() if d.is_dir() and any(p.match(d.name) for p in _STEP_DIRS)]
+    steps.sort(key=lambda d: int(re.sub(r"\D", "", d.name) or 0), reverse=True)
+    subs = {sub for rule in STEP_LAYOUTS.values() for sub in rule.subdirs if sub != "."}
+    for d in steps:
+        folders += [d, *(d / sub for sub in sorted(subs))]
+    out = []
+    for f in folders:
+        why = _unfinished(f)
+        if why is not None:
+            label = f.relative_to(root) if f != root else f
+            out.append(f"{label} {why}")
+    return out
 
 
 def check_not_optimizer(model_dir: Path) -> None:
@@ -308,10 +403,15 @@ def resolve_checkpoint(
             )
         if list(r.glob("*.distcp")):
             raise CheckpointError(
-                f"{r}: has .distcp files but no .metadata; the checkpoint is incomplete "
-                "(the save did not finish, or .metadata was not copied)"
+                f"{r}: has .distcp files but no .metadata: the save did not finish (or "
+                ".metadata was not copied); the checkpoint is incomplete"
             )
-        raise CheckpointError(f"{r}: no complete checkpoint found; looked for {LOOKED_FOR}")
+        unfinished = find_unfinished(r)
+        if unfinished:
+            raise CheckpointError(f"{r}: no complete checkpoint: {unfinished[0]}", unfinished[1:])
+        raise CheckpointError(
+            f"{r}: no complete checkpoint found; looked for:", [f"- {w}" for w in LOOKED_FOR]
+        )
     picked = _pick(cands, r, step)
     if step is None:
         check_no_newer_full_save(r, picked)

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
 import torch
 
-from shardforge.checkpoint.safe_pickle import (
+from shardforge.errors import CheckpointError
+from shardforge.io.files import inside, open_regular
+from shardforge.io.unpickler import (
     BytesStorageMetadata,
     Metadata,
     TensorStorageMetadata,
     load_metadata_pickle,
 )
-from shardforge.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
 TORCH_ZIP_MAGIC = b"PK\x03\x04"
@@ -72,8 +75,7 @@ def _safe_relative(directory: Path, relative: Any, key: str) -> Path:
             f"{directory / METADATA_FILE}: storage path {str(relative)!r} of {key!r} leaves the "
             "checkpoint directory; refusing to read it"
         )
-    full = (directory / rel).resolve()
-    if not full.is_relative_to(directory.resolve()):
+    if not inside(directory / rel, directory):
         raise CheckpointError(
             f"{directory / METADATA_FILE}: storage path {str(relative)!r} of {key!r} leaves the "
             "checkpoint directory; refusing to read it"
@@ -82,21 +84,40 @@ def _safe_relative(directory: Path, relative: Any, key: str) -> Path:
 
 
 def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk], where: Path) -> None:
-    total = 0
+    """The chunks tile the tensor exactly: each lies inside it, no two overlap, and together
+    they hold every element (Python integers: nothing overflows)."""
+    if any(d < 0 for d in shape):
+        raise CheckpointError(f"{where}: {key!r} has a negative dimension in {list(shape)[:8]}")
     for c in chunks:
-        if len(c.offsets) != len(shape) or any(
-            o < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, shape, strict=True)
+        if len(c.offsets) != len(shape) or len(c.sizes) != len(shape):
+            raise CheckpointError(
+                f"{where}: a chunk of {key!r} has {len(c.sizes)} dimensions, the tensor "
+                f"{len(shape)}; corrupt checkpoint"
+            )
+        if any(
+            o < 0 or s < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, shape, strict=True)
         ):
-            raise CheckpointError(f"{where}: chunk {c.offsets} of {key!r} lies outside {shape}")
-        total += c.numel
-    nonempty = [c for c in chunks if c.numel > 0]
-    for i, a in enumerate(nonempty):
-        for b in nonempty[i + 1 :]:
+            raise CheckpointError(
+                f"{where}: chunk at {list(c.offsets)[:8]} of size {list(c.sizes)[:8]} of {key!r} "
+                f"lies outside its shape {list(shape)[:8]}; corrupt checkpoint"
+            )
+    # sweep along dim 0: only chunks whose rows meet can overlap
+    nonempty = sorted((c for c in chunks if c.numel > 0), key=lambda c: c.offsets)
+    active: list[Chunk] = []
+    for c in nonempty:
+        if shape:
+            active = [a for a in active if a.offsets[0] + a.sizes[0] > c.offsets[0]]
+        for a in active:
             if all(
                 ao < bo + bs and bo < ao + as_
-                for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
+                for ao, as_, bo, bs in zip(a.offsets, a.sizes, c.offsets, c.sizes, strict=True)
             ):
-                raise CheckpointError(f"{where}: chunks of {key!r} overlap; corrupt checkpoint")
+                raise CheckpointError(
+                    f"{where}: chunks at {list(a.offsets)[:8]} and {list(c.offsets)[:8]} of "
+                    f"{key!r} overlap; corrupt checkpoint"
+                )
+        active.append(c)
+    total = sum(c.numel for c in nonempty)
     if total != math.prod(shape):
         raise CheckpointError(
             f"{where}: incomplete checkpoint: the chunks of {key!r} cover {total} of "
@@ -104,31 +125,61 @@ def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk], where: 
         )
 
 
+def _data_file(directory: Path, path: Path) -> int:
+    """The size of a data file named in `.metadata` (a regular file inside `directory`, in
+    torch.save format)."""
+    if not os.path.lexists(path):
+        raise CheckpointError(
+            f"{path}: data file named in {directory / METADATA_FILE} is missing; the "
+            "checkpoint is incomplete (copy every __*.distcp file)"
+        )
+    fd = open_regular(path, directory)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 4, 0)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+    if head and head != TORCH_ZIP_MAGIC:
+        fmt = "DCP safetensors format" if head[:1] != b"P" else "an unknown format"
+        raise CheckpointError(
+            f"{path}: stored in {fmt}, which this merge does not read; save with the default "
+            "DCP format or use torch's own consolidation"
+        )
+    return size
+
+
 def _check_files(directory: Path, tensors: dict[str, TensorEntry]) -> None:
+    """Every data file is a regular file inside the directory; every chunk's byte range lies
+    inside its file, and no two chunks' byte ranges overlap."""
     sizes: dict[Path, int] = {}
+    ranges: dict[Path, list[tuple[int, int, str]]] = {}
     for entry in tensors.values():
         for c in entry.chunks:
+            if c.byte_offset < 0 or c.byte_length < 0:
+                raise CheckpointError(
+                    f"{directory / METADATA_FILE}: {entry.key!r} has a chunk at byte "
+                    f"{c.byte_offset} of length {c.byte_length} in {c.file.name}; corrupt "
+                    "metadata"
+                )
             if c.file not in sizes:
-                try:
-                    sizes[c.file] = c.file.stat().st_size
-                except OSError:
-                    raise CheckpointError(
-                        f"{c.file}: data file named in {directory / METADATA_FILE} is missing; "
-                        "the checkpoint is incomplete (copy every __*.distcp file)"
-                    ) from None
-                with c.file.open("rb") as f:
-                    head = f.read(4)
-                if head and head != TORCH_ZIP_MAGIC:
-                    fmt = "DCP safetensors format" if head[:1] != b"P" else "an unknown format"
-                    raise CheckpointError(
-                        f"{c.file}: stored in {fmt}, which this merge does not read; save with "
-                        "the default DCP format or use torch's own consolidation"
-                    )
+                sizes[c.file] = _data_file(directory, c.file)
             end = c.byte_offset + c.byte_length
             if end > sizes[c.file]:
                 raise CheckpointError(
                     f"{c.file}: truncated: {entry.key!r} needs bytes up to {end} but the file has "
                     f"{sizes[c.file]}; the checkpoint is incomplete or was cut off while copying"
+                )
+            ranges.setdefault(c.file, []).append((c.byte_offset, end, entry.key))
+    for path, spans in ranges.items():
+        spans.sort()
+        for (a_start, a_end, a), (b_start, _, b) in itertools.pairwise(spans):
+            if b_start < a_end:
+                same = "the same" if a_start == b_start else "overlapping"
+                raise CheckpointError(
+                    f"{directory / METADATA_FILE}: {a!r} and {b!r} are stored at {same} bytes "
+                    f"({a_start} and {b_start}) of {path.name}; corrupt or crafted metadata"
                 )
 
 
@@ -137,7 +188,9 @@ def read_metadata(directory: str | Path) -> CheckpointMetadata:
     stays inside the directory and the chunks of each tensor tile it exactly."""
     d = Path(directory)
     meta_path = d / METADATA_FILE
-    if not meta_path.is_file():
+    if os.path.lexists(meta_path):
+        os.close(open_regular(meta_path, d))  # a regular file inside the checkpoint
+    else:
         per_rank = sorted(p.name for p in d.glob("__*.metadata"))
         if per_rank:
             raise CheckpointError(
@@ -148,8 +201,11 @@ def read_metadata(directory: str | Path) -> CheckpointMetadata:
     raw = load_metadata_pickle(meta_path)
     try:
         tensors, non_tensor = _parse(raw, d, meta_path)
-    except (AttributeError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{meta_path}: malformed DCP metadata ({exc})") from None
+    except CheckpointError:
+        raise
+    except (AttributeError, TypeError, ValueError, KeyError, RecursionError) as exc:
+        reason = f"{type(exc).__name__}: {exc}"[:200]
+        raise CheckpointError(f"{meta_path}: malformed DCP metadata ({reason})") from None
     _check_files(d, tensors)
     version = getattr(raw, "version", None)
     return CheckpointMetadata(
@@ -175,6 +231,7 @@ def _parse(raw: Any, d: Path, meta_path: Path) -> tuple[dict[str, TensorEntry], 
 
     tensors: dict[str, TensorEntry] = {}
     non_tensor: list[str] = []
+    files: dict[str, Path] = {}  # relative path -> checked path (resolving links costs syscalls)
     for key, item in sd_meta.items():
         if isinstance(item, BytesStorageMetadata):
             non_tensor.append(key)
@@ -199,14 +256,11 @@ def _parse(raw: Any, d: Path, meta_path: Path) -> tuple[dict[str, TensorEntry], 
                     f"{list(info.transform_descriptors)} (compression); not supported, save "
                     "without compression or use torch's own loader"
                 )
+            relative = str(info.relative_path)
+            if relative not in files:
+                files[relative] = _safe_relative(d, info.relative_path, key)
             chunks.append(
-                Chunk(
-                    offsets,
-                    sizes,
-                    _safe_relative(d, info.relative_path, key),
-                    int(info.offset),
-                    int(info.length),
-                )
+                Chunk(offsets, sizes, files[relative], int(info.offset), int(info.length))
             )
         _check_tiling(key, shape, chunks, meta_path)
         path = planner.get(key)

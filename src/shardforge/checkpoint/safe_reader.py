@@ -2,7 +2,9 @@
 
 torch's own reader uses plain `pickle.load` on `.metadata`, which runs whatever the file names.
 Every place that hands a checkpoint to `dcp.load` (resume in `train`, `--engine transformers`
-in the merge) uses this reader instead; tensor records are read by torch with `weights_only`.
+in the merge) uses this reader instead: the metadata is parsed into plain records by
+`shardforge.io.unpickler` and torch's dataclasses are then built from checked fields; tensor
+records are read by torch with `weights_only`.
 """
 
 from __future__ import annotations
@@ -14,15 +16,15 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from shardforge.checkpoint.metadata import METADATA_FILE
-from shardforge.checkpoint.safe_pickle import load_metadata_pickle
 from shardforge.errors import CheckpointError
+from shardforge.io.unpickler import load_metadata_pickle
 
 
 def read_dcp_metadata(directory: str | Path) -> Metadata:
     """The `Metadata` (torch's classes) of a DCP directory, through the allow-list."""
     path = Path(directory) / METADATA_FILE
     metadata = load_metadata_pickle(path, as_torch=True)
-    if not isinstance(metadata, Metadata):
+    if not isinstance(metadata, Metadata):  # internal: to_torch_metadata builds one or refuses
         raise CheckpointError(f"{path}: holds {type(metadata).__name__}, not DCP Metadata")
     return metadata
 

@@ -6,10 +6,12 @@ and two ways to be read:
 
 * `slabs(reader)`: byte ranges of input files that, copied in order, are the tensor's C-order
   bytes (zero-copy with `copy_file_range`), or None when the tensor must go through memory;
-* `read(reader)`: the whole tensor (in `dtype`, or float32 for an average).
+* `read(reader)`: the whole tensor (in `dtype`, or float32 for an average);
 
-`write_source` and `expected_blocks` (used by `stream.py` and `verify.py`) work on any source;
-a DCP entry keeps its own chunk-wise paths so its speed and memory are exactly as before.
+and two ways to be used: `write_into` (the tensor, cast, at a planned byte range of an output
+file) and `blocks` (the tensor in row blocks, for comparisons). A DCP entry does both chunk by
+chunk (memory: one chunk); the others through one whole tensor. Writers never ask which kind of
+source they have.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from shardforge.checkpoint.chunk_record import read_chunk
 from shardforge.checkpoint.metadata import Chunk, TensorEntry
 from shardforge.checkpoint.stream import (
     ChunkReader,
     chunk_slices,
     copy_range,
-    fill_tensor,
     pwrite_all,
     tensor_bytes,
 )
@@ -47,6 +49,27 @@ class FileSlab:
     dst_offset: int
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor as its checkpoint stores it, named for a reader other than ours (verification
+    reads it through torch): the format (`DCP_FORMAT`, `RANK_FILES_FORMAT`), the checkpoint
+    folder, the key there, dtype and shape."""
+
+    fmt: str
+    directory: Path
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+DCP_FORMAT = "dcp"
+RANK_FILES_FORMAT = "rankfiles"
+
+
 @runtime_checkable
 class TensorSource(Protocol):
     """One full tensor of some input."""
@@ -61,6 +84,83 @@ class TensorSource(Protocol):
 
     def read(self, reader: ChunkReader) -> torch.Tensor: ...
 
+    def stored(self) -> tuple[StoredTensor, ...]:
+        """The stored tensors this one is made of (for verification's independent read)."""
+        ...
+
+    def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This tensor (as `read` returns it) from its `stored()` tensors, read elsewhere."""
+        ...
+
+    def write_into(
+        self,
+        reader: ChunkReader,
+        out_fd: int,
+        offset: int,
+        out_dtype: torch.dtype,
+        progress: Progress,
+    ) -> None: ...
+
+    def blocks(
+        self, reader: ChunkReader, dtype: torch.dtype, block_bytes: int
+    ) -> Iterator[tuple[Index, torch.Tensor]]: ...
+
+
+def _write_whole(
+    source: TensorSource,
+    reader: ChunkReader,
+    out_fd: int,
+    offset: int,
+    out_dtype: torch.dtype,
+    progress: Progress,
+) -> None:
+    """Write a source's tensor, cast to `out_dtype`, at byte `offset` of `out_fd`: its slabs
+    file to file when it has them, else through memory (one tensor)."""
+    slabs = source.slabs(reader) if source.dtype == out_dtype else None
+    if slabs is not None:
+        for s in slabs:
+            copy_range(reader.fd(s.path), out_fd, s.src_offset, offset + s.dst_offset, s.nbytes)
+            progress(s.nbytes)
+        return
+    data = tensor_bytes(source.read(reader).to(out_dtype))
+    pwrite_all(out_fd, data, offset)
+    progress(data.nbytes)
+
+
+def _blocks_whole(
+    source: TensorSource, reader: ChunkReader, dtype: torch.dtype, block_bytes: int
+) -> Iterator[tuple[Index, torch.Tensor]]:
+    """The whole tensor read once (one tensor in memory), yielded in row blocks."""
+    full = source.read(reader).to(dtype)
+    shape = source.shape
+    if not shape:
+        yield (), full
+        return
+    row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
+    step = max(1, block_bytes // row_bytes)
+    for start in range(0, shape[0], step):
+        stop = min(shape[0], start + step)
+        yield _rows(shape, start, stop), full[start:stop]
+
+
+class _WholeTensor:
+    """`write_into` and `blocks` through `slabs` / `read` (every source but a DCP entry)."""
+
+    def write_into(
+        self,
+        reader: ChunkReader,
+        out_fd: int,
+        offset: int,
+        out_dtype: torch.dtype,
+        progress: Progress,
+    ) -> None:
+        _write_whole(self, reader, out_fd, offset, out_dtype, progress)  # type: ignore[arg-type]
+
+    def blocks(
+        self, reader: ChunkReader, dtype: torch.dtype, block_bytes: int
+    ) -> Iterator[tuple[Index, torch.Tensor]]:
+        return _blocks_whole(self, reader, dtype, block_bytes)  # type: ignore[arg-type]
+
 
 def _rows(shape: tuple[int, ...], start: int, stop: int) -> Index:
     return (slice(start, stop), *(slice(0, n) for n in shape[1:])) if shape else ()
@@ -71,6 +171,7 @@ class DcpSource:
     """A tensor of a DCP checkpoint, stored in chunks."""
 
     entry: TensorEntry
+    directory: Path | None = None  # the DCP directory (default: its first data file's folder)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -103,9 +204,56 @@ class DcpSource:
     def read(self, reader: ChunkReader) -> torch.Tensor:
         return reader.read_full(self.entry)
 
+    def stored(self) -> tuple[StoredTensor, ...]:
+        chunks = self.entry.chunks
+        directory = self.directory or (chunks[0].file.parent if chunks else Path("."))
+        return (StoredTensor(DCP_FORMAT, directory, self.entry.key, self.dtype, self.shape),)
+
+    def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return tensors[0]
+
+    def write_into(
+        self,
+        reader: ChunkReader,
+        out_fd: int,
+        offset: int,
+        out_dtype: torch.dtype,
+        progress: Progress,
+    ) -> None:
+        """Chunk by chunk: a slab along dim 0 lands in its own byte range (copied file to file
+        without a cast, else read and converted alone); other chunk shapes assemble the tensor."""
+        shape = self.shape
+        chunks = [c for c in self.entry.chunks if c.numel]
+        if all(_is_slab(c, shape) for c in chunks):
+            row = math.prod(shape[1:]) * out_dtype.itemsize
+            for c in chunks:
+                dst = offset + (c.offsets[0] * row if shape else 0)
+                fd, raw = reader.locate(c)
+                if raw is not None and raw.contiguous and raw.dtype == out_dtype:
+                    copy_range(fd, out_fd, raw.data_offset, dst, raw.nbytes)
+                else:
+                    pwrite_all(out_fd, tensor_bytes(read_chunk(c, fd, raw).to(out_dtype)), dst)
+                progress(c.numel * out_dtype.itemsize)
+            return
+        full = reader.read_full(self.entry).to(out_dtype)
+        pwrite_all(out_fd, tensor_bytes(full), offset)
+        progress(full.numel() * out_dtype.itemsize)
+
+    def blocks(
+        self, reader: ChunkReader, dtype: torch.dtype, block_bytes: int
+    ) -> Iterator[tuple[Index, torch.Tensor]]:
+        """Chunk by chunk, in row blocks of about `block_bytes` (memory: one block)."""
+        for chunk in self.entry.chunks:
+            if chunk.numel:
+                yield from _chunk_blocks(reader, chunk, dtype, block_bytes)
+
+
+def _is_slab(c: Chunk, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 0 or (all(o == 0 for o in c.offsets[1:]) and c.sizes[1:] == shape[1:])
+
 
 @dataclass(frozen=True)
-class RankFileSource:
+class RankFileSource(_WholeTensor):
     """A tensor assembled from per-rank DTensor files (`shardforge.rankfiles.TensorPlan`)."""
 
     plan: Any  # rankfiles.TensorPlan (imported lazily: the DCP path never loads rankfiles)
@@ -145,9 +293,17 @@ class RankFileSource:
                 region.copy_(read_local(reader.fd(rec.path), rec))
         return out
 
+    def stored(self) -> tuple[StoredTensor, ...]:
+        tp = self.plan
+        directory = tp.pieces[0].record.path.parent
+        return (StoredTensor(RANK_FILES_FORMAT, directory, tp.key, tp.dtype, self.shape),)
+
+    def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return tensors[0]
+
 
 @dataclass(frozen=True)
-class TransformedSource:
+class TransformedSource(_WholeTensor):
     """Another source's tensor reordered by `transform` (e.g. torchtitan's RoPE q/k rows);
     never zero-copy."""
 
@@ -168,9 +324,15 @@ class TransformedSource:
     def read(self, reader: ChunkReader) -> torch.Tensor:
         return self.transform(self.inner.read(reader))
 
+    def stored(self) -> tuple[StoredTensor, ...]:
+        return self.inner.stored()
+
+    def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self.transform(self.inner.combine(tensors))
+
 
 @dataclass(frozen=True)
-class AveragedSource:
+class AveragedSource(_WholeTensor):
     """The element-wise mean of several sources of one name and shape.
 
     Floating tensors are summed in float32 one input at a time (memory: the accumulator plus
@@ -197,6 +359,23 @@ class AveragedSource:
         acc = torch.zeros(self.shape, dtype=torch.float32)
         for src in self.inputs:
             acc += src.read(reader).to(torch.float32)
+        return acc.div_(len(self.inputs))
+
+    def stored(self) -> tuple[StoredTensor, ...]:
+        return tuple(s for src in self.inputs for s in src.stored())
+
+    def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """As `read`, from the inputs' stored tensors (in `stored()` order)."""
+        parts, start = [], 0
+        for src in self.inputs:
+            n = len(src.stored())
+            parts.append(src.combine(tensors[start : start + n]))
+            start += n
+        if not self.dtype.is_floating_point:
+            return parts[0]
+        acc = torch.zeros(self.shape, dtype=torch.float32)
+        for part in parts:
+            acc += part.to(torch.float32)
         return acc.div_(len(self.inputs))
 
 
@@ -230,32 +409,6 @@ def average(
     return {name: AveragedSource(tuple(p[name] for p in per_input)) for name in first}
 
 
-def write_source(
-    reader: ChunkReader,
-    out_fd: int,
-    offset: int,
-    out_dtype: torch.dtype,
-    source: TensorSource,
-    progress: Progress,
-) -> None:
-    """Write `source`'s tensor, cast to `out_dtype`, at byte `offset` of `out_fd`."""
-    if isinstance(source, DcpSource):  # chunk-wise: casts one chunk at a time
-        from shardforge.checkpoint.plan import PlannedTensor, TensorSpec
-
-        planned = PlannedTensor(TensorSpec("", out_dtype, source.shape), offset)
-        fill_tensor(reader, out_fd, planned, source.entry, progress)
-        return
-    slabs = source.slabs(reader) if source.dtype == out_dtype else None
-    if slabs is not None:
-        for s in slabs:
-            copy_range(reader.fd(s.path), out_fd, s.src_offset, offset + s.dst_offset, s.nbytes)
-            progress(s.nbytes)
-        return
-    data = tensor_bytes(source.read(reader).to(out_dtype))
-    pwrite_all(out_fd, data, offset)
-    progress(data.nbytes)
-
-
 def _chunk_blocks(
     reader: ChunkReader, chunk: Chunk, dtype: torch.dtype, block_bytes: int
 ) -> Iterator[tuple[Index, torch.Tensor]]:
@@ -274,37 +427,15 @@ def _chunk_blocks(
         yield tuple(index), expected
 
 
-def expected_blocks(
-    reader: ChunkReader, source: TensorSource, dtype: torch.dtype, block_bytes: int
-) -> Iterator[tuple[Index, torch.Tensor]]:
-    """(index into the full tensor, expected values cast to `dtype`) covering the tensor in
-    blocks of rows of about `block_bytes`: read chunk by chunk for a DCP entry; other sources
-    are read whole once (one tensor in memory) and compared block by block."""
-    if isinstance(source, DcpSource):
-        for chunk in source.entry.chunks:
-            if chunk.numel:
-                yield from _chunk_blocks(reader, chunk, dtype, block_bytes)
-        return
-    full = source.read(reader).to(dtype)
-    shape = source.shape
-    if not shape:
-        yield (), full
-        return
-    row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
-    step = max(1, block_bytes // row_bytes)
-    for start in range(0, shape[0], step):
-        stop = min(shape[0], start + step)
-        yield _rows(shape, start, stop), full[start:stop]
-
-
 __all__ = [
+    "DCP_FORMAT",
+    "RANK_FILES_FORMAT",
     "AveragedSource",
     "DcpSource",
     "FileSlab",
     "RankFileSource",
+    "StoredTensor",
     "TensorSource",
     "TransformedSource",
     "average",
-    "expected_blocks",
-    "write_source",
 ]

@@ -29,7 +29,7 @@ from shardforge.errors import MergeError
 
 STATE_DICT_KEY = "state_dict"
 PICKLE_PROTOCOL = 2  # torch.save's default
-VERIFY_BLOCK = 16 << 20  # bytes compared at a time
+VERIFY_BLOCK = 256 << 20  # bytes compared per mapping of the written file
 
 # dtype -> the typed storage class torch.save names in the pickle
 STORAGE_TYPES: dict[torch.dtype, str] = {
@@ -122,56 +122,60 @@ def write_torch_file(
 
 
 def verify_torch_file(
-    specs: Sequence[TensorSpec], sources: Mapping[str, TensorSource], path: Path
+    specs: Sequence[TensorSpec],
+    sources: Mapping[str, TensorSource],
+    path: Path,
+    tied: Mapping[str, str] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> int:
-    """Check `path` as a loader sees it and compare every tensor, bit for bit, with its source;
+    """Compare every tensor of `path`, as ``torch.load(weights_only=True, mmap=True)`` gives
+    it, bit for bit with the checkpoint read independently (`shardforge.checkpoint.verify`);
     return the number compared.
 
-    Structure (names, dtypes, shapes) through ``torch.load(weights_only=True, mmap=True)``
-    without touching the data; each tensor's bytes then through torch's zip reader and `pread`,
-    one tensor at a time (memory: about one tensor plus a block).
+    The file is mapped, not read; it is mapped afresh after every `VERIFY_BLOCK` bytes
+    compared, so the pages already compared are released (memory: about one tensor).
     """
-    loaded = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
-    state = loaded.get(STATE_DICT_KEY) if isinstance(loaded, dict) else None
-    if not isinstance(state, dict) or list(state) != [s.name for s in specs]:
-        raise MergeError(f"verification failed: {path} does not hold the planned state_dict")
-    for spec in specs:
-        got = state[spec.name]
-        if got.dtype != spec.dtype or tuple(got.shape) != spec.shape:
-            _differs(spec.name, path)
-    del loaded, state
-    archive = torch._C.PyTorchFileReader(str(path))
-    fd = os.open(path, os.O_RDONLY)
+    from shardforge.checkpoint.verify import bits, compare_all
+
+    state = _load_state(path)
+    names = list(state)
+    compared = 0
+
+    def compare(name: str, label: str, expected: torch.Tensor) -> None:
+        nonlocal state, compared
+        if compared > VERIFY_BLOCK:
+            state, compared = _load_state(path), 0
+        got = state[name]
+        if got.dtype != expected.dtype or tuple(got.shape) != tuple(expected.shape):
+            raise _differs(label, path, f"is {got.dtype} {list(got.shape)}")
+        if not torch.equal(bits(got), bits(expected)):
+            raise _differs(label, path, "differs from the checkpoint")
+        compared += expected.nbytes
+        if progress is not None:
+            progress(expected.nbytes)
+
+    planned = {s.name: s.dtype for s in specs}
+    count = compare_all(planned, sources, dict.fromkeys(names, path), tied or {}, compare)
+    if names != [s.name for s in specs]:
+        raise MergeError(f"verification failed: {path} holds its tensors in another order")
+    return count
+
+
+def _load_state(path: Path) -> dict[str, torch.Tensor]:
     try:
-        with ChunkReader() as reader:
-            for i, spec in enumerate(specs):
-                _compare(archive, fd, i, spec, sources[spec.name].read(reader), path)
-    finally:
-        os.close(fd)
-    return len(specs)
+        loaded = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except Exception as exc:
+        raise MergeError(
+            f"verification failed: torch.load(weights_only=True) cannot read {path} "
+            f"({type(exc).__name__})"
+        ) from None
+    state = loaded.get(STATE_DICT_KEY) if isinstance(loaded, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise MergeError(f"verification failed: {path} does not hold {{'state_dict': tensors}}")
+    return state
 
 
-def _compare(
-    archive: Any, fd: int, i: int, spec: TensorSpec, expected: torch.Tensor, path: Path
-) -> None:
-    record = f"data/{i}"
-    if not archive.has_record(record) or archive.get_record_size(record) != spec.nbytes:
-        _differs(spec.name, path)
-    want = _bits(expected.to(spec.dtype))
-    start = archive.get_record_offset(record)
-    for pos in range(0, spec.nbytes, VERIFY_BLOCK):
-        data = os.pread(fd, min(VERIFY_BLOCK, spec.nbytes - pos), start + pos)
-        got = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if not torch.equal(got, want[pos : pos + len(data)]):
-            _differs(spec.name, path)
-
-
-def _differs(name: str, path: Path) -> None:
-    raise MergeError(
-        f"verification failed: {name} in {path} differs from the checkpoint; the output is not "
-        "trustworthy"
+def _differs(label: str, path: Path, problem: str) -> MergeError:
+    return MergeError(
+        f"verification failed: {label} in {path} {problem}; the output is not trustworthy"
     )
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import click
 
-from shardforge.errors import ShardforgeError
+from shardforge.errors import ShardforgeError, format_error
 
 T = TypeVar("T")
 
@@ -47,19 +47,35 @@ def setup_logging(quiet: bool = False) -> None:
     )
 
 
-def fail(message: str, code: int = 1) -> NoReturn:
-    click.echo(f"error: {message}", err=True)
+def fail(message: str, code: int = 1, details: Sequence[str] = ()) -> NoReturn:
+    """Print `error: <message>` (one line of at most 300 characters, printable) and its
+    indented details (at most 20, then "(+N more)") on stderr; exit with `code`."""
+    for line in format_error(message, details):
+        click.echo(line, err=True)
     raise SystemExit(code)
 
 
+def os_error_message(exc: OSError) -> str:
+    """`<file>: <reason>` for an OSError that reached the command unconverted."""
+    where = exc.filename if exc.filename is not None else None
+    reason = exc.strerror or type(exc).__name__
+    target = f" -> {exc.filename2}" if exc.filename2 is not None else ""
+    return f"{where}{target}: {reason}" if where is not None else f"{reason} ({exc})"
+
+
 def run_guarded(fn: Callable[[], T], debug: bool = False) -> T:
-    """Run a command body; a user error becomes `error: ...` on stderr and a non-zero exit."""
+    """Run a command body; a user error (or a file-system error nothing converted) becomes
+    `error: ...` on stderr and a non-zero exit."""
     try:
         return fn()
     except ShardforgeError as exc:
         if debug:
             raise
-        fail(str(exc), exc.exit_code)
+        fail(exc.message, exc.exit_code, exc.details)
+    except OSError as exc:
+        if debug:
+            raise
+        fail(f"{os_error_message(exc)} (--debug shows the traceback)", 1)
     except KeyboardInterrupt:
         if debug:
             raise

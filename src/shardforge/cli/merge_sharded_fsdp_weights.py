@@ -120,7 +120,8 @@ def do_merge_sharded_fsdp_weights(
 @spelled_option(
     "remove_checkpoint_dir",
     is_flag=True,
-    help="Delete the sharded model checkpoint after a passed verification (implies --verify).",
+    help="After a passed verification (implies --verify), delete the model shard files the "
+    "merge read (never optimizer or trainer state; refused where they share the files).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing non-empty output directory.")
 @click.option(

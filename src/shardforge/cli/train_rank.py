@@ -16,7 +16,9 @@ def main(argv: list[str]) -> None:
 
     args, debug = split_debug(argv)
     if not args:
-        print("usage: python -m shardforge.cli.train_rank CONFIG [--key value ...]", file=sys.stderr)
+        print(
+            "usage: python -m shardforge.cli.train_rank CONFIG [--key value ...]", file=sys.stderr
+        )
         raise SystemExit(2)
     setup_logging(quiet=os.environ.get("RANK", "0") != "0")
 

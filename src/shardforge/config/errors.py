@@ -10,6 +10,11 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from shardforge.errors import MAX_VALUE, shown
+
+# characters of a key name echoed (a key is a value too: YAML allows any string)
+MAX_KEY = 80
+
 _EXPECTED = {
     "bool_parsing": "expected a boolean (true/false)",
     "bool_type": "expected a boolean (true/false)",
@@ -33,7 +38,8 @@ def format_loc(loc: Sequence[int | str]) -> str:
         if isinstance(part, int):
             out += f"[{part}]"
         else:
-            out += f".{part}" if out else str(part)
+            name = str(part) if len(str(part)) <= MAX_KEY else shown(str(part), MAX_KEY)
+            out += f".{name}" if out else name
     return out or "<config>"
 
 
@@ -83,15 +89,17 @@ def _describe(err: Any, model: type[BaseModel]) -> str:
         return f"{key}: required key is missing"
     if kind == "literal_error":
         expected = err.get("ctx", {}).get("expected", "")
-        return f"{key}: expected one of {expected}, got {given!r}"
+        return f"{key}: expected one of {expected}, got {shown(given)}"
     if kind in {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}:
         bound = next(iter(err.get("ctx", {}).items()), ("", ""))
         op = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}.get(bound[0], bound[0])
-        return f"{key}: must be {op} {bound[1]}, got {given!r}"
+        return f"{key}: must be {op} {bound[1]}, got {shown(given)}"
     if kind in _EXPECTED:
-        return f"{key}: {_EXPECTED[kind]}, got {given!r}"
+        return f"{key}: {_EXPECTED[kind]}, got {shown(given)}"
     msg = str(err["msg"])
     msg = msg.removeprefix("Value error, ")
+    if len(msg) > 2 * MAX_VALUE:  # a validator's message may quote the value
+        msg = msg[: 2 * MAX_VALUE - 3] + "..."
     if not loc:
         return msg
     return f"{key}: {msg[:1].lower()}{msg[1:]}"

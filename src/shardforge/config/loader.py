@@ -47,13 +47,72 @@ class DictDefault(_AddictDict):
         return ShardforgeConfig.model_validate(self.to_dict())
 
 
+# nodes of a config once its aliases are expanded: an alias bomb (`b: [*a, *a, ...]` nested)
+# is refused before anything walks it
+MAX_YAML_NODES = 200_000
+# nesting of lists and mappings
+MAX_YAML_DEPTH = 200
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a document whose expanded size or nesting is too large,
+    or whose aliases refer to themselves, before it is constructed."""
+
+    def compose_document(self) -> yaml.Node | None:
+        node = super().compose_document()
+        if node is not None:
+            _check_size(node)
+        return node
+
+
+def _check_size(root: yaml.Node) -> None:
+    """Count the nodes `root` stands for with every alias expanded (each distinct node is
+    visited once, so this is quick even for an alias bomb)."""
+    size: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
+    active: set[int] = set()
+    while stack:
+        node, depth, done = stack.pop()
+        key = id(node)
+        if done:
+            active.discard(key)
+            total = 1 + sum(size[id(c)] for c in _children(node))
+            if total > MAX_YAML_NODES:
+                raise yaml.YAMLError(
+                    f"the document expands to more than {MAX_YAML_NODES:,} values through its "
+                    "aliases (&anchor / *alias); refused"
+                )
+            size[key] = total
+            continue
+        if key in size:
+            continue
+        if key in active:
+            raise yaml.YAMLError("an alias refers to a value that contains it; refused")
+        if depth > MAX_YAML_DEPTH:
+            raise yaml.YAMLError(f"lists and mappings nested deeper than {MAX_YAML_DEPTH} levels")
+        active.add(key)
+        stack.append((node, depth, True))
+        stack.extend((c, depth + 1, False) for c in _children(node) if id(c) not in size)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Parse a YAML mapping; syntax errors name the file, line and column."""
+    """Parse a YAML mapping; syntax errors name the file, line and column; a document that
+    expands to more than `MAX_YAML_NODES` values (an alias bomb) is refused."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(str(p), ["config file not found; check the path"])
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_BoundedLoader)  # a SafeLoader
+    except RecursionError:
+        raise ConfigError(str(p), ["invalid YAML: nested too deeply"]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
@@ -73,7 +132,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 def _parse_value(text: str) -> Any:
     """A YAML scalar, with numbers such as `2e-5` (a string to YAML 1.1) read as numbers."""
     try:
-        value = yaml.safe_load(text) if text != "" else ""
+        value = yaml.load(text, Loader=_BoundedLoader) if text != "" else ""
     except yaml.YAMLError:
         return text
     if isinstance(value, str):

@@ -311,10 +311,11 @@ class ShardforgeConfig(_Strict):
     @classmethod
     def _template_name_or_jinja(cls, value: str | None) -> str | None:
         from shardforge.config.chat_templates import CHAT_TEMPLATE_NAMES, is_jinja
+        from shardforge.errors import shown
 
         if value is None or is_jinja(value) or value in CHAT_TEMPLATE_NAMES:
             return value
         raise ValueError(
-            f"unknown template name {value!r}: use one of {', '.join(CHAT_TEMPLATE_NAMES)}, or "
-            "Jinja text (with {% or {{)"
+            f"unknown template name {shown(value, 80)}: use one of "
+            f"{', '.join(CHAT_TEMPLATE_NAMES)}, or Jinja text (with {{% or {{{{)"
         )

@@ -1,7 +1,7 @@
 """Read one per-rank ``model_world_size_W_rank_R.pt`` file without unpickling arbitrary code.
 
 The file is a ``torch.save`` zip (records stored uncompressed): ``<root>/data.pkl`` (the state
-dict, parsed by `rank_unpickler`), ``<root>/byteorder`` and one ``<root>/data/<key>`` record
+dict, parsed by `shardforge.io.unpickler`), ``<root>/byteorder`` and one ``<root>/data/<key>`` record
 per storage. `read_rank_file` turns it into plain per-key records that say where each local
 shard's bytes are in the file; `read_local` reads just those bytes.
 """
@@ -11,28 +11,20 @@ from __future__ import annotations
 import math
 import os
 import re
-import struct
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shardforge.errors import CheckpointError
-from shardforge.rankfiles.rank_unpickler import (
-    DTensorRecord,
-    LocalTensor,
-    Placement,
-    load_rank_pickle,
-)
+from shardforge.io.files import open_regular, read_exact_into
+from shardforge.io.unpickler import DTensorRecord, LocalTensor, Placement, load_rank_pickle
+from shardforge.io.zip_record import ZipMember, check_view, read_member, read_zip_record
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 
 # a state dict's pickle holds a few hundred bytes per tensor; anything this large is not one
 MAX_PICKLE_BYTES = 1 << 30
-
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
-_LOCAL_MAGIC = b"PK\x03\x04"
 
 
 @dataclass(frozen=True)
@@ -52,6 +44,7 @@ class TensorRecord:
     member: str  # zip member holding the storage
     data_offset: int  # absolute byte offset of the storage record's first byte in the file
     member_size: int  # bytes in the storage record
+    storage: ZipMember  # that member (its bytes and stored CRC-32)
 
     @property
     def is_dtensor(self) -> bool:
@@ -94,17 +87,6 @@ def parse_rank_name(path: Path) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def _member_data_offset(fh: object, info: zipfile.ZipInfo, path: Path) -> int:
-    fd = fh.fileno()  # type: ignore[attr-defined]
-    header = os.pread(fd, _LOCAL_HEADER.size, info.header_offset)
-    if len(header) != _LOCAL_HEADER.size:
-        raise CheckpointError(f"{path}: truncated zip record {info.filename}")
-    fields = _LOCAL_HEADER.unpack(header)
-    if fields[0] != _LOCAL_MAGIC:
-        raise CheckpointError(f"{path}: damaged zip record {info.filename}")
-    return int(info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10])
-
-
 def read_rank_file(path: str | Path) -> RankFile:
     """Parse a rank file's zip directory and data.pkl; CheckpointError on anything unexpected."""
     p = Path(path)
@@ -114,42 +96,31 @@ def read_rank_file(path: str | Path) -> RankFile:
     world_size, rank = names
     if rank >= world_size:
         raise CheckpointError(f"{p}: rank {rank} is not below world size {world_size}")
+    fd = open_regular(p, p.parent)  # a regular file, not a link out of its folder
     try:
-        with p.open("rb") as fh, zipfile.ZipFile(fh) as zf:
-            infos = zf.infolist()
-            pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
-            if len(pkl) != 1:
-                raise CheckpointError(f"{p}: not a torch.save file (no single data.pkl record)")
-            if pkl[0].file_size > MAX_PICKLE_BYTES:
+        zipped = read_zip_record(fd, 0, os.fstat(fd).st_size, str(p))
+        pkl = [n for n in zipped.members if n == "data.pkl" or n.endswith("/data.pkl")]
+        if len(pkl) != 1:
+            raise CheckpointError(f"{p}: not a torch.save file (no single data.pkl record)")
+        root = pkl[0][: -len("data.pkl")]
+        data_pkl = read_member(fd, zipped, zipped.members[pkl[0]], MAX_PICKLE_BYTES)
+        order = zipped.members.get(f"{root}byteorder")
+        if order is not None and read_member(fd, zipped, order, 16) != b"little":
+            raise CheckpointError(f"{p}: written on a big-endian machine; not supported")
+        entries = load_rank_pickle(data_pkl, str(p))
+        tensors = {}
+        for key, entry in entries.items():
+            local = entry.local if isinstance(entry, DTensorRecord) else entry
+            member = zipped.members.get(f"{root}data/{local.storage.key}")
+            if member is None:
                 raise CheckpointError(
-                    f"{p}: data.pkl is {pkl[0].file_size} bytes; not a state dict of tensors"
+                    f"{p}: entry {key!r} references missing record data/{local.storage.key}"
                 )
-            root = pkl[0].filename[: -len("data.pkl")]
-            by_name = {i.filename: i for i in infos}
-            order = by_name.get(f"{root}byteorder")
-            if order is not None and zf.read(order) != b"little":
-                raise CheckpointError(f"{p}: written on a big-endian machine; not supported")
-            entries = load_rank_pickle(zf.read(pkl[0]), str(p))
-            size = p.stat().st_size
-            tensors = {}
-            for key, entry in entries.items():
-                local = entry.local if isinstance(entry, DTensorRecord) else entry
-                member = f"{root}data/{local.storage.key}"
-                info = by_name.get(member)
-                if info is None:
-                    raise CheckpointError(f"{p}: entry {key!r} references missing record {member}")
-                if info.compress_type != zipfile.ZIP_STORED:
-                    raise CheckpointError(f"{p}: record {member} is compressed; not supported")
-                offset = _member_data_offset(fh, info, p)
-                if offset + info.file_size > size:
-                    raise CheckpointError(f"{p}: truncated (record {member} ends past the file)")
-                tensors[key] = _record(key, p, entry, local, member, offset, info.file_size)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as exc:
-        raise CheckpointError(
-            f"{p}: not a readable torch.save zip ({exc}); the file is damaged or truncated"
-        ) from None
+            tensors[key] = _record(key, p, entry, local, member)
     except OSError as exc:
         raise CheckpointError(f"{p}: cannot read ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
     return RankFile(p, world_size, rank, tensors)
 
 
@@ -158,9 +129,7 @@ def _record(
     path: Path,
     entry: LocalTensor | DTensorRecord,
     local: LocalTensor,
-    member: str,
-    offset: int,
-    member_size: int,
+    member: ZipMember,
 ) -> TensorRecord:
     if isinstance(entry, DTensorRecord):
         if entry.dtype != local.storage.dtype:
@@ -171,8 +140,16 @@ def _record(
     global_shape, placements, mesh_shape, coordinate = dtensor
     if len(local.size) != len(local.stride) or len(local.size) != len(global_shape):
         raise CheckpointError(f"{path}: entry {key!r}: inconsistent shape and stride")
-    if any(n < 0 for n in local.size) or local.storage_offset < 0:
-        raise CheckpointError(f"{path}: entry {key!r}: negative size or offset")
+    check_view(
+        f"{path}: entry {key!r}",
+        member.header_offset,
+        local.storage_offset,
+        local.size,
+        local.stride,
+        local.storage.numel,
+        local.storage.dtype.itemsize,
+        member.size,
+    )
     rec = TensorRecord(
         key=key,
         path=path,
@@ -184,15 +161,11 @@ def _record(
         local_shape=local.size,
         stride=local.stride,
         storage_offset=local.storage_offset,
-        member=member,
-        data_offset=offset,
-        member_size=member_size,
+        member=member.name,
+        data_offset=member.data_offset,
+        member_size=member.size,
+        storage=member,
     )
-    itemsize = rec.dtype.itemsize
-    if (rec.storage_offset + rec.span) * itemsize > member_size or any(s < 0 for s in rec.stride):
-        raise CheckpointError(
-            f"{path}: entry {key!r}: view reaches past its storage record {member}"
-        )
     return rec
 
 
@@ -209,13 +182,10 @@ def read_local(fd: int, rec: TensorRecord, out: torch.Tensor | None = None) -> t
         target = out if out is not None else torch.empty(rec.local_shape, dtype=rec.dtype)
         if nbytes:
             view = memoryview(target.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-            if os.preadv(fd, [view], start) != nbytes:
-                raise CheckpointError(f"{rec.path}: short read of {rec.key!r}; file truncated?")
+            read_exact_into(fd, view, start, str(rec.path))
         return target
-    nbytes = rec.span * itemsize
-    buf = bytearray(nbytes)
-    if os.preadv(fd, [buf], start) != nbytes:
-        raise CheckpointError(f"{rec.path}: short read of {rec.key!r}; file truncated?")
+    buf = bytearray(rec.span * itemsize)
+    read_exact_into(fd, buf, start, str(rec.path))
     flat = torch.frombuffer(buf, dtype=rec.dtype)
     strided = torch.as_strided(flat, rec.local_shape, rec.stride)
     if out is not None:

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 
 from shardforge.errors import CheckpointError
+from shardforge.io.unpickler import Placement
 from shardforge.rankfiles.rank_file import (
     RankFile,
     TensorRecord,
     parse_rank_name,
     read_rank_file,
 )
-from shardforge.rankfiles.rank_unpickler import Placement
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@
       rng_state_<rank>.pt   tensors and ints only (torch.load(weights_only=True))
 
 A checkpoint is written into `checkpoint-<step>.tmp` and renamed once every rank has finished,
-so a crash mid-save leaves the previous complete checkpoint as the latest one.
+so a crash mid-save leaves the previous complete checkpoint as the latest one. Before resuming,
+a checkpoint is checked as the merge checks one (`checkpoint_problem`); `auto` falls back past a
+damaged one to the previous complete checkpoint.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import os
 import random
 import re
 import shutil
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -37,10 +38,7 @@ OPTIMIZER_DIR = "optimizer"
 STATE_FILE = "trainer_state.json"
 FORMAT = "shardforge"
 FORMAT_VERSION = 1
-# test hook: rank 0 stops in the middle of saving this step (after the model shards are written,
-# before the checkpoint is complete) and waits to be killed; see tests/train/test_kill_during_save.py
-PAUSE_ENV = "SHARDFORGE_TEST_PAUSE_DURING_SAVE"
-PAUSED_MARKER = "PAUSED"
+RNG_FILE = "rng_state_{rank}.pt"
 
 
 @dataclass
@@ -106,21 +104,77 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(CHECKPOINT_RE.match(p.name).group(1)))  # type: ignore[union-attr]
 
 
-def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
-    """The checkpoint to resume from: None, `auto` (latest complete, or None) or a path."""
+def _load_rng_file(file: Path) -> dict[str, Any]:
+    """A rank's RNG states (tensors and ints: `torch.load(weights_only=True)`)."""
+    try:
+        state = torch.load(file, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing; the checkpoint is incomplete") from None
+    except Exception as exc:
+        raise CheckpointError(
+            f"{file}: unreadable ({type(exc).__name__}); the checkpoint is damaged"
+        ) from None
+    if not isinstance(state, dict) or not isinstance(state.get("torch"), torch.Tensor):
+        raise CheckpointError(f"{file}: not a shardforge RNG state file")
+    return state
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What makes `path` unusable for resuming (one line), or None.
+
+    The merge's checks (`read_metadata`: storage paths stay inside, every tensor's chunks tile
+    it, every data file exists and is long enough) for the model and the optimizer DCP
+    directories, the trainer state, and every saving rank's RNG file.
+    """
+    from shardforge.checkpoint.metadata import read_metadata
+
+    if not is_complete(path):
+        return f"not a complete checkpoint-<step> directory (needs {STATE_FILE} and {MODEL_DIR}/.metadata)"
+    try:
+        state = TrainerState.read(path)
+        for sub in (MODEL_DIR, OPTIMIZER_DIR):
+            read_metadata(path / sub)
+        for rank in range(state.world_size):
+            _load_rng_file(path / RNG_FILE.format(rank=rank))
+    except CheckpointError as exc:
+        return exc.message
+    return None
+
+
+def resolve_resume(resume: str | None, output_dir: Path, announce: bool = True) -> Path | None:
+    """The checkpoint to resume from: None, `auto` or a path.
+
+    `auto`: the latest complete checkpoint that passes `checkpoint_problem`; each damaged
+    newer one is skipped with a one-line notice (when `announce`: on one rank only). None when
+    there is no checkpoint; CheckpointError when every one is damaged. A named path that does
+    not pass is one CheckpointError.
+    """
     if resume is None:
         return None
     if resume == "auto":
         found = complete_checkpoints(output_dir)
-        return found[-1] if found else None
+        for path in reversed(found):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return path
+            if announce:
+                log.warning(
+                    "resume_from_checkpoint: auto: skipping %s, which is damaged: %s",
+                    path.name,
+                    problem,
+                )
+        if found:
+            raise CheckpointError(
+                f"resume_from_checkpoint: auto: every checkpoint in {output_dir} is damaged "
+                "(see above); name one explicitly or remove them to start fresh"
+            )
+        return None
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(f"resume_from_checkpoint: {path} is not a directory")
-    if not is_complete(path):
-        raise CheckpointError(
-            f"resume_from_checkpoint: {path} is not a complete checkpoint-<step> directory "
-            f"(needs {STATE_FILE} and {MODEL_DIR}/.metadata)"
-        )
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"resume_from_checkpoint: {path} cannot be resumed: {problem}")
     return path
 
 
@@ -141,24 +195,17 @@ def rng_state() -> dict[str, Any]:
 
 def restore_rng(path: Path, rank: int, same_world: bool, seed: int, step: int) -> None:
     """Restore this rank's RNG states; at another world size re-seed deterministically instead."""
-    file = path / f"rng_state_{rank}.pt"
+    file = path / RNG_FILE.format(rank=rank)
     if not same_world or not file.is_file():
         torch.manual_seed(seed + 1_000 * step + rank)
         random.seed(seed + 1_000 * step + rank)
         return
-    state = torch.load(file, weights_only=True)
+    state = _load_rng_file(file)
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _pause_for_test(tmp: Path, step: int, rank: int) -> None:
-    if rank == 0 and os.environ.get(PAUSE_ENV) == str(step):
-        (tmp / PAUSED_MARKER).touch()
-        while True:  # the test kills the whole job with SIGKILL now
-            time.sleep(1)
 
 
 def save_checkpoint(
@@ -183,9 +230,8 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     dist.barrier()
     dcp.save(get_model_state_dict(model), checkpoint_id=str(tmp / MODEL_DIR))
-    _pause_for_test(tmp, state.step, rank)
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_DIR))
-    torch.save(rng_state(), tmp / f"rng_state_{rank}.pt")
+    torch.save(rng_state(), tmp / RNG_FILE.format(rank=rank))
     dist.barrier()
     if rank == 0:
         _write_json(tmp / STATE_FILE, asdict(state))
@@ -221,7 +267,6 @@ def load_checkpoint(
 
     The DCP metadata is read through an allow-list unpickler (see `shardforge.checkpoint.safe_reader`).
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -229,16 +274,34 @@ def load_checkpoint(
         set_optimizer_state_dict,
     )
 
-    from shardforge.checkpoint.safe_reader import SafeFileSystemReader
-
     state = TrainerState.read(path)
     model_sd = get_model_state_dict(model)
-    dcp.load(model_sd, storage_reader=SafeFileSystemReader(str(path / MODEL_DIR)))
+    _dcp_load(model_sd, path / MODEL_DIR)
     set_model_state_dict(model, model_sd)
     optim_sd = get_optimizer_state_dict(model, optimizer)
-    dcp.load(optim_sd, storage_reader=SafeFileSystemReader(str(path / OPTIMIZER_DIR)))
+    _dcp_load(optim_sd, path / OPTIMIZER_DIR)
     set_optimizer_state_dict(model, optimizer, optim_sd)
     return state
+
+
+def _dcp_load(state_dict: dict[str, Any], directory: Path) -> None:
+    """`dcp.load` through the allow-list metadata reader; any failure is one CheckpointError
+    (the same on every rank: DCP gathers the ranks' exceptions)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    from shardforge.checkpoint.safe_reader import SafeFileSystemReader
+
+    try:
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(directory)))
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:
+        lines = str(exc).strip().splitlines()
+        raise CheckpointError(
+            f"{directory}: cannot be loaded ({type(exc).__name__}"
+            f"{': ' + lines[-1][:200] if lines else ''}); the checkpoint is damaged"
+        ) from None
 
 
 def save_full_model(
@@ -250,6 +313,9 @@ def save_full_model(
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from shardforge.checkpoint.architecture import tied_pairs
+    from shardforge.checkpoint.keys import check_tied_copies, stored_once
+
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
@@ -257,11 +323,10 @@ def save_full_model(
         return
     dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
     dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), torch.float32)
-    if getattr(model_config, "tie_word_embeddings", False):
-        full.pop("lm_head.weight", None)
-    tensors = {
-        k: v.detach().to(dtype).contiguous() for k, v in full.items() if isinstance(v, torch.Tensor)
-    }
+    tied = tied_pairs(model, model_config)
+    weights = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
+    check_tied_copies(tied, weights, lambda t: t, "the model's full state dict")
+    tensors = {k: weights[k].detach().to(dtype).contiguous() for k in stored_once(weights, tied)}
     split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
     for filename, keys in split.filename_to_tensors.items():
         tmp = output_dir / f"{filename}.tmp"

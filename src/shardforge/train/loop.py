@@ -163,7 +163,7 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
     total_steps = cfg.max_steps or math.ceil(cfg.num_epochs * len(seqs) / global_batch)
     every = save_interval(cfg, len(seqs), global_batch)
 
-    resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
+    resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out, announce=rt.is_main)
     saved = ckpt.TrainerState.read(resume) if resume is not None else None
     if resume is not None and saved is not None and saved.step >= total_steps:
         if rt.is_main:

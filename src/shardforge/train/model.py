@@ -201,6 +201,7 @@ def read_full_state_dict(base_model: str, model: nn.Module) -> dict[str, torch.T
     """The base weights as float32 tensors keyed like `model`'s state dict (rank 0 only)."""
     from safetensors.torch import load_file
 
+    from shardforge.checkpoint.architecture import tied_pairs
     from shardforge.train.vocab import extend_rows
 
     base = Path(base_model)
@@ -215,9 +216,9 @@ def read_full_state_dict(base_model: str, model: nn.Module) -> dict[str, torch.T
             if key in expected:
                 out[key] = tensor.to(torch.float32)
     extend_rows(out, model)  # rows for tokens the config added (vocab.grow_vocab_size)
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    if tied and "lm_head.weight" in expected and "lm_head.weight" not in out:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    for target, source in tied_pairs(model, model.config).items():
+        if target not in out and source in out:  # stored once by save_pretrained
+            out[target] = out[source]
     missing = sorted(expected - set(out))
     if missing:
         raise ConfigError("base_model", [f"weights missing from {base}: {', '.join(missing[:5])}"])

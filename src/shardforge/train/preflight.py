@@ -90,7 +90,7 @@ def check_resume(cfg: ShardforgeConfig) -> list[Problem]:
     """A resume path is a complete checkpoint; a fresh start does not mix with old checkpoints."""
     out = Path(cfg.output_dir)
     try:
-        ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
+        ckpt.resolve_resume(cfg.resume_from_checkpoint, out, announce=False)  # ranks announce
     except ShardforgeError as exc:
         return [("resume_from_checkpoint", str(exc).removeprefix("resume_from_checkpoint: "))]
     existing = ckpt.complete_checkpoints(out)

@@ -1,0 +1,583 @@
+"""The one allow-list unpickler (`shardforge.io.unpickler`): real pickles parse exactly, and one
+hostile corpus is refused by every profile and by every entry point that reads a checkpoint
+pickle (merge of DCP `.metadata`, chunk records and rank files; inspect; `--engine
+transformers`; resume): one clean line, fast, within bounded memory, no payload run, no torch
+class changed."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import warnings
+import zipfile
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from shardforge.errors import CheckpointError
+from shardforge.io.unpickler import (
+    METADATA,
+    RANK_STATE_DICT,
+    TENSOR_RECORD,
+    Metadata,
+    Profile,
+    UnsupportedRecord,
+    load_metadata_pickle,
+    load_rank_pickle,
+    parse_tensor_record,
+    unpickle,
+)
+
+# -- the hostile corpus --------------------------------------------------------------------------
+
+
+class _Reduce:
+    """Pickles as ``fn(*args)``: what a malicious checkpoint would run on a plain pickle.load."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.fn, self.args)
+
+
+def _build_on(module: str, name: str, attr: str) -> bytes:
+    """GLOBAL module.name, then BUILD {attr: None} on it: sets an attribute on a class."""
+    key = attr.encode()
+    return (
+        b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"}X" + struct.pack("<I", len(key)) + key
+    ) + b"Nsb."
+
+
+def _deep_memo_lists(n: int) -> bytes:
+    """Lists nested `n` deep while the stack stays two items high (each level is fetched back
+    from the memo and wrapped)."""
+    out = bytearray(b"\x80\x04]\x94")
+    for i in range(1, n):
+        out += b"]j" + struct.pack("<I", i - 1) + b"a\x940"
+    return bytes(out + b"j" + struct.pack("<I", n - 1) + b".")
+
+
+def hostile_corpus(marker: Path) -> dict[str, bytes]:
+    """name -> pickle bytes; none may be loaded, none may touch `marker`."""
+    touch = f"open({str(marker)!r}, 'w').close()"
+    return {
+        "reduce os.system": pickle.dumps(_Reduce(os.system, f"touch {marker}"), protocol=2),
+        "reduce builtins.eval": pickle.dumps(_Reduce(eval, touch), protocol=4),
+        "reduce subprocess.Popen": pickle.dumps(
+            _Reduce(subprocess.Popen, ["touch", str(marker)]), protocol=4
+        ),
+        "BUILD on DCP Metadata": _build_on(
+            "torch.distributed.checkpoint.metadata", "Metadata", "__init__"
+        ),
+        "BUILD on torch.Size": _build_on("torch", "Size", "__new__"),
+        "BUILD on DeviceMesh": _build_on("torch.distributed.device_mesh", "DeviceMesh", "x"),
+        "BUILD on torch.Tensor": _build_on("torch", "Tensor", "add"),
+        "BUILD on pathlib.Path": _build_on("pathlib", "PosixPath", "open"),
+        "BUILD on a dtype": _build_on("torch", "float32", "is_floating_point"),
+        "memo LONG_BINGET 2**31": b"\x80\x04j\x00\x00\x00\x80.",
+        "memo LONG_BINPUT 2**31": b"\x80\x04Nr\x00\x00\x00\x80.",
+        "BINBYTES8 of 2**60 bytes": b"\x80\x04\x8e" + (1 << 60).to_bytes(8, "little") + b"x",
+        "BINUNICODE8 of 2**60 bytes": b"\x80\x04\x8d" + (1 << 60).to_bytes(8, "little") + b"x",
+        "BYTEARRAY8 of 2**33 bytes": b"\x80\x05\x96" + (1 << 33).to_bytes(8, "little") + b"x",
+        "100k MARKs": b"(" * 100_000,
+        "100k nested lists": b"]" * 100_000 + b"a" * 99_999 + b".",
+        "100k nested tuples": b"N" + b"\x85" * 100_000 + b".",
+        "20k nested lists, two on the stack": _deep_memo_lists(20_000),
+        "deep tuple as a dict key": b"}N" + b"\x85" * 50_000 + b"Ns.",
+        "truncated": pickle.dumps({"w": [list(range(50)), "x" * 100]}, protocol=4)[:60],
+        "random bytes": random.Random(10).randbytes(4096),
+    }
+
+
+PROFILES = {"metadata": METADATA, "tensor record": TENSOR_RECORD, "rank file": RANK_STATE_DICT}
+
+
+def _watched() -> tuple[type, ...]:
+    """torch and pathlib classes (and our record base) a payload would like to change."""
+    import pathlib
+
+    import torch.distributed.checkpoint.metadata as m
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return (
+        m.Metadata,
+        m.TensorStorageMetadata,
+        m.ChunkStorageMetadata,
+        m.TensorProperties,
+        m.MetadataIndex,
+        m.StorageMeta,
+        _StorageInfo,
+        torch.Tensor,
+        torch.Size,
+        DeviceMesh,
+        pathlib.Path,
+        pathlib.PosixPath,
+        pathlib.PurePosixPath,
+        Metadata,
+    )
+
+
+def class_snapshot() -> dict[str, dict[str, int]]:
+    return {repr(c): {k: id(v) for k, v in vars(c).items()} for c in _watched()}
+
+
+def check_refusal(message: str, label: str) -> None:
+    """One line, printable ASCII, naming the file."""
+    assert "\n" not in message, (label, message)
+    assert message.isascii() and message.isprintable(), (label, message)
+    assert "Traceback" not in message, (label, message)
+
+
+# -- real pickles parse exactly ------------------------------------------------------------------
+
+
+def _dcp_save(directory: Path) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4), "b": torch.ones(5)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({**state, "step": 3}, checkpoint_id=str(directory), no_dist=True)
+    return state
+
+
+def test_real_metadata_plain_and_as_torch(tmp_path: Path) -> None:
+    _dcp_save(tmp_path)
+    path = tmp_path / ".metadata"
+    plain = load_metadata_pickle(path)  # plain records: no torch class is instantiated
+    assert type(plain) is Metadata
+    w = plain.state_dict_metadata["w"]
+    assert w.properties.dtype == torch.bfloat16
+    assert w.size == (3, 4) and w.chunks[0].offsets == (0, 0) and w.chunks[0].sizes == (3, 4)
+    assert getattr(plain, "no_such_field", None) is None
+    # torch's classes, built by their constructors: equal to what torch's own pickle.load gives
+    with path.open("rb") as f:
+        expected = pickle.load(f)  # our own test file, written by dcp.save just now
+    expected.storage_meta.checkpoint_id = str(expected.storage_meta.checkpoint_id)  # paths: str
+    assert load_metadata_pickle(path, as_torch=True) == expected
+
+
+def test_paths_and_old_pickles(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.metadata import Metadata as TorchMetadata
+
+    meta = TorchMetadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(
+                TensorProperties(dtype=torch.float16),
+                torch.Size([2]),
+                [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))],
+            )
+        },
+        planner_data={"w": ("w",), "p": Path("/x")},
+    )
+    path = tmp_path / ".metadata"
+    for protocol in (2, 5):
+        path.write_bytes(pickle.dumps(meta, protocol=protocol))
+        plain = load_metadata_pickle(path)
+        assert plain.planner_data["p"] == "/x", protocol
+        assert plain.state_dict_metadata["w"].properties.dtype == torch.float16
+        real = load_metadata_pickle(path, as_torch=True)
+        assert real.state_dict_metadata == meta.state_dict_metadata
+        assert real.planner_data == {"w": ("w",), "p": "/x"}
+
+
+def test_metadata_that_is_not_metadata(tmp_path: Path) -> None:
+    path = tmp_path / ".metadata"
+    for data, message in (
+        (b"garbage", r"\.metadata: not a readable pickle .* the file is damaged"),
+        (b"\xffgarbage", r"\.metadata: the pickle has an unknown opcode 0xff"),
+    ):
+        path.write_bytes(data)
+        with pytest.raises(CheckpointError, match=message):
+            load_metadata_pickle(path)
+    path.write_bytes(pickle.dumps({"not": "metadata"}))
+    assert load_metadata_pickle(path) == {"not": "metadata"}  # plain data is fine...
+    with pytest.raises(CheckpointError, match="not DCP Metadata"):
+        load_metadata_pickle(path, as_torch=True)  # ...but not for torch's reader
+    os.mkfifo(tmp_path / "fifo")  # never blocks
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        load_metadata_pickle(tmp_path / "fifo")
+
+
+def _record_pickle(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zf:
+        return zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
+
+
+def test_tensor_record_is_described_not_loaded() -> None:
+    st = parse_tensor_record(_record_pickle(torch.arange(6, dtype=torch.int32).view(2, 3)[:, 1:]))
+    assert (st.dtype, st.size, st.stride, st.storage_offset) == (torch.int32, (2, 2), (3, 1), 1)
+    assert (st.storage_key, st.storage_numel) == ("0", 6)
+    # a tensor kind not modelled here (float8: _rebuild_tensor_v3 with an untyped storage) is
+    # unsupported, for torch's weights-only loader, after the whole pickle was checked
+    with pytest.raises(UnsupportedRecord):
+        parse_tensor_record(_record_pickle(torch.zeros(2, dtype=torch.float8_e4m3fn)))
+
+
+def test_rank_state_dict_plain_entries() -> None:
+    buf = io.BytesIO()
+    base = torch.arange(12, dtype=torch.float16).view(3, 4)
+    torch.save({"a": base.t(), "b": base[1:]}, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zf:
+        pkl = zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
+    out = load_rank_pickle(pkl, "r.pt")
+    a, b = out["a"], out["b"]
+    assert (a.size, a.stride, a.storage_offset, a.storage.dtype) == (
+        (4, 3),
+        (1, 4),
+        0,
+        torch.float16,
+    )
+    assert (b.size, b.stride, b.storage_offset, b.storage.numel) == ((2, 4), (4, 1), 4, 12)
+    for data, message in (
+        (pickle.dumps([1, 2], protocol=2), "holds a list, not a state dict"),
+        (pickle.dumps({"k": 3}, protocol=2), "entry 'k' holds int, not a tensor"),
+    ):
+        with pytest.raises(CheckpointError, match=message):
+            load_rank_pickle(data, "r.pt")
+
+
+def test_names_from_the_pickle_are_sanitized() -> None:
+    evil = "\x1b]0;pwned\x07\x1b[31m" + "A" * 500
+    data = b"\x80\x02c" + f"{evil}\nsystem\n".encode() + b"."
+    with pytest.raises(CheckpointError) as info:
+        unpickle(data, "f.pkl", METADATA)
+    message = str(info.value)
+    check_refusal(message, "escape")
+    assert "\x1b" not in message and len(message) < 300 and "?]0;pwned??[31mAAA" in message
+
+
+def test_state_cannot_shadow_methods_or_dunders() -> None:
+    # NEWOBJ a Metadata record, BUILD it with state naming its method and a dunder
+    payload = (
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81}(X\x03\x00\x00\x00get"
+        b"K\x01X\t\x00\x00\x00__class__K\x02X\x07\x00\x00\x00versionX\x01\x00\x00\x001ub."
+    )
+    rec = unpickle(payload, "f", METADATA)
+    assert type(rec) is Metadata and rec.version == "1"
+    assert callable(rec.get) and rec.get("get") == 1
+    with pytest.raises(AttributeError):
+        rec.__deepcopy__  # noqa: B018
+
+
+def test_input_and_memo_limits(tmp_path: Path) -> None:
+    small = Profile("tests", {}, max_bytes=8, max_memo=3)
+    assert unpickle(b"\x80\x04N\x94\x94\x94.", "f", small) is None
+    with pytest.raises(CheckpointError, match="memo index 3"):
+        unpickle(b"\x80\x04N\x94\x94\x94\x94.", "f", small)
+    with pytest.raises(CheckpointError, match="the pickle is 9 bytes; tests are at most 8"):
+        unpickle(b"\x80\x04N\x94\x94\x94\x94..", "f", small)
+    big = tmp_path / ".metadata"  # sparse: refused by its size, before anything is read
+    with big.open("wb") as f:
+        f.truncate(METADATA.max_bytes + 1)
+    with pytest.raises(CheckpointError, match=r"\.metadata: refused to load: it is 1073741825"):
+        load_metadata_pickle(big)
+
+
+# -- the corpus, every profile -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_every_profile_refuses_the_corpus(profile: str, tmp_path: Path) -> None:
+    marker = tmp_path / "MARKER"
+    before = class_snapshot()
+    for name, data in hostile_corpus(marker).items():
+        start = time.perf_counter()
+        with pytest.raises(CheckpointError) as info:
+            unpickle(data, "x/data.pkl", PROFILES[profile])
+        assert time.perf_counter() - start < 5, name
+        check_refusal(str(info.value), name)
+        assert str(info.value).startswith("x/data.pkl: "), name
+    assert not marker.exists()
+    assert class_snapshot() == before
+
+
+# -- the corpus, every entry point ---------------------------------------------------------------
+
+MODEL_KEY = "model.norm.weight"
+
+
+def _trainer_state() -> dict[str, Any]:
+    from shardforge.train.checkpointing import TrainerState
+
+    return asdict(TrainerState(1, 1, 4, 4, 8, 0))
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model, a checkpoint of it in shardforge's layout (model, optimizer, trainer
+    state: mergeable and resumable) and in LMMs-Engine's rank-file layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from shardforge.testing.tiny import make_model
+
+    root = tmp_path_factory.mktemp("corpus")
+    base = make_model(root / "base", "llama", vocab_size=320)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    ckpt = root / "run" / "checkpoint-1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(model.state_dict(), checkpoint_id=ckpt / "model", no_dist=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+        dcp.save(
+            get_optimizer_state_dict(model, opt), checkpoint_id=ckpt / "optimizer", no_dist=True
+        )
+    (ckpt / "trainer_state.json").write_text(json.dumps(_trainer_state()))
+    torch.save({"python": 0}, ckpt / "rng_state_0.pt")
+    ranks = root / "ranks" / "checkpoint-3" / "pytorch_model_fsdp_0"
+    ranks.mkdir(parents=True)
+    torch.save(model.state_dict(), ranks / "model_world_size_1_rank_0.pt")
+    _zip_bomb(root / "rank_bomb.pt", "model_world_size_1_rank_0/data.pkl")
+    _zip_bomb(root / "record_bomb.pt", "archive/data.pkl")
+    return root
+
+
+def _torch_zip(path: Path, data_pkl: bytes, storage: bytes) -> None:
+    """A torch.save archive written by torch's own zip writer, holding `data_pkl`."""
+    writer = torch._C.PyTorchFileWriter(str(path))
+    writer.write_record("data.pkl", data_pkl, len(data_pkl))
+    writer.write_record("byteorder", b"little", 6)
+    writer.write_record("data/0", storage, len(storage))
+    writer.write_end_of_file()
+
+
+def _zip_bomb(path: Path, member: str, size: int = 128 << 20) -> None:
+    """A zip whose `member` is `size` bytes deflated into about 600 KiB."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        with zf.open(member, "w", force_zip64=True) as f:
+            block = bytes(1 << 20)
+            for _ in range(size >> 20):
+                f.write(block)
+        zf.writestr(member.replace("data.pkl", "data/0"), bytes(64), zipfile.ZIP_STORED)
+
+
+class Env:
+    """A private copy of the pristine checkpoints; each `put_*` plants one payload."""
+
+    def __init__(self, pristine: Path, root: Path) -> None:
+        self.root = root
+        shutil.copytree(pristine / "run", root / "run")
+        shutil.copytree(pristine / "ranks", root / "ranks")
+        self.base = pristine / "base"
+        self.bombs = pristine
+        self.ckpt = root / "run" / "checkpoint-1"
+        self.model = self.ckpt / "model"
+        self.rank_dir = root / "ranks" / "checkpoint-3" / "pytorch_model_fsdp_0"
+        self.rank_file = self.rank_dir / "model_world_size_1_rank_0.pt"
+        self.meta = self.model / ".metadata"
+        self.original_meta = self.meta.read_bytes()
+        self.distcp = self.model / "__0_0.distcp"
+        self.original_distcp = self.distcp.read_bytes()
+        self.cfg = root / "cfg.yml"
+        self.cfg.write_text(json.dumps({"base_model": str(self.base), "output_dir": str(root)}))
+
+    def put_metadata(self, data: bytes) -> Path:
+        self.meta.write_bytes(data)
+        return self.meta
+
+    def put_record(self, data_pkl: bytes, bomb: bool = False) -> Path:
+        """Append a record holding `data_pkl` to the .distcp and point MODEL_KEY's chunk at it
+        (the .metadata is our own test file: pickle is fine here)."""
+        meta = pickle.loads(self.original_meta)
+        index = next(i for i in meta.storage_data if i.fqn == MODEL_KEY)
+        record = self.root / "record.pt"
+        if bomb:
+            shutil.copy(self.bombs / "record_bomb.pt", record)
+        else:
+            _torch_zip(record, data_pkl, bytes(256))
+        blob = record.read_bytes()
+        info = meta.storage_data[index]
+        info.offset, info.length = len(self.original_distcp), len(blob)
+        self.meta.write_bytes(pickle.dumps(meta))
+        self.distcp.write_bytes(self.original_distcp + blob)
+        return self.distcp
+
+    def put_rank_file(self, data_pkl: bytes, bomb: bool = False) -> Path:
+        self.rank_file.unlink()
+        if bomb:
+            shutil.copy(self.bombs / "rank_bomb.pt", self.rank_file)
+        else:
+            _torch_zip(self.rank_file, data_pkl, bytes(256))
+        return self.rank_file
+
+    def tree(self) -> str:
+        h = hashlib.sha256()
+        for p in sorted(self.root.rglob("*")):
+            h.update(str(p.relative_to(self.root)).encode())
+            if p.is_file():
+                h.update(p.read_bytes())
+        return h.hexdigest()
+
+
+def _cli(*args: str | Path) -> str:
+    """Run the CLI in-process; it must fail with exactly one clean `error:` line: return it."""
+    from shardforge.cli.main import cli
+
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], result.stderr
+    assert "Traceback" not in result.output
+    return errors[0]
+
+
+def _merge(env: Env, *extra: str) -> str:
+    out = env.root / "out"
+    args = ["merge-sharded-fsdp-weights", env.cfg, "--output_path", out, "--quiet", *extra]
+    line = _cli(*args)
+    assert not out.exists()
+    return line
+
+
+def _merge_model(env: Env) -> str:
+    return _merge(env, "--checkpoint", str(env.model))
+
+
+def _merge_ranks(env: Env) -> str:
+    return _merge(env, "--checkpoint", str(env.rank_dir))
+
+
+def _engine_transformers(env: Env) -> str:
+    return _merge(env, "--checkpoint", str(env.model), "--engine", "transformers")
+
+
+def _torch_reader(env: Env) -> str:
+    """The torch-class mode, as `SafeFileSystemReader` uses it for torch's DCP loader."""
+    from shardforge.checkpoint.safe_reader import read_dcp_metadata
+
+    with pytest.raises(CheckpointError) as info:
+        read_dcp_metadata(env.model)
+    return str(info.value)
+
+
+def _resume(env: Env) -> str:
+    """Training's resume: the explicit-path check, then `load_checkpoint` itself (torch's
+    DCP loader through `SafeFileSystemReader`)."""
+    from shardforge.train.checkpointing import load_checkpoint, resolve_resume
+
+    with pytest.raises(CheckpointError) as checked:
+        resolve_resume(str(env.ckpt), env.root)
+    check_refusal(str(checked.value), "resolve_resume")
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_checkpoint(env.ckpt, model, torch.optim.SGD(model.parameters()))
+    return str(info.value)
+
+
+# entry point -> (where the payload goes, how the entry point is run)
+ENTRY_POINTS: dict[str, tuple[str, Callable[[Env], str]]] = {
+    "merge .metadata": ("metadata", _merge_model),
+    "merge chunk record": ("record", _merge_model),
+    "merge rank file": ("rank file", _merge_ranks),
+    "inspect .metadata": ("metadata", lambda env: _cli("inspect", env.model)),
+    "inspect rank file": ("rank file", lambda env: _cli("inspect", env.rank_dir)),
+    "merge --engine transformers": ("metadata", _engine_transformers),
+    "torch's DCP reader": ("metadata", _torch_reader),
+    "resume": ("metadata", _resume),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_every_entry_point_refuses_the_corpus(entry: str, pristine: Path, tmp_path: Path) -> None:
+    env = Env(pristine, tmp_path / "env")
+    marker = tmp_path / "MARKER"
+    where, run = ENTRY_POINTS[entry]
+    put = {"metadata": env.put_metadata, "record": env.put_record, "rank file": env.put_rank_file}
+    before = class_snapshot()
+    for name, data in hostile_corpus(marker).items():
+        path = put[where](data)
+        tree = env.tree()
+        start = time.perf_counter()
+        line = run(env)
+        assert time.perf_counter() - start < 10, (entry, name)
+        check_refusal(line, name)
+        assert path.name in line, (entry, name, line)
+        assert not marker.exists(), (entry, name)
+        assert env.tree() == tree, (entry, name)  # nothing written, nothing removed
+    assert class_snapshot() == before
+
+
+# -- memory: the bombs in a fresh process ---------------------------------------------------------
+
+_MEMORY_SCRIPT = r"""
+import json, resource, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from test_unpickler import Env, _merge, hostile_corpus
+
+env = Env(Path(sys.argv[2]), Path(sys.argv[3]) / "env")
+corpus = hostile_corpus(Path(sys.argv[3]) / "MARKER")
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+cases = {
+    ".metadata " + name: (lambda d=data: env.put_metadata(d), env.model)
+    for name, data in corpus.items()
+    if "memo" in name or "8 of" in name or "nested" in name or "MARK" in name
+}
+cases["zip bomb rank file"] = (lambda: env.put_rank_file(b"", bomb=True), env.rank_dir)
+cases["zip bomb chunk record"] = (lambda: env.put_record(b"", bomb=True), env.model)
+# warm up: the same code paths once (a truncated pickle), so imports are not counted
+for where in ("metadata", "record", "rank"):
+    getattr(env, "put_" + {"rank": "rank_file"}.get(where, where))(corpus["truncated"])
+    _merge(env, "--checkpoint", str(env.rank_dir if where == "rank" else env.model))
+base = peak()
+times, lines = {}, {}
+for name, (put, checkpoint) in cases.items():
+    put()
+    start = time.perf_counter()
+    lines[name] = _merge(env, "--checkpoint", str(checkpoint))
+    times[name] = time.perf_counter() - start
+print(json.dumps({"extra": peak() - base, "times": times, "lines": lines}))
+"""
+
+
+def test_bombs_stay_within_100_mb(pristine: Path, tmp_path: Path) -> None:
+    """Memo, length, nesting and zip bombs (128 MiB deflated into about 600 KiB) through
+    the merge, in a fresh process: each is one line within seconds, and peak memory grows by
+    less than 100 MB over all of them."""
+    assert (pristine / "rank_bomb.pt").stat().st_size < 2 << 20
+    script = [sys.executable, "-c", _MEMORY_SCRIPT, str(Path(__file__).parent)]
+    proc = subprocess.run(
+        [*script, str(pristine), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["extra"] < 100 << 20, found
+    assert max(found["times"].values()) < 5, found["times"]
+    assert {"zip bomb rank file", "zip bomb chunk record"} < set(found["lines"]), found
+    for name, line in found["lines"].items():
+        check_refusal(line, name)
+        if "zip bomb" in name:
+            assert "compressed" in line, line
+    assert not (tmp_path / "MARKER").exists()
