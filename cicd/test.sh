@@ -9,4 +9,5 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_
 ruff check src tests benchmarks
 ruff format --check src tests benchmarks
 mypy
+lint-imports --no-logo
 pytest -q -n 2 --dist loadfile "$@"

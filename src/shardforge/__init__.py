@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from shardforge.version import __version__
 
 __all__ = ["__version__", "load_cfg", "merge_fsdp_weights"]
 
 if TYPE_CHECKING:
     from shardforge.config import load_cfg
-    from shardforge.merge import merge_fsdp_weights
+    from shardforge.merge.api import merge_fsdp_weights
 
 
 def __getattr__(name: str) -> Any:
@@ -20,7 +20,7 @@ def __getattr__(name: str) -> Any:
 
         return load_cfg
     if name == "merge_fsdp_weights":
-        from shardforge.merge import merge_fsdp_weights
+        from shardforge.merge.api import merge_fsdp_weights
 
         return merge_fsdp_weights
     raise AttributeError(f"module 'shardforge' has no attribute {name!r}")

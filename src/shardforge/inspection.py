@@ -6,7 +6,7 @@ writer versions, model tensors, optimizer contents.
     facts.parameter_count, facts.to_dict()             # a JSON-able dict
 
 Nothing is written and nothing is unpickled outside the existing allow-list readers
-(`checkpoint.metadata` for DCP, `rankfiles` for per-rank DTensor files; Lightning's `meta.pt`
+(`formats.dcp.metadata` for DCP, `formats.rankfiles` for per-rank DTensor files; Lightning's `meta.pt`
 through ``torch.load(weights_only=True)``).
 """
 
@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardforge.checkpoint.keys import is_optimizer_key
-from shardforge.checkpoint.layouts import (
+from shardforge.errors import CheckpointError
+from shardforge.formats.dcp.metadata import METADATA_FILE, CheckpointMetadata, read_metadata
+from shardforge.keymap.keys import is_optimizer_key
+from shardforge.layouts.steps import (
     LAST,
     OPTIMIZER_DIRS,
     STEP_LAYOUTS,
@@ -32,8 +34,6 @@ from shardforge.checkpoint.layouts import (
     kind_of,
     resolve_checkpoint,
 )
-from shardforge.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, read_metadata
-from shardforge.errors import CheckpointError
 
 log = logging.getLogger("shardforge")
 
@@ -194,7 +194,7 @@ def _is_dcp(path: Path) -> bool:
 
 def _is_checkpoint_file(path: Path) -> bool:
     """A DCP `.metadata` / `__R_N.distcp` or a `model_world_size_W_rank_R.pt` file."""
-    from shardforge.rankfiles.rank_file import parse_rank_name
+    from shardforge.formats.rankfiles.rank_file import parse_rank_name
 
     name = path.name
     return name == METADATA_FILE or bool(DISTCP_FILE.match(name)) or bool(parse_rank_name(path))
@@ -397,8 +397,8 @@ def _rank_state(rank_dir: Path, kind: str) -> StateSummary | None:
 def read_rank_dir(rank_dir: Path) -> Contents:
     """Tensors of a folder of `model_world_size_W_rank_R.pt` files (metadata only); optimizer
     files beside them are counted, not read."""
-    from shardforge.rankfiles import plan_rank_files
-    from shardforge.rankfiles.rank_file import parse_rank_name
+    from shardforge.formats.rankfiles import plan_rank_files
+    from shardforge.formats.rankfiles.rank_file import parse_rank_name
 
     plan = plan_rank_files(rank_dir)
     world_sizes = {names[0] for p in rank_dir.iterdir() if (names := parse_rank_name(p))}

@@ -197,7 +197,7 @@ DRIVER = """
 import io, json, os, subprocess, sys
 from contextlib import redirect_stderr
 from pathlib import Path
-from shardforge.checkpoint.output import atomic_directory
+from shardforge.merge.publish import atomic_directory
 from shardforge.cli._common import run_guarded
 full, ro = sys.argv[1:3]
 # a 64 KiB file system and a read-only view of a folder, only in this mount namespace

@@ -469,7 +469,7 @@ def _engine_transformers(env: Env) -> str:
 
 def _torch_reader(env: Env) -> str:
     """The torch-class mode, as `SafeFileSystemReader` uses it for torch's DCP loader."""
-    from shardforge.checkpoint.safe_reader import read_dcp_metadata
+    from shardforge.formats.dcp.reader import read_dcp_metadata
 
     with pytest.raises(CheckpointError) as info:
         read_dcp_metadata(env.model)

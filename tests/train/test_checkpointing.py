@@ -324,7 +324,7 @@ def test_hsdp_trains_resumes_and_merges_like_full_shard(
     losses; its checkpoint resumes at 2 ranks and merges into the same weights."""
     from safetensors.torch import load_file
 
-    from shardforge.merge import merge_fsdp_weights
+    from shardforge.merge.api import merge_fsdp_weights
 
     out = tmp_path / "hsdp"
     cfg = {

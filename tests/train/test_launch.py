@@ -41,8 +41,8 @@ def test_training_never_imports_the_merge() -> None:
     code = (
         "import sys, shardforge.cli.train, shardforge.cli.train_rank, shardforge.train.loop, "
         "shardforge.train.preflight\n"
-        "bad = sorted(m for m in sys.modules if m.startswith(('shardforge.checkpoint', "
-        "'shardforge.merge', 'shardforge.rankfiles')))\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('shardforge.inspection', "
+        "'shardforge.merge')))\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -9,7 +9,7 @@ import importlib
 
 import click
 
-from shardforge import __version__
+from shardforge.version import __version__
 
 # command name -> module under shardforge.cli defining `command` (a click.Command)
 COMMANDS: dict[str, str] = {

@@ -75,7 +75,7 @@ def do_merge_sharded_fsdp_weights(
 ) -> Path:
     """Load `config` (plus overrides) and run `merge_fsdp_weights` with `options`."""
     from shardforge.config import load_cfg, parse_override_args
-    from shardforge.merge import merge_fsdp_weights
+    from shardforge.merge.api import merge_fsdp_weights
 
     if "average_steps" in options:
         options["average_steps"] = parse_steps(options["average_steps"])

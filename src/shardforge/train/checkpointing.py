@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from shardforge.errors import CheckpointError
-from shardforge.fsutil import fsync_dir
+from shardforge.io.fs import fsync_dir
 
 log = logging.getLogger("shardforge")
 
@@ -74,7 +74,7 @@ class TrainerState:
 def versions() -> dict[str, Any]:
     import transformers
 
-    from shardforge import __version__
+    from shardforge.version import __version__
 
     return {
         "torch_version": torch.__version__,
@@ -126,7 +126,7 @@ def checkpoint_problem(path: Path) -> str | None:
     it, every data file exists and is long enough) for the model and the optimizer DCP
     directories, the trainer state, and every saving rank's RNG file.
     """
-    from shardforge.checkpoint.metadata import read_metadata
+    from shardforge.formats.dcp.metadata import read_metadata
 
     if not is_complete(path):
         return f"not a complete checkpoint-<step> directory (needs {STATE_FILE} and {MODEL_DIR}/.metadata)"
@@ -265,7 +265,7 @@ def load_checkpoint(
 ) -> TrainerState:
     """Load model and optimizer shards (resharding to this world size) and the trainer state.
 
-    The DCP metadata is read through an allow-list unpickler (see `shardforge.checkpoint.safe_reader`).
+    The DCP metadata is read through an allow-list unpickler (see `shardforge.formats.dcp.reader`).
     """
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -290,7 +290,7 @@ def _dcp_load(state_dict: dict[str, Any], directory: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-    from shardforge.checkpoint.safe_reader import SafeFileSystemReader
+    from shardforge.formats.dcp.reader import SafeFileSystemReader
 
     try:
         dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(directory)))
@@ -313,8 +313,7 @@ def save_full_model(
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from shardforge.checkpoint.architecture import tied_pairs
-    from shardforge.checkpoint.keys import check_tied_copies, stored_once
+    from shardforge.keymap.keys import check_tied_copies, stored_once, tied_pairs
 
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)

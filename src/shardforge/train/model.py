@@ -201,7 +201,7 @@ def read_full_state_dict(base_model: str, model: nn.Module) -> dict[str, torch.T
     """The base weights as float32 tensors keyed like `model`'s state dict (rank 0 only)."""
     from safetensors.torch import load_file
 
-    from shardforge.checkpoint.architecture import tied_pairs
+    from shardforge.keymap.keys import tied_pairs
     from shardforge.train.vocab import extend_rows
 
     base = Path(base_model)

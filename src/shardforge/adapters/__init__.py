@@ -1,5 +1,0 @@
-"""torchtitan -> Hugging Face state-dict adapters (names, RoPE permutation), chosen by model_type."""
-
-from shardforge.adapters.adapter import ADAPTERS, StateDictAdapter, get_adapter, is_model_key
-
-__all__ = ["ADAPTERS", "StateDictAdapter", "get_adapter", "is_model_key"]

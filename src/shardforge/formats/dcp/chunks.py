@@ -1,0 +1,140 @@
+"""Fill the planned safetensors files from the checkpoint's chunks, one tensor at a time.
+
+A chunk that is a contiguous slab along dim 0 lands in one contiguous byte range of the
+output: without a cast it is copied file-to-file (`copy_file_range`, no bytes through Python);
+with a cast only that chunk is read and converted. Other chunk shapes assemble one tensor in
+memory. Peak memory is therefore about one tensor, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from shardforge.errors import CheckpointError
+from shardforge.formats.dcp.metadata import Chunk, TensorEntry
+from shardforge.formats.dcp.records import (
+    ParsedRecord,
+    RawChunk,
+    check_record,
+    parse_record,
+    read_chunk,
+)
+from shardforge.io.files import open_regular, read_exact_into
+
+COPY_BLOCK = 64 << 20
+MAX_OPEN_FILES = 64
+
+Progress = Callable[[int], None]
+
+
+class ChunkReader:
+    """Reads chunks of a checkpoint's data files, keeping a few file descriptors open.
+
+    Data files are opened as regular files only (`shardforge.io.files.open_regular`: a FIFO or
+    a device is refused, never waited on). Each record is parsed once per byte range and
+    checked against every `.metadata` entry that names it.
+    """
+
+    def __init__(self) -> None:
+        self._fds: OrderedDict[Path, int] = OrderedDict()
+        self._parsed: dict[tuple[Path, int, int], ParsedRecord] = {}
+
+    def fd(self, path: Path) -> int:
+        if path in self._fds:
+            self._fds.move_to_end(path)
+            return self._fds[path]
+        if len(self._fds) >= MAX_OPEN_FILES:
+            _, old = self._fds.popitem(last=False)
+            os.close(old)
+        fd = open_regular(path)
+        self._fds[path] = fd
+        return fd
+
+    def locate(self, chunk: Chunk) -> tuple[int, RawChunk | None]:
+        fd = self.fd(chunk.file)
+        key = (chunk.file, chunk.byte_offset, chunk.byte_length)
+        parsed = self._parsed.get(key)
+        if parsed is None:
+            parsed = parse_record(chunk.file, fd, chunk.byte_offset, chunk.byte_length)
+            self._parsed[key] = parsed
+        return fd, check_record(chunk, parsed)
+
+    def read(self, chunk: Chunk) -> torch.Tensor:
+        fd, raw = self.locate(chunk)
+        return read_chunk(chunk, fd, raw)
+
+    def read_rows(self, chunk: Chunk, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) (along dim 0) of a chunk; only those bytes are read when the
+        chunk is stored contiguously."""
+        fd, raw = self.locate(chunk)
+        if raw is None or not raw.contiguous or not chunk.sizes:
+            return read_chunk(chunk, fd, raw)[start:stop]
+        row = math.prod(chunk.sizes[1:]) * raw.dtype.itemsize
+        n = (stop - start) * row
+        buf = bytearray(n)
+        read_exact_into(fd, buf, raw.data_offset + start * row, str(chunk.file))
+        flat = torch.frombuffer(buf, dtype=raw.dtype) if n else torch.empty(0, dtype=raw.dtype)
+        return flat.view((stop - start, *chunk.sizes[1:]))
+
+    def read_full(self, entry: TensorEntry) -> torch.Tensor:
+        """The whole tensor, assembled from its chunks."""
+        if len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.shape:
+            return self.read(entry.chunks[0])
+        full = torch.empty(entry.shape, dtype=entry.dtype)
+        for c in entry.chunks:
+            if c.numel:
+                full[chunk_slices(c)] = self.read(c)
+        return full
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> ChunkReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def chunk_slices(c: Chunk) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes in C order (little-endian on the supported platforms)."""
+    flat = t.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    view = data.cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
+    """Copy bytes file to file, in the kernel where possible."""
+    while count > 0:
+        try:
+            n = os.copy_file_range(src, dst, min(count, COPY_BLOCK), src_off, dst_off)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            n = 0
+        if n == 0:  # unsupported here (or EOF): copy through a bounded buffer
+            data = os.pread(src, min(count, COPY_BLOCK), src_off)
+            if not data:
+                raise CheckpointError("unexpected end of a data file while copying")
+            pwrite_all(dst, memoryview(data), dst_off)
+            n = len(data)
+        src_off, dst_off, count = src_off + n, dst_off + n, count - n

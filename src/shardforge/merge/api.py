@@ -1,0 +1,512 @@
+"""`merge_fsdp_weights`: a sharded FSDP/DCP checkpoint -> a complete, verified Hugging Face model
+directory, streamed with memory bounded by about one tensor.
+
+    from shardforge.config import load_cfg
+    from shardforge.merge.api import merge_fsdp_weights
+    merge_fsdp_weights(load_cfg("cfg.yml"), "out/merged", verify=True)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from shardforge.config import coerce_cfg
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import MergeError
+from shardforge.formats.dcp.chunks import ChunkReader
+from shardforge.formats.registry import DCP, open_checkpoint
+from shardforge.formats.sources import DcpSource, TensorSource, average
+from shardforge.io.copy import prefetch
+from shardforge.keymap.keys import KeyMap, check_tied_copies, map_keys
+from shardforge.keymap.names import adapt_names
+from shardforge.layouts.steps import (
+    LAST,
+    Candidate,
+    check_model_keys,
+    list_checkpoints,
+    resolve_checkpoint,
+)
+from shardforge.merge.check import ExpectedModel, build_expected, check_against
+from shardforge.merge.check import load_config as load_model_config
+from shardforge.merge.companions import (
+    has_tokenizer,
+    write_config,
+    write_generation_config,
+    write_tokenizer,
+)
+from shardforge.merge.plan import (
+    SAFE_WEIGHTS_NAME,
+    OutputPlan,
+    TensorSpec,
+    default_max_shard_size,
+    plan_output,
+)
+from shardforge.merge.plan_report import describe_plan
+from shardforge.merge.publish import (
+    atomic_directory,
+    atomic_file,
+    check_free_space,
+    check_output_file,
+    check_output_path,
+    sigterm_as_interrupt,
+)
+from shardforge.merge.remove import plan_removal, remove_shards
+from shardforge.merge.sinks.hf_dir import write_plan
+from shardforge.merge.sinks.torch_file import verify_torch_file, write_torch_file
+from shardforge.merge.verify import verify_output
+
+log = logging.getLogger("shardforge")
+
+Engine = Literal["stream", "transformers"]
+ENGINES: tuple[str, ...] = ("stream", "transformers")
+
+# --dtype spellings -> torch dtype (None: keep each tensor's stored dtype)
+DTYPES: dict[str, torch.dtype | None] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "as_saved": None,
+    "as-saved": None,
+}
+
+
+@dataclass(frozen=True)
+class MergeSources:
+    """Where the merge reads each part from (`inputs`: several when averaging)."""
+
+    checkpoint: Candidate
+    config: str
+    tokenizer: str
+    generation: list[str]
+    inputs: tuple[Candidate, ...] = ()
+
+
+def _sources(cfg: ShardforgeConfig, candidates: list[Candidate]) -> MergeSources:
+    """Config and tokenizer: base_model_config / tokenizer_config, else the run's output_dir,
+    else the checkpoint's own `huggingface/` folder (verl), else base_model."""
+    candidate = candidates[-1]
+    out_dir = Path(cfg.output_dir)
+    hf_dir = str(candidate.hf_dir) if candidate.hf_dir is not None else None
+    if cfg.base_model_config:
+        config = cfg.base_model_config
+    elif (out_dir / "config.json").is_file():
+        config = str(out_dir)
+    else:
+        config = hf_dir or cfg.base_model
+    if cfg.tokenizer_config:
+        tokenizer = cfg.tokenizer_config
+    elif has_tokenizer(out_dir):
+        tokenizer = str(out_dir)
+    elif candidate.hf_dir is not None and has_tokenizer(candidate.hf_dir):
+        tokenizer = str(candidate.hf_dir)
+    else:
+        tokenizer = cfg.base_model
+    generation = list(dict.fromkeys([config, cfg.base_model]))
+    return MergeSources(candidate, config, tokenizer, generation, tuple(candidates))
+
+
+def _parse_dtype(value: str | torch.dtype | None) -> torch.dtype | Literal["config"] | None:
+    if value is None:
+        return "config"
+    if isinstance(value, torch.dtype):
+        return value
+    key = value.strip().lower().removeprefix("torch.")
+    if key not in DTYPES:
+        raise MergeError(f"--dtype {value!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    raw = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(raw, str):
+        raw = DTYPES.get(raw.lower().removeprefix("torch."))
+    return raw if isinstance(raw, torch.dtype) and raw.is_floating_point else None
+
+
+def _output_dtype(saved: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    return target if target is not None and saved.is_floating_point else saved
+
+
+def _main_dtype(specs: list[TensorSpec]) -> torch.dtype | None:
+    sizes: dict[torch.dtype, int] = {}
+    for s in specs:
+        if s.dtype.is_floating_point:
+            sizes[s.dtype] = sizes.get(s.dtype, 0) + s.nbytes
+    return max(sizes, key=lambda d: sizes[d]) if sizes else None
+
+
+@contextmanager
+def _progress(total: int, desc: str, quiet: bool) -> Iterator[Callable[[int], None]]:
+    from tqdm import tqdm
+
+    disable = quiet or not sys.stderr.isatty()
+    with tqdm(
+        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=disable
+    ) as bar:
+        yield bar.update
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    sources: MergeSources
+    expected: ExpectedModel
+    keymap: KeyMap  # of the (last) input: checkpoint key -> HF name
+    by_name: dict[str, TensorSource]
+    plan: OutputPlan
+    dtype: torch.dtype | None
+    plain_dcp: bool  # one DCP checkpoint with HF names (what --engine transformers reads)
+
+
+def _label(c: Candidate) -> str:
+    return f"step {c.step}" if 0 <= c.step < LAST else str(c.model_dir)
+
+
+def _pick_inputs(
+    root: str | Path,
+    step: int | None,
+    state_dict_dirname: str | None,
+    average_last: int | None,
+    average_steps: list[int] | None,
+) -> list[Candidate]:
+    """The checkpoint to merge, or the checkpoints to average (oldest first)."""
+    if average_last is None and not average_steps:
+        return [resolve_checkpoint(root, step, state_dict_dirname)]
+    if step is not None:
+        raise MergeError("--step picks one checkpoint; with averaging list --average_steps")
+    if average_last is not None and average_steps:
+        raise MergeError("give --average_last or --average_steps, not both")
+    found = list_checkpoints(root, state_dict_dirname)
+    have = [c.step for c in found]
+    if average_last is not None:
+        if average_last < 1:
+            raise MergeError(f"--average_last {average_last}: expected a count of at least 1")
+        if average_last > len(found):
+            raise MergeError(
+                f"--average_last {average_last}: {root} has only {len(found)} complete "
+                f"checkpoint(s) (steps {have or 'none'})"
+            )
+        return found[-average_last:]
+    assert average_steps is not None
+    by_step = {c.step: c for c in found}
+    missing = [s for s in average_steps if s not in by_step]
+    if missing:
+        raise MergeError(
+            f"--average_steps: {root} has no complete checkpoint for step(s) "
+            f"{', '.join(map(str, missing))}; steps found: {have or 'none'}"
+        )
+    if len(set(average_steps)) != len(average_steps):
+        raise MergeError("--average_steps: a step is listed twice")
+    return [by_step[s] for s in average_steps]
+
+
+def _hf_sources(
+    candidate: Candidate, config: Any, expected: ExpectedModel, source: str
+) -> tuple[KeyMap, dict[str, TensorSource]]:
+    """The candidate's tensors under HF names, checked against the architecture."""
+    opened = open_checkpoint(candidate.kind, candidate.model_dir)
+    if candidate.kind == DCP:
+        check_model_keys(candidate.model_dir, list(opened))
+    named = adapt_names(candidate.adapter, candidate.model_dir, opened, config)
+    keymap = map_keys({k: n.path for k, n in named.items()}, expected.shapes)
+    try:
+        check_against(expected, named, keymap.to_hf, list(keymap.unexpected), source)
+    except MergeError as exc:
+        raise MergeError(f"{candidate.model_dir}: {exc.message}", exc.details) from None
+    if keymap.skipped_optimizer:
+        log.info("skipped %d optimizer entries", len(keymap.skipped_optimizer))
+    by_hf = {hf: named[key].source for key, hf in keymap.to_hf.items()}
+    with ChunkReader() as reader:
+        check_tied_copies(expected.tied, by_hf, lambda s: s.read(reader), str(candidate.model_dir))
+    return keymap, by_hf
+
+
+def _prepare(
+    cfg: ShardforgeConfig,
+    checkpoint: str | Path | None,
+    step: int | None,
+    dtype: str | torch.dtype | None,
+    max_shard_size: int | str | None,
+    state_dict_dirname: str | None = None,
+    average_last: int | None = None,
+    average_steps: list[int] | None = None,
+) -> _Prepared:
+    """Everything decided and checked before a byte is written."""
+    root = checkpoint if checkpoint is not None else cfg.output_dir
+    inputs = _pick_inputs(root, step, state_dict_dirname, average_last, average_steps)
+    for c in inputs:
+        where = f" (step {c.step})" if 0 <= c.step < LAST else ""
+        log.info("checkpoint: %s [%s layout, %s]%s", c.model_dir, c.layout, c.kind, where)
+    # The disk starts reading the data files while transformers imports and the architecture
+    # is checked (a hint to the kernel; nothing is held in this process).
+    prefetch(sorted(p for c in inputs for p in c.model_dir.iterdir() if p.is_file()))
+    sources = _sources(cfg, inputs)
+    config = load_model_config(sources.config, cfg.trust_remote_code)
+    expected = build_expected(config, cfg.trust_remote_code)
+    per_input = [_hf_sources(c, config, expected, sources.config) for c in inputs]
+    keymap = per_input[-1][0]
+    if len(inputs) > 1:
+        by_name = average([p[1] for p in per_input], [_label(c) for c in inputs])
+        log.info("averaging %d checkpoints: %s", len(inputs), ", ".join(map(_label, inputs)))
+    else:
+        by_name = per_input[0][1]
+    wanted = _parse_dtype(dtype)
+    target = _config_dtype(config) if wanted == "config" else wanted
+    assert target != "config"
+    specs = [
+        TensorSpec(n, _output_dtype(by_name[n].dtype, target), by_name[n].shape)
+        for n in expected.saved_names
+    ]
+    shard = max_shard_size if max_shard_size is not None else default_max_shard_size()
+    try:
+        plan = plan_output(specs, shard, expected.total_parameters)
+    except ValueError as exc:
+        if isinstance(exc, MergeError):
+            raise
+        raise MergeError(f"--max_shard_size {shard!r}: {exc}") from None
+    plain = len(inputs) == 1 and all(
+        isinstance(src, DcpSource) and src.entry.key == key
+        for key, src in ((k, by_name[hf]) for k, hf in keymap.to_hf.items())
+    )
+    return _Prepared(sources, expected, keymap, by_name, plan, _main_dtype(specs), plain)
+
+
+def _write_hf(prep: _Prepared, out: Path, opts: _Options) -> None:
+    """The full Hugging Face directory: weights (+ index), config, generation config,
+    tokenizer."""
+    with atomic_directory(out, opts.overwrite) as tmp:
+        if opts.engine == "stream":
+            with _progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
+                write_plan(prep.plan, prep.by_name, tmp, update)
+        else:
+            from shardforge.merge.sinks.engine import merge_with_transformers
+
+            merge_with_transformers(
+                prep.expected.config,
+                prep.sources.checkpoint.model_dir,
+                prep.keymap.to_hf,
+                prep.dtype or torch.float32,
+                tmp,
+                opts.max_shard_size,
+                opts.trust_remote_code,
+            )
+        write_config(prep.expected.config, prep.dtype, tmp)
+        if not write_generation_config(prep.sources.generation, tmp):
+            (tmp / "generation_config.json").unlink(missing_ok=True)
+        if opts.save_tokenizer:
+            write_tokenizer(
+                prep.sources.tokenizer,
+                tmp,
+                opts.trust_remote_code,
+                opts.chat_template,
+                opts.chat_template_jinja,
+            )
+        if opts.verify:
+            _verify(prep, tmp, opts.quiet)
+
+
+def _verify(prep: _Prepared, directory: Path, quiet: bool) -> None:
+    with _progress(prep.plan.total_bytes, "verifying", quiet) as update:
+        n = verify_output(prep.plan, prep.by_name, directory, update, prep.expected.tied)
+    log.info("verified %d tensors: identical to the checkpoint", n)
+
+
+def _write_safetensors(prep: _Prepared, out: Path, opts: _Options) -> None:
+    """One `model.safetensors`-format file at `out` (no index, config or tokenizer)."""
+    with atomic_file(out, opts.overwrite) as tmp:
+        with _progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
+            write_plan(prep.plan, prep.by_name, tmp, update)
+        if opts.verify:
+            _verify(prep, tmp, opts.quiet)
+        os.replace(tmp / SAFE_WEIGHTS_NAME, tmp / out.name)
+
+
+def _write_torch(prep: _Prepared, out: Path, opts: _Options) -> None:
+    """One torch.save-format file ``{"state_dict": ...}`` at `out`, one tensor at a time."""
+    specs = [t.spec for _, t in prep.plan.tensors()]
+    specs = [s for n in prep.expected.saved_names for s in specs if s.name == n]
+    with atomic_file(out, opts.overwrite) as tmp:
+        with _progress(sum(s.nbytes for s in specs), "merging", opts.quiet) as update:
+            write_torch_file(specs, prep.by_name, tmp / out.name, update)
+        if opts.verify:
+            n = verify_torch_file(specs, prep.by_name, tmp / out.name, prep.expected.tied)
+            log.info("verified %d tensors: identical to the checkpoint", n)
+
+
+@dataclass(frozen=True)
+class _Options:
+    engine: str
+    quiet: bool
+    verify: bool
+    save_tokenizer: bool
+    trust_remote_code: bool
+    chat_template: str | None
+    chat_template_jinja: str | None
+    max_shard_size: int | str
+    overwrite: bool = False
+
+
+# --format -> writer of the output
+FORMATS: dict[str, Callable[[_Prepared, Path, _Options], None]] = {
+    "hf": _write_hf,
+    "safetensors": _write_safetensors,
+    "torch": _write_torch,
+}
+# suffix of the default output path of --format torch (as Lightning's consolidate_checkpoint)
+CONSOLIDATED_SUFFIX = ".consolidated"
+# one file, whatever its size
+SINGLE_FILE = 1 << 62
+
+
+def _default_output(fmt: str, prep: _Prepared) -> Path:
+    if fmt != "torch":
+        raise MergeError(f"--output_path is required with --format {fmt}")
+    model_dir = prep.sources.checkpoint.model_dir
+    return Path(str(model_dir) + CONSOLIDATED_SUFFIX).absolute()
+
+
+def merge_fsdp_weights(
+    cfg: Any,
+    output_path: str | Path | None = None,
+    save_tokenizer: bool = True,
+    *,
+    checkpoint: str | Path | None = None,
+    step: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str | None = None,
+    verify: bool = False,
+    remove_checkpoint_dir: bool = False,
+    overwrite: bool = False,
+    engine: Engine = "stream",
+    quiet: bool = False,
+    state_dict_dirname: str | None = None,
+    average_last: int | None = None,
+    average_steps: list[int] | None = None,
+    output_format: str = "hf",
+    dry_run: bool = False,
+) -> Path:
+    """Merge a sharded FSDP checkpoint (DCP, per-rank DTensor files, torchtitan) into a
+    Hugging Face model directory, or one safetensors / torch file.
+
+    Args:
+        cfg: the config (``load_cfg`` result, path, mapping or ``ShardforgeConfig``); its
+            ``output_dir`` is searched for the latest complete checkpoint and its
+            ``base_model`` / ``base_model_config`` / ``tokenizer_config`` give the architecture,
+            config and tokenizer.
+        output_path: directory (``hf``) or file (``safetensors``, ``torch``) to create, written
+            as a temporary sibling and renamed at the end; for ``torch`` default
+            ``<model dir>.consolidated``.
+        save_tokenizer: also write the tokenizer (with its chat template; ``hf`` only).
+        checkpoint: a checkpoint directory or root to use instead of ``cfg.output_dir``.
+        step: pick this step instead of the latest.
+        dtype: output dtype of floating tensors (``bfloat16``, ``float16``, ``float32`` or
+            ``as_saved``); default the config's ``dtype``/``torch_dtype``, else as saved.
+        max_shard_size: largest safetensors file (``"5GB"``, bytes); default as save_pretrained.
+        verify: re-read the output and compare every tensor with the checkpoint.
+        remove_checkpoint_dir: after a passed verification (implies ``verify``), delete the
+            model shard files the merge read (DCP ``.metadata`` and the ``.distcp`` files it
+            names, or the ``model_world_size_W_rank_R.pt`` files) and their folder if then
+            empty; each removed file is logged. Refused before merging when optimizer or
+            trainer state shares those files (torchtitan, Lightning, a model + optimizer DCP)
+            or when they are reached through a symbolic link.
+        overwrite: replace an existing output.
+        engine: ``stream`` (bounded memory) or ``transformers`` (meta model, ``dcp.load``,
+            ``save_pretrained``; holds the whole model in memory; plain DCP, ``hf`` only).
+        quiet: no progress bar.
+        state_dict_dirname: the model folder inside each step (e.g. ``pytorch_ema_model_fsdp_0``).
+        average_last: merge the element-wise mean of the last K checkpoints.
+        average_steps: merge the element-wise mean of these steps' checkpoints.
+        output_format: ``hf`` (directory), ``safetensors`` (one file) or ``torch`` (one
+            ``{"state_dict": ...}`` file).
+        dry_run: check and plan everything, print the plan to stdout, write nothing.
+
+    Returns:
+        The output path.
+
+    Raises:
+        CheckpointError: the checkpoint cannot be found, read or trusted.
+        MergeError: mismatch with the architecture, existing output, no disk space, failed
+            verification.
+    """
+    config = coerce_cfg(cfg, command="merge")
+    if engine not in ENGINES:
+        raise MergeError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    if output_format not in FORMATS:
+        raise MergeError(f"--format {output_format!r}: expected one of {', '.join(FORMATS)}")
+    averaging = average_last is not None or bool(average_steps)
+    if engine != "stream" and (output_format != "hf" or averaging):
+        raise MergeError("--engine transformers writes --format hf of one checkpoint only")
+    if remove_checkpoint_dir and averaging:
+        raise MergeError("--remove_checkpoint_dir cannot be combined with averaging")
+    verify = verify or remove_checkpoint_dir
+    single_file = output_format != "hf"
+    check = check_output_file if single_file else check_output_path
+    out = Path(output_path).absolute() if output_path is not None else None
+    if out is not None:
+        check(out, overwrite, [])  # fail fast, before reading anything
+    if single_file and max_shard_size is not None:
+        raise MergeError(f"--max_shard_size does not apply to --format {output_format}")
+    removal = None
+    if remove_checkpoint_dir:  # refused here, before the merge reads or writes, when it must be
+        root = checkpoint if checkpoint is not None else config.output_dir
+        removal = plan_removal(resolve_checkpoint(root, step, state_dict_dirname), root)
+    prep = _prepare(
+        config,
+        checkpoint,
+        step,
+        dtype,
+        SINGLE_FILE if single_file else max_shard_size,
+        state_dict_dirname,
+        average_last,
+        average_steps,
+    )
+    if out is None:
+        out = _default_output(output_format, prep)
+    model_dirs = [c.model_dir for c in prep.sources.inputs]
+    check(out, overwrite, model_dirs)
+    if engine == "stream" and prep.expected.renamed_on_save:
+        raise MergeError(
+            f"{prep.sources.config}: this architecture is saved under other names than it uses "
+            "in memory (transformers weight conversion); merge it with --engine transformers"
+        )
+    if engine != "stream" and not prep.plain_dcp:
+        raise MergeError("--engine transformers reads plain DCP checkpoints only")
+    if removal is not None and removal.model_dir != prep.sources.checkpoint.model_dir.absolute():
+        raise MergeError(
+            f"{removal.model_dir}: the checkpoint changed while the merge started (now "
+            f"{prep.sources.checkpoint.model_dir}); run it again"
+        )
+    if dry_run:
+        sys.stdout.write(describe_plan(prep, out, output_format, save_tokenizer) + "\n")
+        return out
+    check_free_space(out, prep.plan.total_bytes)
+    opts = _Options(
+        engine,
+        quiet,
+        verify,
+        save_tokenizer,
+        config.trust_remote_code,
+        config.chat_template,
+        config.chat_template_jinja,
+        max_shard_size if max_shard_size is not None else default_max_shard_size(),
+        overwrite,
+    )
+    with sigterm_as_interrupt():
+        FORMATS[output_format](prep, out, opts)
+    log.info("wrote %s (%.1f MB)", out, prep.plan.total_bytes / 1e6)
+    if removal is not None:  # the output is verified and published
+        removed = remove_shards(removal)
+        log.info("removed %d shard files of %s", len(removed.files), removal.model_dir)
+    return out

@@ -1,0 +1,70 @@
+"""The Hugging Face weights sink: fill the planned safetensors files (and the index) from the
+sources, one tensor at a time.
+
+A source whose bytes are slabs of input files (no cast) is copied file to file by a few threads
+(`copy_file_range`, no bytes through Python); every other source writes itself into its planned
+byte range (`TensorSource.write_into`: a DCP entry chunk by chunk). Peak memory is therefore
+about one tensor, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from shardforge.formats.dcp.chunks import ChunkReader, copy_range, pwrite_all
+from shardforge.formats.sources import TensorSource
+from shardforge.io.copy import CopyJob, copy_jobs
+from shardforge.merge.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan
+
+Progress = Callable[[int], None]
+
+
+def _preallocate(fd: int, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise
+        os.ftruncate(fd, size)
+
+
+def write_plan(
+    plan: OutputPlan,
+    sources: Mapping[str, TensorSource],
+    directory: Path,
+    progress: Progress,
+) -> None:
+    """Create every planned file (and the index when sharded) in `directory`; fsync them."""
+    with ChunkReader() as reader:
+        for pf in plan.files:
+            fd = os.open(directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _preallocate(fd, pf.size)
+                pwrite_all(fd, memoryview(pf.header), 0)
+                progress(len(pf.header))
+                jobs: list[CopyJob] = []
+                through_memory = []
+                for planned in pf.tensors:
+                    src = sources[planned.spec.name]
+                    same = src.dtype == planned.spec.dtype
+                    slabs = src.slabs(reader) if same else None
+                    if slabs is None:
+                        through_memory.append((planned, src))
+                        continue
+                    jobs += [
+                        CopyJob(s.path, s.src_offset, fd, planned.offset + s.dst_offset, s.nbytes)
+                        for s in slabs
+                    ]
+                copy_jobs(jobs, copy_range, progress)
+                for planned, src in through_memory:
+                    src.write_into(reader, fd, planned.offset, planned.spec.dtype, progress)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    if plan.index is not None:
+        text = json.dumps(plan.index, indent=2, sort_keys=True) + "\n"
+        (directory / SAFE_WEIGHTS_INDEX_NAME).write_text(text, encoding="utf-8")

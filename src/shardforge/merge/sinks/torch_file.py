@@ -1,0 +1,181 @@
+"""Write a single-file torch checkpoint ``{"state_dict": {name: tensor}}`` one tensor at a time.
+
+The file is what ``torch.save`` writes (a zip through torch's own `PyTorchFileWriter`:
+``data.pkl``, ``byteorder``, one ``data/<n>`` record per tensor, aligned): the pickle is built
+first from names, dtypes and shapes alone with the standard `pickle` module, then each tensor is
+read from its source, cast, and written as its record. Memory: about one tensor. Every tensor is
+a CPU tensor with its own storage; `torch.load(path, weights_only=True)` (or ``mmap=True``)
+loads it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardforge.errors import MergeError
+from shardforge.formats.dcp.chunks import ChunkReader
+from shardforge.formats.sources import TensorSource
+from shardforge.merge.plan import TensorSpec
+
+STATE_DICT_KEY = "state_dict"
+PICKLE_PROTOCOL = 2  # torch.save's default
+VERIFY_BLOCK = 256 << 20  # bytes compared per mapping of the written file
+
+# dtype -> the typed storage class torch.save names in the pickle
+STORAGE_TYPES: dict[torch.dtype, str] = {
+    torch.float64: "DoubleStorage",
+    torch.float32: "FloatStorage",
+    torch.float16: "HalfStorage",
+    torch.bfloat16: "BFloat16Storage",
+    torch.int64: "LongStorage",
+    torch.int32: "IntStorage",
+    torch.int16: "ShortStorage",
+    torch.int8: "CharStorage",
+    torch.uint8: "ByteStorage",
+    torch.bool: "BoolStorage",
+    torch.complex64: "ComplexFloatStorage",
+    torch.complex128: "ComplexDoubleStorage",
+}
+
+
+class _StorageRef:
+    """Stands for storage `key` in the pickle (written as a persistent id, as torch.save does)."""
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _TensorRef:
+    """Pickles as torch.save pickles a contiguous CPU tensor."""
+
+    def __init__(self, storage: _StorageRef, shape: tuple[int, ...]) -> None:
+        self.storage, self.shape = storage, shape
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        stride, acc = [], 1
+        for n in reversed(self.shape):
+            stride.append(acc)
+            acc *= n
+        args = (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False)
+        return (torch._utils._rebuild_tensor_v2, (*args, OrderedDict()))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageRef):
+            storage_type = getattr(torch, STORAGE_TYPES[obj.dtype])
+            return ("storage", storage_type, obj.key, "cpu", obj.numel)
+        return None
+
+
+def state_dict_pickle(specs: Sequence[TensorSpec]) -> bytes:
+    """`data.pkl` of ``{"state_dict": {name: tensor}}``; storage keys "0", "1", ... in order."""
+    unknown = sorted({str(s.dtype) for s in specs if s.dtype not in STORAGE_TYPES})
+    if unknown:
+        raise MergeError(f"dtypes {unknown} cannot be written in the torch format")
+    tensors = {
+        s.name: _TensorRef(_StorageRef(str(i), s.dtype, math.prod(s.shape)), s.shape)
+        for i, s in enumerate(specs)
+    }
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=PICKLE_PROTOCOL).dump({STATE_DICT_KEY: tensors})
+    return buf.getvalue()
+
+
+def write_torch_file(
+    specs: Sequence[TensorSpec],
+    sources: Mapping[str, TensorSource],
+    path: Path,
+    progress: Callable[[int], None],
+) -> None:
+    """Write `path` as torch.save would write ``{"state_dict": ...}``, one tensor at a time."""
+    from torch.serialization import _open_zipfile_writer
+
+    data = state_dict_pickle(specs)
+    with ChunkReader() as reader, _open_zipfile_writer(str(path)) as writer:
+        writer.write_record("data.pkl", data, len(data))
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for i, spec in enumerate(specs):
+            tensor = sources[spec.name].read(reader).to(spec.dtype).contiguous()
+            storage = tensor.untyped_storage()
+            if tensor.storage_offset() or storage.nbytes() != spec.nbytes:
+                tensor = tensor.clone()
+                storage = tensor.untyped_storage()
+            writer.write_record(f"data/{i}", storage, spec.nbytes)
+            progress(spec.nbytes)
+            del tensor, storage
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify_torch_file(
+    specs: Sequence[TensorSpec],
+    sources: Mapping[str, TensorSource],
+    path: Path,
+    tied: Mapping[str, str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Compare every tensor of `path`, as ``torch.load(weights_only=True, mmap=True)`` gives
+    it, bit for bit with the checkpoint read independently (`shardforge.merge.verify`);
+    return the number compared.
+
+    The file is mapped, not read; it is mapped afresh after every `VERIFY_BLOCK` bytes
+    compared, so the pages already compared are released (memory: about one tensor).
+    """
+    from shardforge.merge.verify import bits, compare_all
+
+    state = _load_state(path)
+    names = list(state)
+    compared = 0
+
+    def compare(name: str, label: str, expected: torch.Tensor) -> None:
+        nonlocal state, compared
+        if compared > VERIFY_BLOCK:
+            state, compared = _load_state(path), 0
+        got = state[name]
+        if got.dtype != expected.dtype or tuple(got.shape) != tuple(expected.shape):
+            raise _differs(label, path, f"is {got.dtype} {list(got.shape)}")
+        if not torch.equal(bits(got), bits(expected)):
+            raise _differs(label, path, "differs from the checkpoint")
+        compared += expected.nbytes
+        if progress is not None:
+            progress(expected.nbytes)
+
+    planned = {s.name: s.dtype for s in specs}
+    count = compare_all(planned, sources, dict.fromkeys(names, path), tied or {}, compare)
+    if names != [s.name for s in specs]:
+        raise MergeError(f"verification failed: {path} holds its tensors in another order")
+    return count
+
+
+def _load_state(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        loaded = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except Exception as exc:
+        raise MergeError(
+            f"verification failed: torch.load(weights_only=True) cannot read {path} "
+            f"({type(exc).__name__})"
+        ) from None
+    state = loaded.get(STATE_DICT_KEY) if isinstance(loaded, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise MergeError(f"verification failed: {path} does not hold {{'state_dict': tensors}}")
+    return state
+
+
+def _differs(label: str, path: Path, problem: str) -> MergeError:
+    return MergeError(
+        f"verification failed: {label} in {path} {problem}; the output is not trustworthy"
+    )

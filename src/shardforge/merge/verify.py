@@ -1,0 +1,476 @@
+"""`--verify`: read the written files back and compare every tensor, bit for bit, with the
+checkpoint read by another path than the write.
+
+The write reads the checkpoint through shardforge's own record parser (zip locator, allow-list
+unpickler, slabs). Verification does not use it for any tensor byte:
+
+* a DCP checkpoint is read by torch's own DCP reader (`dcp.load` into preallocated tensors,
+  ``no_dist``), fed the `.metadata` parsed by the allow-list unpickler (`SafeFileSystemReader`);
+* per-rank DTensor files are read by ``torch.load(weights_only=True, mmap=True)`` and each full
+  tensor is assembled where torch's own placement arithmetic puts each rank's local tensor
+  (``DTensor.__create_chunk_list__``);
+* averaged and reordered (torchtitan) tensors are recomputed from those tensors;
+* the output is read by the `safetensors` library.
+
+A tensor in the output that the checkpoint does not have, a checkpoint tensor missing from the
+output (a tied copy counts as present when it equals what was stored for it), or any differing
+bit is a `MergeError` naming the tensor. Every zip record the compared tensors live in is also
+checked against its stored CRC-32 (`shardforge.io.zip_record.check_crc`).
+
+Memory: the tensors of one batch (at most `BATCH_BYTES` of stored data, or one larger tensor),
+torch's copy of one stored chunk, and one block of the output at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardforge.errors import CheckpointError, MergeError, printable
+from shardforge.formats.sources import (
+    DCP_FORMAT,
+    RANK_FILES_FORMAT,
+    StoredTensor,
+    TensorSource,
+)
+from shardforge.merge.plan import (
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    SAFETENSORS_DTYPES,
+    OutputPlan,
+)
+
+# compare the output in blocks of rows of about this many bytes
+BLOCK_BYTES = 16 << 20
+# stored bytes read by one batch of the independent reader (a larger tensor is read alone)
+BATCH_BYTES = 64 << 20
+
+Progress = Callable[[int], None]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bytes as integers (so NaNs and signed zeros compare exactly), in the
+    widest integer type that divides them (comparing 8 bytes at a time is much faster)."""
+    raw = t.contiguous().reshape(-1).view(torch.uint8)
+    for wide in (torch.int64, torch.int32, torch.int16):
+        if raw.numel() % wide.itemsize == 0:
+            if raw.data_ptr() % wide.itemsize:
+                raw = raw.clone()  # aligned
+            return raw.view(wide)
+    return raw
+
+
+def _fail(name: str, where: Path | str, problem: str) -> MergeError:
+    return MergeError(
+        f"verification failed: {printable(name)} in {where} {problem}; the output is not "
+        "trustworthy"
+    )
+
+
+def _reason(exc: Exception) -> str:
+    """An exception from torch in one short, printable line."""
+    lines = str(exc).strip().splitlines()
+    return printable(f"{type(exc).__name__}: {lines[0][:200] if lines else ''}")
+
+
+# ---------------------------------------------------------------- the output, as safetensors
+
+
+def written_weight_map(directory: Path) -> dict[str, str]:
+    """Tensor name -> file, as a loader finds them (the index, else model.safetensors)."""
+    from safetensors import safe_open
+
+    index = directory / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+    with safe_open(str(directory / SAFE_WEIGHTS_NAME), framework="pt") as f:
+        return dict.fromkeys(f.keys(), SAFE_WEIGHTS_NAME)
+
+
+def output_tensors(directory: Path) -> dict[str, Path]:
+    """Every tensor of the output directory and its file, as the safetensors library lists
+    them; the index and the files must agree (a tensor in a file but not in the index, or the
+    other way round, fails)."""
+    from safetensors import safe_open
+
+    weight_map = written_weight_map(directory)
+    found: dict[str, Path] = {}
+    for filename in sorted(set(weight_map.values())):
+        path = directory / filename
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if weight_map.get(name) != filename:
+                    raise _fail(name, path, "is not listed for this file in the index")
+                found[name] = path
+    for name, filename in weight_map.items():
+        if name not in found:
+            raise _fail(name, directory / filename, "is listed in the index but missing")
+    return found
+
+
+def _compare_output(
+    name: str,
+    path: Path,
+    expected: torch.Tensor,
+    progress: Progress | None,
+    block_bytes: int,
+    label: str | None = None,
+) -> None:
+    """Compare `expected` with tensor `name` of `path`, block of rows by block of rows (a
+    fresh handle per block, so only that block's pages are mapped)."""
+    from safetensors import safe_open
+
+    shown = label or name
+    with safe_open(str(path), framework="pt") as f:
+        sl = f.get_slice(name)
+        dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
+    if dtype != SAFETENSORS_DTYPES[expected.dtype][0]:
+        raise _fail(shown, path, f"is {dtype}, not {SAFETENSORS_DTYPES[expected.dtype][0]}")
+    if shape != tuple(expected.shape):
+        raise _fail(shown, path, f"has shape {list(shape)}, not {list(expected.shape)}")
+    if not shape:
+        with safe_open(str(path), framework="pt") as f:
+            got = f.get_tensor(name)
+        if not torch.equal(bits(got), bits(expected)):
+            raise _fail(shown, path, "differs from the checkpoint")
+        if progress is not None:
+            progress(expected.element_size())
+        return
+    row_bytes = max(1, math.prod(shape[1:]) * expected.element_size())
+    step = max(1, block_bytes // row_bytes)
+    for start in range(0, shape[0], step):
+        stop = min(shape[0], start + step)
+        with safe_open(str(path), framework="pt") as f:
+            got = f.get_slice(name)[start:stop]
+        if not torch.equal(bits(got), bits(expected[start:stop])):
+            raise _fail(shown, path, f"differs from the checkpoint (rows {start} to {stop - 1})")
+        if progress is not None:
+            progress(got.numel() * got.element_size())
+
+
+# ------------------------------------------------------------ the checkpoint, read by torch
+
+
+@contextlib.contextmanager
+def _torch_quiet() -> Iterator[None]:
+    """Hold back torch's notices while it reads a checkpoint outside a process group (DCP's
+    "single process" warning, DeviceMesh's "unpickled before the process groups")."""
+    logger = logging.getLogger("torch.distributed")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _check_crcs(path: Path, root: Path, windows: Sequence[tuple[int, int]]) -> None:
+    """Check every member of the zip records at `windows` ((start, length)) of `path` (inside
+    the checkpoint `root`) against its stored CRC-32."""
+    from shardforge.io.files import open_regular
+    from shardforge.io.zip_record import check_crc, read_zip_record
+
+    fd = open_regular(path, root)
+    try:
+        for start, length in windows:
+            record = read_zip_record(fd, start, length, str(path))
+            for member in record.members.values():
+                check_crc(fd, member, str(path))
+    finally:
+        os.close(fd)
+
+
+class _DcpReference:
+    """One DCP directory read by torch's `dcp.load`, with the `.metadata` read once through
+    the allow-list unpickler."""
+
+    def __init__(self, directory: Path) -> None:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        from shardforge.formats.dcp.reader import read_dcp_metadata
+
+        self.directory = directory
+        self.metadata = read_dcp_metadata(directory)
+        if getattr(self.metadata, "storage_meta", None) is None:
+            self.metadata.storage_meta = StorageMeta()
+
+    def _reader(self) -> Any:
+        """torch's FileSystemReader (through `SafeFileSystemReader`) handed the metadata
+        read once (instead of re-reading `.metadata` for every batch)."""
+        from shardforge.formats.dcp.reader import SafeFileSystemReader
+
+        metadata = self.metadata
+
+        class _ReadOnce(SafeFileSystemReader):
+            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+                assert metadata.storage_meta is not None  # set in __init__
+                metadata.storage_meta.load_id = self.load_id
+                return metadata
+
+        return _ReadOnce(str(self.directory))
+
+    def check_crcs(self, keys: set[str]) -> None:
+        per_file: dict[str, list[tuple[int, int]]] = {}
+        for index, info in self.metadata.storage_data.items():
+            if index.fqn in keys:
+                per_file.setdefault(info.relative_path, []).append((info.offset, info.length))
+        for relative, windows in sorted(per_file.items()):
+            _check_crcs(self.directory / relative, self.directory, windows)
+
+    def load(self, wanted: Sequence[StoredTensor]) -> dict[str, torch.Tensor]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        state = {s.key: torch.empty(s.shape, dtype=s.dtype) for s in wanted}
+        try:
+            with _torch_quiet():
+                dcp.load(
+                    state,
+                    storage_reader=self._reader(),
+                    planner=DefaultLoadPlanner(),
+                    no_dist=True,
+                )
+        except Exception as exc:
+            raise MergeError(
+                "verification failed: torch's DCP reader cannot read "
+                f"{printable(', '.join(state)[:200])} from {self.directory} ({_reason(exc)})"
+            ) from None
+        return state
+
+
+@dataclass
+class _RankFilesReference:
+    """One folder of per-rank DTensor files read by ``torch.load(weights_only=True,
+    mmap=True)``: each file is mapped (not read) per batch, and only the wanted keys' local
+    tensors are copied out."""
+
+    directory: Path
+    crc_checked: bool = False
+    files: list[Path] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        from shardforge.formats.rankfiles.rank_plan import list_rank_files
+
+        self.files = list(list_rank_files(self.directory).values())
+
+    def check_crcs(self, keys: set[str]) -> None:
+        if self.crc_checked:
+            return
+        for path in self.files:
+            _check_crcs(path, self.directory, [(0, path.stat().st_size)])
+        self.crc_checked = True
+
+    def _open(self, path: Path) -> dict[str, Any]:
+        import torch.distributed.tensor  # lets weights_only load DTensors
+
+        try:
+            with _torch_quiet():
+                loaded = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+        except Exception as exc:
+            raise MergeError(
+                f"verification failed: torch.load(weights_only=True) cannot read {path} "
+                f"({_reason(exc)})"
+            ) from None
+        if not isinstance(loaded, dict):
+            raise MergeError(f"verification failed: {path} does not hold a state dict")
+        return loaded
+
+    def load(self, wanted: Sequence[StoredTensor]) -> dict[str, torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        out = {s.key: torch.empty(s.shape, dtype=s.dtype) for s in wanted}
+        filled: dict[str, set[tuple[int, ...]]] = {s.key: set() for s in wanted}
+        covered = dict.fromkeys(out, 0)
+        for path in self.files:
+            state = self._open(path)
+            for key, full in out.items():
+                value = state.get(key)
+                if not isinstance(value, torch.Tensor):
+                    raise _fail(key, path, "is missing from this rank file (torch.load)")
+                if tuple(value.shape) != tuple(full.shape) or value.dtype != full.dtype:
+                    raise _fail(
+                        key,
+                        path,
+                        f"is {value.dtype} {list(value.shape)} for torch.load but "
+                        f"{full.dtype} {list(full.shape)} for the merge",
+                    )
+                if not isinstance(value, DTensor):  # a plain tensor: every rank has it all
+                    if not filled[key]:
+                        full.copy_(value)
+                        filled[key].add(())
+                        covered[key] = full.numel()
+                    continue
+                for chunk in value.__create_chunk_list__():
+                    offsets = tuple(int(o) for o in chunk.offsets)
+                    sizes = tuple(int(n) for n in chunk.sizes)
+                    if offsets in filled[key] or not math.prod(sizes):
+                        continue  # a replica of a box already read, or an empty shard
+                    region = full
+                    for dim, (start, size) in enumerate(zip(offsets, sizes, strict=True)):
+                        region = region.narrow(dim, start, size)
+                    region.copy_(value.to_local())
+                    filled[key].add(offsets)
+                    covered[key] += math.prod(sizes)
+            del state
+        for key, full in out.items():
+            if covered[key] != full.numel():
+                raise _fail(
+                    key,
+                    self.directory,
+                    f"is covered by {covered[key]} of {full.numel()} elements for torch.load",
+                )
+        return out
+
+
+_Reference = _DcpReference | _RankFilesReference
+
+# checkpoint format -> the reader verification uses for it (never the merge's own parser)
+REFERENCE_READERS: dict[str, Callable[[Path], _Reference]] = {
+    DCP_FORMAT: _DcpReference,
+    RANK_FILES_FORMAT: _RankFilesReference,
+}
+
+
+class IndependentReader:
+    """The checkpoint's stored tensors, read by torch (one reader per checkpoint folder)."""
+
+    def __init__(self) -> None:
+        self._readers: dict[tuple[str, Path], _Reference] = {}
+
+    def _reader(self, fmt: str, directory: Path) -> _Reference:
+        key = (fmt, directory)
+        if key not in self._readers:
+            try:
+                self._readers[key] = REFERENCE_READERS[fmt](directory)
+            except CheckpointError as exc:
+                raise MergeError(f"verification failed: {exc.message}") from None
+        return self._readers[key]
+
+    def load(self, wanted: Sequence[StoredTensor]) -> dict[StoredTensor, torch.Tensor]:
+        """Every `wanted` tensor, the zip records it lives in CRC-checked."""
+        groups: dict[tuple[str, Path], list[StoredTensor]] = {}
+        for s in dict.fromkeys(wanted):
+            groups.setdefault((s.fmt, s.directory), []).append(s)
+        out: dict[StoredTensor, torch.Tensor] = {}
+        for (fmt, directory), items in groups.items():
+            reader = self._reader(fmt, directory)
+            try:
+                reader.check_crcs({s.key for s in items})
+            except CheckpointError as exc:
+                raise MergeError(f"verification failed: {exc.message}") from None
+            loaded = reader.load(items)
+            for s in items:
+                out[s] = loaded[s.key]
+        return out
+
+
+# ------------------------------------------------------------------------------ comparison
+
+
+@dataclass(frozen=True)
+class _Check:
+    name: str  # the checkpoint tensor (HF name)
+    source: TensorSource
+    dtype: torch.dtype  # as written
+    output: str  # the output tensor holding it (itself, or its tied source)
+
+
+def _checks(
+    plan_dtypes: Mapping[str, torch.dtype],
+    sources: Mapping[str, TensorSource],
+    outputs: Mapping[str, object],
+    tied: Mapping[str, str],
+) -> list[_Check]:
+    """What to compare, once every name is accounted for on both sides."""
+    for name, path in outputs.items():
+        if name not in plan_dtypes:
+            raise _fail(name, str(path), "is not a tensor of the checkpoint")
+    checks = []
+    for name, dtype in plan_dtypes.items():
+        if name not in outputs:
+            raise _fail(name, "the output", "is missing")
+        checks.append(_Check(name, sources[name], dtype, name))
+    for name, source in sources.items():
+        if name in plan_dtypes:
+            continue
+        kept = tied.get(name)
+        if kept is None or kept not in plan_dtypes:
+            raise _fail(name, "the output", "is missing (the checkpoint has it)")
+        checks.append(_Check(name, source, plan_dtypes[kept], kept))
+    return checks
+
+
+def _batches(checks: list[_Check], batch_bytes: int) -> Iterator[list[_Check]]:
+    batch: list[_Check] = []
+    size = 0
+    for check in checks:
+        n = sum(s.nbytes for s in check.source.stored())
+        if batch and size + n > batch_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(check)
+        size += n
+    if batch:
+        yield batch
+
+
+def compare_all(
+    planned: Mapping[str, torch.dtype],
+    sources: Mapping[str, TensorSource],
+    outputs: Mapping[str, object],
+    tied: Mapping[str, str],
+    compare: Callable[[str, str, torch.Tensor], None],
+    batch_bytes: int = BATCH_BYTES,
+) -> int:
+    """Account for every name on both sides, then call ``compare(output name, label,
+    expected)`` for each checkpoint tensor, read independently and cast as written; return the
+    number compared.
+
+    `planned`: output name -> dtype written; `sources`: every checkpoint tensor by HF name;
+    `outputs`: the names the output holds (-> where, for messages); `tied`: tied target -> the
+    name stored for it (a stored copy of a target must equal the tensor written for it).
+    """
+    checks = _checks(planned, sources, outputs, tied)
+    reader = IndependentReader()
+    for batch in _batches(checks, batch_bytes):
+        loaded = reader.load([s for c in batch for s in c.source.stored()])
+        for c in batch:
+            expected = c.source.combine([loaded[s] for s in c.source.stored()]).to(c.dtype)
+            label = c.name if c.output == c.name else f"{c.name} (tied: stored as {c.output})"
+            compare(c.output, label, expected)
+            del expected
+        del loaded
+    return len(checks)
+
+
+def verify_output(
+    plan: OutputPlan,
+    sources: Mapping[str, TensorSource],
+    directory: Path,
+    progress: Progress | None = None,
+    tied: Mapping[str, str] | None = None,
+    block_bytes: int = BLOCK_BYTES,
+    batch_bytes: int = BATCH_BYTES,
+) -> int:
+    """Compare every tensor of the safetensors output in `directory` (read by the safetensors
+    library) with the checkpoint read independently (see the module docstring); return the
+    number of tensors compared."""
+    outputs = output_tensors(directory)
+    planned = {t.spec.name: t.spec.dtype for _, t in plan.tensors()}
+
+    def compare(name: str, label: str, expected: torch.Tensor) -> None:
+        _compare_output(name, outputs[name], expected, progress, block_bytes, label)
+
+    return compare_all(planned, sources, outputs, tied or {}, compare, batch_bytes)

@@ -1,0 +1,113 @@
+"""Rank files written by real gloo ranks the way LMMs-Engine's FSDP2 trainer and verl write
+them: ``torch.save(model.state_dict(), f"model_world_size_{W}_rank_{R}.pt")`` on every rank of
+a ``fully_shard``-ed Hugging Face model.
+
+Imported by name (``from rank_helpers import ...``); the name is unique across the test tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardforge.testing.dist import run_on_ranks
+from shardforge.testing.tiny import make_model
+
+# hidden 70 (not divisible by 3 or 4), vocab 331 and intermediate 101 (divisible by neither 2
+# nor 3): uneven shards, and empty-free but short last chunks
+SHAPES: dict[str, Any] = {
+    "vocab_size": 331,
+    "hidden_size": 70,
+    "num_attention_heads": 5,
+    "num_key_value_heads": 1,
+    "intermediate_size": 101,
+}
+
+
+def write_rank_files(
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    out_dir: str,
+    mesh_shape: tuple[int, ...],
+    matrix_shard_dim: int,
+) -> None:
+    """Shard `model_dir` with FSDP2 over `mesh_shape` (HSDP when 2-D), matrices along
+    `matrix_shard_dim`, and save each rank's state dict."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+    from transformers import AutoModelForCausalLM
+
+    def placement(param: torch.nn.Parameter) -> Shard:
+        return Shard(matrix_shard_dim if param.ndim == 2 else 0)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+    torch.save(model.state_dict(), f"{out_dir}/model_world_size_{world_size}_rank_{rank}.pt")
+
+
+def make_rank_files(
+    root: Path,
+    world_size: int,
+    dtype: str = "float32",
+    mesh_shape: tuple[int, ...] = (),
+    matrix_shard_dim: int = 0,
+) -> tuple[Path, Path]:
+    """(model_dir, rank_dir) for a tiny Llama whose sizes split unevenly over 2 and 3 ranks
+    (FSDP2 shards dim 1 only evenly: then the default tiny sizes, all even, are used)."""
+    shapes = SHAPES if matrix_shard_dim == 0 else {"vocab_size": 331}
+    model_dir = make_model(root / "base", "llama", dtype=dtype, seed=world_size, **shapes)
+    rank_dir = root / "ranks"
+    rank_dir.mkdir()
+    run_on_ranks(
+        write_rank_files,
+        world_size,
+        str(model_dir),
+        str(rank_dir),
+        mesh_shape or (world_size,),
+        matrix_shard_dim,
+    )
+    return model_dir, rank_dir
+
+
+def logits(model_dir: Path, state_dict: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Logits of the model in `model_dir` (weights replaced by `state_dict` when given)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    if state_dict is not None:
+        model.load_state_dict(state_dict, strict=True)
+    ids = torch.tensor([[1, 5, 9, 33, 120, 7, 250, 2], [1, 44, 45, 46, 47, 48, 49, 50]])
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def full_tensors(plan: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Every full tensor of a rank-file plan, read the way the merge reads it."""
+    from shardforge.formats.dcp.chunks import ChunkReader
+    from shardforge.formats.sources import RankFileSource
+
+    with ChunkReader() as reader:
+        return {key: RankFileSource(tp).read(reader) for key, tp in plan.items()}
+
+
+def local_tensor(rank_file: Any, key: str) -> torch.Tensor:
+    """One rank's local shard of `key` (only its bytes are read)."""
+    import os
+
+    from shardforge.formats.rankfiles.rank_file import read_local
+
+    rec = rank_file.tensors[key]
+    fd = os.open(rec.path, os.O_RDONLY)
+    try:
+        return read_local(fd, rec)
+    finally:
+        os.close(fd)

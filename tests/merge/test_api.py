@@ -1,0 +1,307 @@
+"""Round trips: tiny models sharded with fully_shard over 2 and 3 real gloo ranks, saved with
+dcp.save in each layout, merged, and compared bit for bit with the original."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shardforge.merge.api import merge_fsdp_weights
+from shardforge.testing.dist import run_on_ranks
+from shardforge.testing.tiny import make_model
+
+# hidden 70 (not divisible by 3), vocab 331 and intermediate 101 (divisible by neither 2 nor 3)
+SHAPES: dict[str, Any] = {
+    "vocab_size": 331,
+    "hidden_size": 70,
+    "num_attention_heads": 5,
+    "num_key_value_heads": 1,
+    "intermediate_size": 101,
+}
+MODELS: dict[str, tuple[str, str]] = {
+    "llama-fp32": ("llama", "float32"),
+    "llama-bf16": ("llama", "bfloat16"),
+    "qwen2-fp32": ("qwen2", "float32"),
+    "qwen2-bf16": ("qwen2", "bfloat16"),
+}
+WORLD_SIZES = (2, 3)
+# layouts written for every model; the others for a subset (to keep the suite fast)
+EXTRA_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "hf-trainer": ("llama-fp32", "qwen2-bf16"),
+    "lightning": ("llama-bf16", "qwen2-fp32"),
+    "per-item": ("qwen2-bf16",),
+    "wrapped": ("llama-bf16",),
+}
+
+
+def wrapped_key(name: str) -> str:
+    """A key as torch.compile + activation checkpointing + a `state_dict` wrapper leave it."""
+    name = re.sub(r"(layers\.\d+\.)", r"\1_checkpoint_wrapped_module.", name)
+    return f"_orig_mod.{name}"
+
+
+LIGHTNING_ATTR = "model"
+
+
+def _shard(model: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def _optimizer_state(model: Any) -> dict[str, Any]:
+    """Real AdamW state (one step with lr=0, so the weights stay as they were)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
+    model(torch.tensor([[1, 2, 3, 4]])).logits.float().sum().backward()
+    opt.step()
+    return get_optimizer_state_dict(model, opt)
+
+
+def save_all(rank: int, world_size: int, bases: dict[str, str], root: str) -> None:
+    """On every rank: shard each base model and save it in each layout under root/<model>/."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    for name, base in bases.items():
+        out = Path(root) / name
+        model = AutoModelForCausalLM.from_pretrained(base)
+        _shard(model)
+        sd = get_model_state_dict(model)
+        # shardforge: checkpoint-<step>/{model,optimizer,trainer_state.json}
+        for step in (2, 4):
+            ckpt = out / "shardforge" / f"checkpoint-{step}"
+            dcp.save(sd, checkpoint_id=ckpt / "model")
+            if rank == 0:
+                state = {"format": "shardforge", "format_version": 1, "step": step}
+                (ckpt / "trainer_state.json").write_text(json.dumps(state))
+        osd = _optimizer_state(model)
+        dcp.save(osd, checkpoint_id=out / "shardforge" / "checkpoint-4" / "optimizer")
+        if rank == 0:  # in progress / junk: must be ignored
+            (out / "shardforge" / "checkpoint-6.tmp-123" / "model").mkdir(parents=True)
+            (out / "shardforge" / "checkpoint-8").mkdir()
+        if name in EXTRA_LAYOUTS["hf-trainer"]:
+            ckpt = out / "hf-trainer" / "checkpoint-3"
+            dcp.save({"model": sd}, checkpoint_id=ckpt / "pytorch_model_fsdp_0")
+            dcp.save({"optimizer": osd}, checkpoint_id=ckpt / "optimizer_0")
+        if name in EXTRA_LAYOUTS["lightning"]:
+            ckpts = out / "lightning" / "lightning_logs" / "version_0" / "checkpoints"
+            for step in (1, 3):
+                ckpt = ckpts / f"epoch=0-step={step}.ckpt"
+                state = {
+                    "model": {f"{LIGHTNING_ATTR}.{k}": v for k, v in sd.items()},
+                    "optimizer_0": osd,
+                }
+                dcp.save(state, checkpoint_id=ckpt)
+                if rank == 0:
+                    meta = {"epoch": 0, "global_step": step, "pytorch-lightning_version": "2.5.0"}
+                    torch.save(meta, ckpt / "meta.pt")
+        if name in EXTRA_LAYOUTS["wrapped"]:
+            state = {"state_dict": {wrapped_key(k): v for k, v in sd.items()}}
+            dcp.save(state, checkpoint_id=out / "wrapped")
+        if name in EXTRA_LAYOUTS["per-item"]:
+            writer = FileSystemWriter(out / "per-item", single_file_per_rank=False)
+            dcp.save(sd, storage_writer=writer)
+        dist.barrier()
+
+
+@dataclass(frozen=True)
+class Built:
+    root: Path
+    bases: dict[str, Path]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    root = tmp_path_factory.mktemp("merge")
+    bases = {
+        name: make_model(root / "bases" / name, mt, dtype=dt, seed=i, **SHAPES)
+        for i, (name, (mt, dt)) in enumerate(MODELS.items())
+    }
+    for ws in WORLD_SIZES:
+        run_on_ranks(save_all, ws, {k: str(v) for k, v in bases.items()}, str(root / f"ws{ws}"))
+    return Built(root, bases)
+
+
+def _cfg(built: Built, model: str, output_dir: Path) -> dict[str, Any]:
+    return {"base_model": str(built.bases[model]), "output_dir": str(output_dir)}
+
+
+def assert_same_model(base: Path, merged: Path, dtype: torch.dtype | None = None) -> None:
+    """Loads with from_pretrained; every tensor bit-identical; logits equal; tokenizer loads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # dtype: loaded cast (as from_pretrained casts), so buffers match the merged model's
+    ref = AutoModelForCausalLM.from_pretrained(base, dtype=dtype or "auto").eval()
+    got = AutoModelForCausalLM.from_pretrained(merged).eval()
+    ref_sd, got_sd = ref.state_dict(), got.state_dict()
+    assert ref_sd.keys() == got_sd.keys()
+    for k in ref_sd:
+        assert ref_sd[k].dtype == got_sd[k].dtype, k
+        assert torch.equal(ref_sd[k], got_sd[k]), k
+    ids = torch.tensor([[1, 5, 9, 17, 33, 100, 250, 330]])
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, got(ids).logits)
+    tok = AutoTokenizer.from_pretrained(merged)
+    assert tok.chat_template
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    config = json.loads((merged / "config.json").read_text())
+    assert not config["architectures"][0].startswith("FSDP")
+    assert (merged / "generation_config.json").is_file()
+    assert not list(merged.parent.glob(f".{merged.name}.*"))  # no temp sibling left
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_round_trip_shardforge_layout(built: Built, model: str, ws: int, tmp_path: Path) -> None:
+    out_dir = built.root / f"ws{ws}" / model / "shardforge"
+    merged = merge_fsdp_weights(_cfg(built, model, out_dir), tmp_path / "merged", quiet=True)
+    assert_same_model(built.bases[model], merged)
+    # the same bytes save_pretrained wrote for the original model
+    assert filecmp.cmp(built.bases[model] / "model.safetensors", merged / "model.safetensors")
+    if MODELS[model][0] == "qwen2":  # tied: stored once, as save_pretrained does
+        from safetensors import safe_open
+
+        with safe_open(str(merged / "model.safetensors"), "pt") as f:
+            assert "lm_head.weight" not in list(f.keys())
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+@pytest.mark.parametrize("model", EXTRA_LAYOUTS["hf-trainer"])
+def test_round_trip_hf_trainer_layout(built: Built, model: str, ws: int, tmp_path: Path) -> None:
+    out_dir = built.root / f"ws{ws}" / model / "hf-trainer"
+    merged = merge_fsdp_weights(
+        _cfg(built, model, out_dir), tmp_path / "merged", quiet=True, verify=True
+    )
+    assert_same_model(built.bases[model], merged)
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+@pytest.mark.parametrize("model", EXTRA_LAYOUTS["lightning"])
+def test_round_trip_lightning_layout(
+    built: Built, model: str, ws: int, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out_dir = built.root / f"ws{ws}" / model / "lightning"
+    with caplog.at_level("INFO", logger="shardforge"):
+        merged = merge_fsdp_weights(_cfg(built, model, out_dir), tmp_path / "merged", quiet=True)
+    assert "epoch=0-step=3.ckpt" in caplog.text  # highest step chosen and printed
+    assert_same_model(built.bases[model], merged)
+
+
+def test_round_trip_per_item_files(built: Built, tmp_path: Path) -> None:
+    model = EXTRA_LAYOUTS["per-item"][0]
+    ckpt = built.root / "ws3" / model / "per-item"
+    assert len(list(ckpt.glob("*.distcp"))) > 3
+    merged = merge_fsdp_weights(
+        _cfg(built, model, tmp_path / "unused"), tmp_path / "merged", checkpoint=ckpt, quiet=True
+    )
+    assert_same_model(built.bases[model], merged)
+
+
+def test_round_trip_wrapper_prefixes(built: Built, tmp_path: Path) -> None:
+    model = EXTRA_LAYOUTS["wrapped"][0]
+    ckpt = built.root / "ws2" / model / "wrapped"
+    merged = merge_fsdp_weights(
+        _cfg(built, model, tmp_path / "unused"), tmp_path / "merged", checkpoint=ckpt, quiet=True
+    )
+    assert_same_model(built.bases[model], merged)
+
+
+def test_latest_complete_checkpoint_is_chosen_and_step_picks(
+    built: Built, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out_dir = built.root / "ws2" / "llama-fp32" / "shardforge"
+    cfg = _cfg(built, "llama-fp32", out_dir)
+    with caplog.at_level("INFO", logger="shardforge"):
+        merge_fsdp_weights(cfg, tmp_path / "a", quiet=True, save_tokenizer=False)
+    assert "checkpoint-4" in caplog.text  # checkpoint-8 (incomplete) and the .tmp dir ignored
+    assert not (tmp_path / "a" / "tokenizer.json").exists()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="shardforge"):
+        merge_fsdp_weights(cfg, tmp_path / "b", quiet=True, step=2)
+    assert "checkpoint-2" in caplog.text
+
+
+@pytest.mark.parametrize("model", ["llama-fp32", "qwen2-bf16"])
+def test_engines_write_identical_tensors(built: Built, model: str, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    out_dir = built.root / "ws3" / model / "hf-trainer"
+    cfg = _cfg(built, model, out_dir)
+    a = merge_fsdp_weights(cfg, tmp_path / "stream", quiet=True)
+    b = merge_fsdp_weights(cfg, tmp_path / "hf", quiet=True, engine="transformers", verify=True)
+    ta, tb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
+
+
+def test_dtype_cast_while_streaming(built: Built, tmp_path: Path) -> None:
+    out_dir = built.root / "ws3" / "llama-fp32" / "shardforge"
+    merged = merge_fsdp_weights(
+        _cfg(built, "llama-fp32", out_dir), tmp_path / "m", dtype="bf16", verify=True, quiet=True
+    )
+    assert_same_model(built.bases["llama-fp32"], merged, dtype=torch.bfloat16)
+    assert json.loads((merged / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_sharded_output_matches_save_pretrained(built: Built, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = "qwen2-fp32"
+    out_dir = built.root / "ws2" / model / "shardforge"
+    merged = merge_fsdp_weights(
+        _cfg(built, model, out_dir), tmp_path / "m", max_shard_size="60KB", quiet=True
+    )
+    ref = tmp_path / "ref"
+    AutoModelForCausalLM.from_pretrained(built.bases[model]).save_pretrained(
+        ref, max_shard_size="60KB"
+    )
+    index = "model.safetensors.index.json"
+    assert json.loads((merged / index).read_text()) == json.loads((ref / index).read_text())
+    shards = sorted(p.name for p in ref.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    assert sorted(p.name for p in merged.glob("model-*.safetensors")) == shards
+    for name in shards:
+        assert filecmp.cmp(ref / name, merged / name, shallow=False), name
+    assert_same_model(built.bases[model], merged)
+
+
+def test_remove_checkpoint_dir_after_verification(built: Built, tmp_path: Path) -> None:
+    src = built.root / "ws2" / "llama-bf16" / "shardforge" / "checkpoint-2"
+    work = tmp_path / "run"
+    shutil.copytree(src, work / "checkpoint-2")
+    merged = merge_fsdp_weights(
+        _cfg(built, "llama-bf16", work), tmp_path / "m", remove_checkpoint_dir=True, quiet=True
+    )
+    assert not (work / "checkpoint-2" / "model").exists()
+    assert (work / "checkpoint-2" / "trainer_state.json").exists()
+    assert_same_model(built.bases["llama-bf16"], merged)
+
+
+def test_fsdp_prefix_removed_from_architectures(built: Built, tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    shutil.copytree(built.bases["llama-fp32"], base)
+    config = json.loads((base / "config.json").read_text())
+    config["architectures"] = ["FSDPLlamaForCausalLM"]
+    (base / "config.json").write_text(json.dumps(config))
+    out_dir = built.root / "ws2" / "llama-fp32" / "shardforge"
+    merged = merge_fsdp_weights(
+        {"base_model": str(base), "output_dir": str(out_dir)}, tmp_path / "m", quiet=True
+    )
+    written = json.loads((merged / "config.json").read_text())
+    assert written["architectures"] == ["LlamaForCausalLM"]
