@@ -55,7 +55,9 @@ def _from_torchtitan(
     adapter.check_names(list(weights), str(model_dir))
     out: dict[str, NamedSource] = {}
     for titan_name, n in weights.items():
-        hf_name = adapter.convert_name(titan_name, config)
+        # a tied output keeps its HF name: the merge compares it with the embedding and stores
+        # it once (the one tied rule: `keys.check_tied_copies`, `keys.stored_once`)
+        hf_name = adapter.convert_name(titan_name)
         if hf_name is None:
             continue
         source = n.source

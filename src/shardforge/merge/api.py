@@ -242,8 +242,10 @@ def _prepare(
     state_dict_dirname: str | None = None,
     average_last: int | None = None,
     average_steps: list[int] | None = None,
+    single_file: bool = False,
 ) -> _Prepared:
-    """Everything decided and checked before a byte is written."""
+    """Everything decided and checked before a byte is written (`single_file`: the weights go
+    to one file, whatever its size)."""
     root = checkpoint if checkpoint is not None else cfg.output_dir
     inputs = _pick_inputs(root, step, state_dict_dirname, average_last, average_steps)
     for c in inputs:
@@ -269,7 +271,7 @@ def _prepare(
         TensorSpec(n, _output_dtype(by_name[n].dtype, target), by_name[n].shape)
         for n in expected.saved_names
     ]
-    shard = max_shard_size if max_shard_size is not None else default_max_shard_size()
+    shard = None if single_file else max_shard_size or default_max_shard_size()
     try:
         plan = plan_output(specs, shard, expected.total_parameters)
     except ValueError as exc:
@@ -366,8 +368,6 @@ FORMATS: dict[str, Callable[[_Prepared, Path, _Options], None]] = {
 }
 # suffix of the default output path of --format torch (as Lightning's consolidate_checkpoint)
 CONSOLIDATED_SUFFIX = ".consolidated"
-# one file, whatever its size
-SINGLE_FILE = 1 << 62
 
 
 def _default_output(fmt: str, prep: _Prepared) -> Path:
@@ -467,10 +467,11 @@ def merge_fsdp_weights(
         checkpoint,
         step,
         dtype,
-        SINGLE_FILE if single_file else max_shard_size,
+        max_shard_size,
         state_dict_dirname,
         average_last,
         average_steps,
+        single_file,
     )
     if out is None:
         out = _default_output(output_format, prep)

@@ -125,9 +125,10 @@ def save_order(names: list[str]) -> list[str]:
 
 
 def plan_output(
-    specs: list[TensorSpec], max_shard_size: int | str, total_parameters: int
+    specs: list[TensorSpec], max_shard_size: int | str | None, total_parameters: int
 ) -> OutputPlan:
-    """Assign every tensor its file and byte range, in `save_order`."""
+    """Assign every tensor its file and byte range, in `save_order`; `max_shard_size` None
+    plans one file whatever its size (the single-file formats)."""
     from huggingface_hub import split_state_dict_into_shards_factory
 
     unknown = sorted({str(s.dtype) for s in specs if s.dtype not in SAFETENSORS_DTYPES})
@@ -137,6 +138,8 @@ def plan_output(
         raise MergeError(f"dtypes {unknown} cannot be stored in safetensors")
     by_name = {s.name: s for s in specs}
     by_name = {n: by_name[n] for n in save_order(list(by_name))}
+    if max_shard_size is None:
+        return OutputPlan([_layout_file(SAFE_WEIGHTS_NAME, list(by_name.values()))], None)
     split = split_state_dict_into_shards_factory(
         by_name,
         get_storage_size=lambda s: s.nbytes,

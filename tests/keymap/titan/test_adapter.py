@@ -76,7 +76,7 @@ def to_hf(adapter: Any, titan_sd: dict[str, torch.Tensor], config: Any) -> dict[
     """Convert a torchtitan state dict the way the merge does, name by name."""
     out = {}
     for name, tensor in titan_sd.items():
-        hf_name = adapter.convert_name(name, config)
+        hf_name = adapter.convert_name(name)
         if hf_name is not None:
             out[hf_name] = adapter.transform(hf_name, tensor, config)
     return out
@@ -138,11 +138,9 @@ def test_training_state_is_not_model() -> None:
 
 def test_skipped_and_tied_entries() -> None:
     llama = get_adapter("llama")
-    assert llama.convert_name("freqs_cis", {}) is None
-    assert llama.convert_name("model.freqs_cis", {}) is None
-    assert llama.convert_name("output.weight", {"tie_word_embeddings": True}) is None
-    assert llama.convert_name("output.weight", {"tie_word_embeddings": False}) == "lm_head.weight"
-    assert llama.convert_name("output.weight", {}) == "lm_head.weight"
+    assert llama.convert_name("freqs_cis") is None
+    assert llama.convert_name("model.freqs_cis") is None
+    assert llama.convert_name("output.weight") == "lm_head.weight"  # tied or not: compared later
     assert llama.needs_transform("model.layers.4.self_attn.q_proj.weight")
     assert llama.needs_transform("model.layers.4.self_attn.k_proj.weight")
     assert not llama.needs_transform("model.layers.4.self_attn.v_proj.weight")
@@ -211,7 +209,8 @@ def test_qwen3_tied_round_trip(tmp_path: Path) -> None:
 
     adapter = get_adapter(config.model_type)
     converted = to_hf(adapter, titan_sd, config)
-    assert "lm_head.weight" not in converted  # dropped: the config ties it
+    # kept under its HF name: the merge compares the tied copies and stores one
+    assert torch.equal(converted["lm_head.weight"], converted["model.embed_tokens.weight"])
     for name, t in converted.items():
         assert torch.equal(t, hf_sd[name]), name
 

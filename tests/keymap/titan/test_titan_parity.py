@@ -93,7 +93,7 @@ def test_torchtitan_llama3_logits_and_to_hf_parity() -> None:
     adapter = get_adapter("llama")
     ours = {}
     for name, tensor in titan_sd.items():
-        hf_name = adapter.convert_name(name, config)
+        hf_name = adapter.convert_name(name)
         if hf_name is not None:
             ours[hf_name] = adapter.transform(hf_name, tensor, config)
     theirs = Llama3StateDictAdapter(titan_config, None).to_hf(dict(titan_sd))

@@ -2,7 +2,7 @@
 
     adapter = get_adapter(config["model_type"])        # ShardforgeError if unsupported
     for name, tensor in titan_tensors:                  # e.g. streamed from a DCP checkpoint
-        hf_name = adapter.convert_name(name, config)    # None: not a weight, or a tied alias
+        hf_name = adapter.convert_name(name)    # None: not a weight
         if hf_name is None:
             continue
         if adapter.needs_transform(hf_name):
@@ -58,7 +58,6 @@ class StateDictAdapter:
     names: Mapping[str, str]
     skipped: tuple[str, ...] = tables.SKIPPED_NAMES
     rope_permuted: Mapping[str, str] = field(default_factory=dict)
-    tie_default: bool = False
 
     def _strip(self, name: str) -> str:
         return name[len(LEGACY_PREFIX) :] if name.startswith(LEGACY_PREFIX) else name
@@ -100,17 +99,12 @@ class StateDictAdapter:
                 f"model_type {self.model_type!r}: {', '.join(unknown)}"
             )
 
-    def ties_output(self, config: Any) -> bool:
-        return bool(config_value(config, "tie_word_embeddings", self.tie_default))
-
-    def convert_name(self, name: str, config: Any) -> str | None:
-        """HF name for `name`, or None when the entry is dropped (not a weight, or tied output)."""
+    def convert_name(self, name: str) -> str | None:
+        """HF name for `name`, or None when the entry is dropped (not a weight). A tied output
+        keeps its name: the merge compares it with the embedding and stores it once."""
         if self.is_skipped(name):
             return None
-        hf_name = self.to_hf_name(name)
-        if hf_name == tables.TIED_OUTPUT and self.ties_output(config):
-            return None
-        return hf_name
+        return self.to_hf_name(name)
 
     def needs_transform(self, hf_name: str) -> bool:
         """True when the tensor stored under `hf_name` must be reordered for HF."""

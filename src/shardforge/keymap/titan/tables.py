@@ -80,4 +80,3 @@ LLAMA_ROPE_PERMUTED: Final[dict[str, str]] = {
 }
 
 # the HF output projection, dropped when the config ties it to the input embedding
-TIED_OUTPUT: Final[str] = "lm_head.weight"
