@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -29,10 +28,11 @@ import torch.distributed as dist
 
 from shardforge.errors import CheckpointError
 from shardforge.io.fs import fsync_dir
+from shardforge.layouts.steps import LAYOUTS, STEP_LAYOUTS, Candidate
 
 log = logging.getLogger("shardforge")
 
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+LAYOUT = "shardforge"  # our row of the layouts table
 MODEL_DIR = "model"
 OPTIMIZER_DIR = "optimizer"
 STATE_FILE = "trainer_state.json"
@@ -88,20 +88,24 @@ def stamped(state: TrainerState) -> TrainerState:
     return replace(state, **versions())
 
 
+# what this module writes is what the layouts table's row reads
+assert STEP_LAYOUTS[LAYOUT].marker == STATE_FILE and MODEL_DIR in STEP_LAYOUTS[LAYOUT].subdirs
+
+
 def is_complete(path: Path) -> bool:
-    return (
-        CHECKPOINT_RE.match(path.name) is not None
-        and (path / STATE_FILE).is_file()
-        and (path / MODEL_DIR / ".metadata").is_file()
-    )
+    """`path` is a checkpoint-<step> folder the layouts table's `shardforge` row accepts (the
+    one table the merge and `inspect` read too): trainer_state.json and model/.metadata."""
+    return path.is_dir() and any(c.model_dir.parent == path for c in _ours(path.parent))
+
+
+def _ours(output_dir: Path) -> list[Candidate]:
+    return LAYOUTS[LAYOUT](output_dir, None) if output_dir.is_dir() else []
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
-    """Complete checkpoints under output_dir, oldest first (by step)."""
-    if not output_dir.is_dir():
-        return []
-    found = [p for p in output_dir.iterdir() if p.is_dir() and is_complete(p)]
-    return sorted(found, key=lambda p: int(CHECKPOINT_RE.match(p.name).group(1)))  # type: ignore[union-attr]
+    """Complete checkpoints under output_dir, oldest first (by step), as the layouts table's
+    `shardforge` row finds them."""
+    return [c.model_dir.parent for c in sorted(_ours(output_dir), key=lambda c: c.step)]
 
 
 def _load_rng_file(file: Path) -> dict[str, Any]:
