@@ -136,7 +136,11 @@ def run_training(cfg: ShardforgeConfig) -> TrainResult:
     """Train on this rank (joining or creating the process group); destroy the group after."""
     rt = init_distributed()
     try:
-        return _train(cfg, rt)
+        result = _train(cfg, rt)
+        # every rank is done with its last collective before any rank tears the group down
+        # (gloo can abort a rank whose peer closes its connections while it still talks)
+        dist.barrier()
+        return result
     finally:
         dist.destroy_process_group()
 
