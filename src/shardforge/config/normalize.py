@@ -11,17 +11,6 @@ from typing import Any
 
 from shardforge.config.axolotl_keys import FSDP_CONFIG_KEYS
 
-# Axolotl `fsdp:` list options -> fsdp block settings (empty: nothing to set under FSDP2)
-FSDP_LIST_OPTIONS: dict[str, dict[str, Any]] = {
-    "full_shard": {"reshard_after_forward": True},
-    "shard_grad_op": {"reshard_after_forward": False},
-    "hybrid_shard": {"hybrid_shard": True, "reshard_after_forward": True},
-    "hybrid_shard_zero2": {"hybrid_shard": True, "reshard_after_forward": False},
-    "_hybrid_shard_zero2": {"hybrid_shard": True, "reshard_after_forward": False},
-    "offload": {"offload_params": True},
-    "auto_wrap": {},
-}
-
 # FSDP1 `sharding_strategy` (fsdp_config) -> FSDP2 settings. FSDP2 has no NO_SHARD.
 SHARDING_STRATEGIES: dict[str, dict[str, Any]] = {
     "FULL_SHARD": {"reshard_after_forward": True},
@@ -29,6 +18,13 @@ SHARDING_STRATEGIES: dict[str, dict[str, Any]] = {
     "HYBRID_SHARD": {"hybrid_shard": True, "reshard_after_forward": True},
     "HYBRID_SHARD_ZERO2": {"hybrid_shard": True, "reshard_after_forward": False},
     "_HYBRID_SHARD_ZERO2": {"hybrid_shard": True, "reshard_after_forward": False},
+}
+# Axolotl `fsdp:` list options -> fsdp block settings: the strategies in lower case, plus
+# offload and auto_wrap (nothing to set under FSDP2)
+FSDP_LIST_OPTIONS: dict[str, dict[str, Any]] = {
+    **{name.lower(): settings for name, settings in SHARDING_STRATEGIES.items()},
+    "offload": {"offload_params": True},
+    "auto_wrap": {},
 }
 # torch's ShardingStrategy enum numbers, which some configs carry instead of the name
 _STRATEGY_NUMBERS = {
