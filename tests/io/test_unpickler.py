@@ -477,17 +477,19 @@ def _torch_reader(env: Env) -> str:
 
 
 def _resume(env: Env) -> str:
-    """Training's resume: the explicit-path check, then `load_checkpoint` itself (torch's
-    DCP loader through `SafeFileSystemReader`)."""
+    """Training's resume: the explicit-path check (`.metadata` and every record's structure),
+    then `load_checkpoint` itself (torch's DCP loader through `CheckedFileSystemReader`)."""
     from shardforge.train.checkpointing import load_checkpoint, resolve_resume
 
     with pytest.raises(CheckpointError) as checked:
         resolve_resume(str(env.ckpt), env.root)
     check_refusal(str(checked.value), "resolve_resume")
-    model = torch.nn.Linear(2, 2)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(env.base)  # what the checkpoint holds
     with pytest.raises(CheckpointError) as info, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        load_checkpoint(env.ckpt, model, torch.optim.SGD(model.parameters()))
+        load_checkpoint(env.ckpt, model, torch.optim.AdamW(model.parameters(), lr=0.0))
     return str(info.value)
 
 
@@ -501,6 +503,8 @@ ENTRY_POINTS: dict[str, tuple[str, Callable[[Env], str]]] = {
     "merge --engine transformers": ("metadata", _engine_transformers),
     "torch's DCP reader": ("metadata", _torch_reader),
     "resume": ("metadata", _resume),
+    "resume chunk record": ("record", _resume),
+    "merge --engine transformers chunk record": ("record", _engine_transformers),
 }
 
 

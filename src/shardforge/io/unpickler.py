@@ -669,6 +669,16 @@ METADATA = Profile(
 )
 
 
+VALUES = Profile(
+    what="DCP non-tensor entries (optimizer settings and the like)",
+    globals={("collections", "OrderedDict"): _ordered_dict},
+    max_bytes=TENSOR_RECORD_MAX_BYTES,
+    max_memo=1 << 16,
+)
+"""Plain values torch.save stores for a DCP state dict's non-tensor entries (numbers, strings,
+tuples, lists, dicts): no class, no persistent id."""
+
+
 def load_metadata_pickle(path: str | Path, as_torch: bool = False) -> Any:
     """Unpickle a DCP `.metadata` file through the allow-list; refuse anything else.
 

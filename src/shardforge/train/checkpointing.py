@@ -127,9 +127,12 @@ def checkpoint_problem(path: Path) -> str | None:
     """What makes `path` unusable for resuming (one line), or None.
 
     The merge's checks (`read_metadata`: storage paths stay inside, every tensor's chunks tile
-    it, every data file exists and is long enough) for the model and the optimizer DCP
-    directories, the trainer state, and every saving rank's RNG file.
+    it, every data file exists and is long enough; `check_records`: every record's zip
+    structure and tensor view) for the model and the optimizer DCP directories, the trainer
+    state, and every saving rank's RNG file. Tensor bytes and their CRC-32s are checked as
+    `load_checked` reads them.
     """
+    from shardforge.formats.dcp.chunks import check_records
     from shardforge.formats.dcp.metadata import read_metadata
 
     if not is_complete(path):
@@ -137,7 +140,7 @@ def checkpoint_problem(path: Path) -> str | None:
     try:
         state = TrainerState.read(path)
         for sub in (MODEL_DIR, OPTIMIZER_DIR):
-            read_metadata(path / sub)
+            check_records(read_metadata(path / sub).tensors.values())
         for rank in range(state.world_size):
             _load_rng_file(path / RNG_FILE.format(rank=rank))
     except CheckpointError as exc:
@@ -269,7 +272,9 @@ def load_checkpoint(
 ) -> TrainerState:
     """Load model and optimizer shards (resharding to this world size) and the trainer state.
 
-    The DCP metadata is read through an allow-list unpickler (see `shardforge.formats.dcp.reader`).
+    Every byte goes through the merge's checks (`shardforge.formats.dcp.reader`
+    `CheckedFileSystemReader`): `.metadata` and non-tensor entries through the allow-list
+    unpickler, each record's bounds, view and CRC-32 checked before torch sees a tensor.
     """
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -278,34 +283,16 @@ def load_checkpoint(
         set_optimizer_state_dict,
     )
 
+    from shardforge.formats.dcp.reader import load_checked
+
     state = TrainerState.read(path)
     model_sd = get_model_state_dict(model)
-    _dcp_load(model_sd, path / MODEL_DIR)
+    load_checked(model_sd, path / MODEL_DIR)
     set_model_state_dict(model, model_sd)
     optim_sd = get_optimizer_state_dict(model, optimizer)
-    _dcp_load(optim_sd, path / OPTIMIZER_DIR)
+    load_checked(optim_sd, path / OPTIMIZER_DIR)
     set_optimizer_state_dict(model, optimizer, optim_sd)
     return state
-
-
-def _dcp_load(state_dict: dict[str, Any], directory: Path) -> None:
-    """`dcp.load` through the allow-list metadata reader; any failure is one CheckpointError
-    (the same on every rank: DCP gathers the ranks' exceptions)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
-    from shardforge.formats.dcp.reader import SafeFileSystemReader
-
-    try:
-        dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(directory)))
-    except CheckpointError:
-        raise
-    except (Exception, CheckpointException) as exc:
-        lines = str(exc).strip().splitlines()
-        raise CheckpointError(
-            f"{directory}: cannot be loaded ({type(exc).__name__}"
-            f"{': ' + lines[-1][:200] if lines else ''}); the checkpoint is damaged"
-        ) from None
 
 
 def save_full_model(

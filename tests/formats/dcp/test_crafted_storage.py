@@ -87,8 +87,10 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
 
 @pytest.fixture
 def dcp_dir(built: Built, tmp_path: Path) -> Path:
-    """A private copy of a real 3-rank DCP model directory."""
-    return Path(shutil.copytree(built.ours / "checkpoint-4" / "model", tmp_path / "run" / "model"))
+    """The model directory of a private copy of a real checkpoint of ours (3 ranks: model and
+    optimizer DCP directories, trainer state, RNG files), so resume can be pointed at it too."""
+    copy = shutil.copytree(built.ours / "checkpoint-4", tmp_path / "run" / "checkpoint-4")
+    return Path(copy) / "model"
 
 
 @pytest.fixture
@@ -180,6 +182,29 @@ def assert_refused(built: Built, checkpoint: Path, *words: str, inspect: bool = 
         line = error_line(CliRunner().invoke(cli, ["inspect", str(checkpoint)]))
         for w in words:
             assert w in line, (w, line)
+    if (checkpoint.parent / "trainer_state.json").exists():
+        line = resume_error(built, checkpoint.parent)
+        for w in words:
+            assert w in line, (w, line)
+        assert tree_hash(checkpoint) == before
+
+
+def resume_error(built: Built, checkpoint: Path) -> str:
+    """What resuming from `checkpoint` says: the named checkpoint is refused by the checks
+    resume runs first, or (for damage only reading the records shows) by its checked reader."""
+    from shardforge.formats.dcp.reader import load_checked
+    from shardforge.train.checkpointing import resolve_resume
+
+    try:
+        resolve_resume(str(checkpoint), checkpoint.parent, announce=False)
+    except CheckpointError as exc:
+        assert "\n" not in exc.message
+        return exc.message
+    reference = read_metadata(built.ours / "checkpoint-4" / "model").tensors.values()
+    state = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in reference}
+    with pytest.raises(CheckpointError) as info:
+        load_checked(state, checkpoint / "model", no_dist=True)
+    return info.value.message
 
 
 # -- records ------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import errno
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -103,6 +103,16 @@ class ChunkReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_records(tensors: Iterable[TensorEntry]) -> None:
+    """Every chunk record of `tensors` located and checked against its `.metadata` entry
+    (zip structure inside its byte range, tensor view inside its storage, shape) without
+    reading tensor bytes: what resume checks before it trusts a checkpoint."""
+    with ChunkReader() as reader:
+        for entry in tensors:
+            for chunk in entry.chunks:
+                reader.locate(chunk)
 
 
 def chunk_slices(c: Chunk) -> tuple[slice, ...]:

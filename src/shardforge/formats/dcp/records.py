@@ -22,8 +22,21 @@ import torch
 from shardforge.errors import CheckpointError
 from shardforge.formats.dcp.metadata import Chunk
 from shardforge.io.files import read_exact_into
-from shardforge.io.unpickler import StoredTensor, UnsupportedRecord, parse_tensor_record
-from shardforge.io.zip_record import ZipMember, ZipRecord, check_view, read_member, read_zip_record
+from shardforge.io.unpickler import (
+    VALUES,
+    StoredTensor,
+    UnsupportedRecord,
+    parse_tensor_record,
+    unpickle,
+)
+from shardforge.io.zip_record import (
+    ZipMember,
+    ZipRecord,
+    check_crc,
+    check_view,
+    read_member,
+    read_zip_record,
+)
 
 # a chunk record's data.pkl describes one tensor in a few hundred bytes
 MAX_RECORD_PICKLE = 1 << 20
@@ -69,11 +82,9 @@ class ParsedRecord:
 def parse_record(file: Path, fd: int, byte_offset: int, byte_length: int) -> ParsedRecord:
     """Check the zip record at (`byte_offset`, `byte_length`) of `file` and parse its tensor."""
     record = read_zip_record(fd, byte_offset, byte_length, str(file))
-    pkl = [n for n in record.members if n == "data.pkl" or n.endswith("/data.pkl")]
-    if len(pkl) != 1:
-        raise record.error("has no single data.pkl member (not a torch.save record)")
-    root = pkl[0][: -len("data.pkl")]
-    data_pkl = read_member(fd, record, record.members[pkl[0]], MAX_RECORD_PICKLE)
+    pkl = _data_pkl(record)
+    root = pkl[: -len("data.pkl")]
+    data_pkl = read_member(fd, record, record.members[pkl], MAX_RECORD_PICKLE)
     order = record.members.get(f"{root}byteorder")
     if order is not None and read_member(fd, record, order, 16) != b"little":
         return ParsedRecord(record, None, None)
@@ -82,6 +93,27 @@ def parse_record(file: Path, fd: int, byte_offset: int, byte_length: int) -> Par
     except UnsupportedRecord:
         return ParsedRecord(record, None, None)
     return ParsedRecord(record, stored, record.member(f"{root}data/{stored.storage_key}"))
+
+
+def _data_pkl(record: ZipRecord) -> str:
+    pkl = [n for n in record.members if n == "data.pkl" or n.endswith("/data.pkl")]
+    if len(pkl) != 1:
+        raise record.error("has no single data.pkl member (not a torch.save record)")
+    return pkl[0]
+
+
+def check_record_crcs(fd: int, record: ZipRecord, label: str) -> None:
+    """Every member of `record` against the CRC-32 torch stored for it (one block in memory)."""
+    for member in record.members.values():
+        check_crc(fd, member, label)
+
+
+def read_value(file: Path, fd: int, byte_offset: int, byte_length: int) -> object:
+    """A non-tensor DCP entry (a `torch.save`d number, string, tuple, list or dict) read
+    through the allow-list: plain values only, no class and no persistent id."""
+    record = read_zip_record(fd, byte_offset, byte_length, str(file))
+    data_pkl = read_member(fd, record, record.members[_data_pkl(record)], MAX_RECORD_PICKLE)
+    return unpickle(data_pkl, f"{file} (record at {byte_offset})", VALUES)
 
 
 def check_record(chunk: Chunk, parsed: ParsedRecord) -> RawChunk | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from shardforge.formats.dcp.reader import SafeFileSystemReader
+from shardforge.formats.dcp.reader import load_checked
 
 
 def merge_with_transformers(
@@ -20,7 +20,6 @@ def merge_with_transformers(
     max_shard_size: int | str,
     trust_remote_code: bool,
 ) -> None:
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -31,5 +30,5 @@ def merge_with_transformers(
     model.tie_weights()  # to_empty gives tied parameters separate storage; tie them again
     sd = model.state_dict()
     target = {key: sd[hf] for key, hf in to_hf.items()}
-    dcp.load(target, storage_reader=SafeFileSystemReader(str(model_dir)), no_dist=True)
+    load_checked(target, model_dir, no_dist=True)
     model.save_pretrained(out, max_shard_size=max_shard_size)
