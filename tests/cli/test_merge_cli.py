@@ -428,6 +428,18 @@ def test_dry_run_prints_the_plan_and_writes_nothing(env: Path) -> None:
     assert tree_hash(env / "run") == before
 
 
+def test_dry_run_lists_what_remove_checkpoint_dir_would_delete(env: Path) -> None:
+    before = tree_hash(env / "run")
+    out = ["--output_path", str(env / "out")]
+    result = invoke(env, *out, "--dry_run", "--remove_checkpoint_dir")
+    assert result.exit_code == 0, result.output
+    listing = result.stdout.split("--remove_checkpoint_dir: after verification, would remove ")[1]
+    named = [line.strip() for line in listing.splitlines()[1:]]
+    assert ".metadata" in named and any(n.endswith(".distcp") for n in named), listing
+    assert not any("optim" in n or "trainer_state" in n for n in named), listing
+    assert tree_hash(env / "run") == before
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [
@@ -435,6 +447,12 @@ def test_dry_run_prints_the_plan_and_writes_nothing(env: Path) -> None:
         (["--state-dict-dirname", "../x"], "inside the checkpoint"),
         (["--format", "safetensors"], "--output_path is required"),
         (["--average-last", "2"], "has only 1"),
+        (["--average-last", "2", "--average_steps", "1,2"], "not both"),
+        (["--average_steps", "1,1"], "listed twice"),
+        (["--step", "1", "--average_steps", "1,2"], "--step picks one checkpoint"),
+        (["--engine", "transformers", "--format", "torch"], "--engine transformers"),
+        (["--format", "torch", "--max_shard_size", "1GB"], "--max_shard_size"),
+        (["--average_last", "2", "--remove_checkpoint_dir"], "--remove_checkpoint_dir"),
     ],
 )
 def test_bad_new_options(env: Path, args: list[str], words: str) -> None:

@@ -239,22 +239,9 @@ def do_cli(
     from shardforge.cli._common import fail
 
     setup_logging()  # --quiet hides the progress bar; the chosen checkpoint is still printed
-    known = {
-        "checkpoint",
-        "step",
-        "dtype",
-        "max_shard_size",
-        "verify",
-        "remove_checkpoint_dir",
-        "overwrite",
-        "save_tokenizer",
-        "engine",
-        "state_dict_dirname",
-        "average_last",
-        "average_steps",
-        "output_format",
-        "dry_run",
-    }
+    from shardforge.merge.request import OPTION_NAMES
+
+    known = set(OPTION_NAMES) - {"output_path", "quiet"}
     kwargs = {k.replace("-", "_"): v for k, v in kwargs.items()}
     if "format" in kwargs:
         kwargs["output_format"] = kwargs.pop("format")

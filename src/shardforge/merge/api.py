@@ -60,14 +60,13 @@ from shardforge.merge.publish import (
     sigterm_as_interrupt,
 )
 from shardforge.merge.remove import plan_removal, remove_shards
+from shardforge.merge.request import OUTPUT_FORMATS, Engine, MergeRequest
 from shardforge.merge.sinks.hf_dir import write_plan
 from shardforge.merge.sinks.torch_file import verify_torch_file, write_torch_file
 from shardforge.merge.verify import verify_output
 
 log = logging.getLogger("shardforge")
 
-Engine = Literal["stream", "transformers"]
-ENGINES: tuple[str, ...] = ("stream", "transformers")
 
 # --dtype spellings -> torch dtype (None: keep each tensor's stored dtype)
 DTYPES: dict[str, torch.dtype | None] = {
@@ -174,32 +173,21 @@ def _label(c: Candidate) -> str:
     return f"step {c.step}" if 0 <= c.step < LAST else str(c.model_dir)
 
 
-def _pick_inputs(
-    root: str | Path,
-    step: int | None,
-    state_dict_dirname: str | None,
-    average_last: int | None,
-    average_steps: list[int] | None,
-) -> list[Candidate]:
+def _pick_inputs(root: str | Path, request: MergeRequest) -> list[Candidate]:
     """The checkpoint to merge, or the checkpoints to average (oldest first)."""
-    if average_last is None and not average_steps:
+    step, state_dict_dirname = request.step, request.state_dict_dirname
+    average_last, average_steps = request.average_last, request.average_steps
+    if not request.averaging:
         return [resolve_checkpoint(root, step, state_dict_dirname)]
-    if step is not None:
-        raise MergeError("--step picks one checkpoint; with averaging list --average_steps")
-    if average_last is not None and average_steps:
-        raise MergeError("give --average_last or --average_steps, not both")
     found = list_checkpoints(root, state_dict_dirname)
     have = [c.step for c in found]
     if average_last is not None:
-        if average_last < 1:
-            raise MergeError(f"--average_last {average_last}: expected a count of at least 1")
         if average_last > len(found):
             raise MergeError(
                 f"--average_last {average_last}: {root} has only {len(found)} complete "
                 f"checkpoint(s) (steps {have or 'none'})"
             )
         return found[-average_last:]
-    assert average_steps is not None
     by_step = {c.step: c for c in found}
     missing = [s for s in average_steps if s not in by_step]
     if missing:
@@ -207,8 +195,6 @@ def _pick_inputs(
             f"--average_steps: {root} has no complete checkpoint for step(s) "
             f"{', '.join(map(str, missing))}; steps found: {have or 'none'}"
         )
-    if len(set(average_steps)) != len(average_steps):
-        raise MergeError("--average_steps: a step is listed twice")
     return [by_step[s] for s in average_steps]
 
 
@@ -233,21 +219,10 @@ def _hf_sources(
     return keymap, by_hf
 
 
-def _prepare(
-    cfg: ShardforgeConfig,
-    checkpoint: str | Path | None,
-    step: int | None,
-    dtype: str | torch.dtype | None,
-    max_shard_size: int | str | None,
-    state_dict_dirname: str | None = None,
-    average_last: int | None = None,
-    average_steps: list[int] | None = None,
-    single_file: bool = False,
-) -> _Prepared:
-    """Everything decided and checked before a byte is written (`single_file`: the weights go
-    to one file, whatever its size)."""
-    root = checkpoint if checkpoint is not None else cfg.output_dir
-    inputs = _pick_inputs(root, step, state_dict_dirname, average_last, average_steps)
+def _prepare(cfg: ShardforgeConfig, request: MergeRequest) -> _Prepared:
+    """Everything decided and checked before a byte is written."""
+    root = request.checkpoint if request.checkpoint is not None else cfg.output_dir
+    inputs = _pick_inputs(root, request)
     for c in inputs:
         where = f" (step {c.step})" if 0 <= c.step < LAST else ""
         log.info("checkpoint: %s [%s layout, %s]%s", c.model_dir, c.layout, c.kind, where)
@@ -264,14 +239,14 @@ def _prepare(
         log.info("averaging %d checkpoints: %s", len(inputs), ", ".join(map(_label, inputs)))
     else:
         by_name = per_input[0][1]
-    wanted = _parse_dtype(dtype)
+    wanted = _parse_dtype(request.dtype)
     target = _config_dtype(config) if wanted == "config" else wanted
     assert target != "config"
     specs = [
         TensorSpec(n, _output_dtype(by_name[n].dtype, target), by_name[n].shape)
         for n in expected.saved_names
     ]
-    shard = None if single_file else max_shard_size or default_max_shard_size()
+    shard = None if request.single_file else request.max_shard_size or default_max_shard_size()
     try:
         plan = plan_output(specs, shard, expected.total_parameters)
     except ValueError as exc:
@@ -366,13 +341,14 @@ FORMATS: dict[str, Callable[[_Prepared, Path, _Options], None]] = {
     "safetensors": _write_safetensors,
     "torch": _write_torch,
 }
+assert tuple(FORMATS) == OUTPUT_FORMATS  # the request checks --format against the same names
 # suffix of the default output path of --format torch (as Lightning's consolidate_checkpoint)
 CONSOLIDATED_SUFFIX = ".consolidated"
 
 
-def _default_output(fmt: str, prep: _Prepared) -> Path:
-    if fmt != "torch":
-        raise MergeError(f"--output_path is required with --format {fmt}")
+def _default_output(prep: _Prepared) -> Path:
+    """--format torch without --output_path: beside the model folder (the request makes sure
+    the other formats name one)."""
     model_dir = prep.sources.checkpoint.model_dir
     return Path(str(model_dir) + CONSOLIDATED_SUFFIX).absolute()
 
@@ -440,72 +416,72 @@ def merge_fsdp_weights(
         MergeError: mismatch with the architecture, existing output, no disk space, failed
             verification.
     """
-    config = coerce_cfg(cfg, command="merge")
-    if engine not in ENGINES:
-        raise MergeError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
-    if output_format not in FORMATS:
-        raise MergeError(f"--format {output_format!r}: expected one of {', '.join(FORMATS)}")
-    averaging = average_last is not None or bool(average_steps)
-    if engine != "stream" and (output_format != "hf" or averaging):
-        raise MergeError("--engine transformers writes --format hf of one checkpoint only")
-    if remove_checkpoint_dir and averaging:
-        raise MergeError("--remove_checkpoint_dir cannot be combined with averaging")
-    verify = verify or remove_checkpoint_dir
-    single_file = output_format != "hf"
-    check = check_output_file if single_file else check_output_path
-    out = Path(output_path).absolute() if output_path is not None else None
-    if out is not None:
-        check(out, overwrite, [])  # fail fast, before reading anything
-    if single_file and max_shard_size is not None:
-        raise MergeError(f"--max_shard_size does not apply to --format {output_format}")
-    removal = None
-    if remove_checkpoint_dir:  # refused here, before the merge reads or writes, when it must be
-        root = checkpoint if checkpoint is not None else config.output_dir
-        removal = plan_removal(resolve_checkpoint(root, step, state_dict_dirname), root)
-    prep = _prepare(
-        config,
+    request = MergeRequest(
+        Path(output_path) if output_path is not None else None,
+        save_tokenizer,
         checkpoint,
         step,
         dtype,
         max_shard_size,
+        verify,
+        remove_checkpoint_dir,
+        overwrite,
+        engine,
+        quiet,
         state_dict_dirname,
         average_last,
-        average_steps,
-        single_file,
-    )
+        tuple(average_steps or ()),
+        output_format,
+        dry_run,
+    )  # every option conflict is refused here, before anything is read
+    return run_merge(coerce_cfg(cfg, command="merge"), request)
+
+
+def run_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
+    """`merge_fsdp_weights` of a checked request."""
+    check = check_output_file if request.single_file else check_output_path
+    out = request.output_path
+    if out is not None:
+        check(out, request.overwrite, [])  # fail fast, before reading anything
+    removal = None
+    if request.remove_checkpoint_dir:  # refused here, before the merge reads or writes
+        root = request.checkpoint if request.checkpoint is not None else config.output_dir
+        found = resolve_checkpoint(root, request.step, request.state_dict_dirname)
+        removal = plan_removal(found, root)
+    prep = _prepare(config, request)
     if out is None:
-        out = _default_output(output_format, prep)
-    model_dirs = [c.model_dir for c in prep.sources.inputs]
-    check(out, overwrite, model_dirs)
-    if engine == "stream" and prep.expected.renamed_on_save:
+        out = _default_output(prep)
+    check(out, request.overwrite, [c.model_dir for c in prep.sources.inputs])
+    if request.engine == "stream" and prep.expected.renamed_on_save:
         raise MergeError(
             f"{prep.sources.config}: this architecture is saved under other names than it uses "
             "in memory (transformers weight conversion); merge it with --engine transformers"
         )
-    if engine != "stream" and not prep.plain_dcp:
+    if request.engine != "stream" and not prep.plain_dcp:
         raise MergeError("--engine transformers reads plain DCP checkpoints only")
     if removal is not None and removal.model_dir != prep.sources.checkpoint.model_dir.absolute():
         raise MergeError(
             f"{removal.model_dir}: the checkpoint changed while the merge started (now "
             f"{prep.sources.checkpoint.model_dir}); run it again"
         )
-    if dry_run:
-        sys.stdout.write(describe_plan(prep, out, output_format, save_tokenizer) + "\n")
+    if request.dry_run:
+        report = describe_plan(prep, out, request.output_format, request.save_tokenizer, removal)
+        sys.stdout.write(report + "\n")
         return out
     check_free_space(out, prep.plan.total_bytes)
     opts = _Options(
-        engine,
-        quiet,
-        verify,
-        save_tokenizer,
+        request.engine,
+        request.quiet,
+        request.verifies,
+        request.save_tokenizer,
         config.trust_remote_code,
         config.chat_template,
         config.chat_template_jinja,
-        max_shard_size if max_shard_size is not None else default_max_shard_size(),
-        overwrite,
+        request.max_shard_size if request.max_shard_size is not None else default_max_shard_size(),
+        request.overwrite,
     )
     with sigterm_as_interrupt():
-        FORMATS[output_format](prep, out, opts)
+        FORMATS[request.output_format](prep, out, opts)
     log.info("wrote %s (%.1f MB)", out, prep.plan.total_bytes / 1e6)
     if removal is not None:  # the output is verified and published
         removed = remove_shards(removal)

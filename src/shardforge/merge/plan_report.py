@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from shardforge.layouts.steps import LAST
+from shardforge.merge.remove import RemovalPlan
 
 # the files the hf format writes beside the weights
 HF_COMPANIONS = ("config.json", "generation_config.json")
+LISTED = 20  # shard files listed by name; the rest counted
 
 
 def _size(n: float) -> str:
@@ -29,7 +31,9 @@ def free_space(path: Path) -> int:
     return shutil.disk_usage(parent).free
 
 
-def describe_plan(prep: Any, out: Path, fmt: str, save_tokenizer: bool) -> str:
+def describe_plan(
+    prep: Any, out: Path, fmt: str, save_tokenizer: bool, removal: RemovalPlan | None = None
+) -> str:
     """Human-readable plan of a prepared merge (`merge._Prepared`); nothing is written."""
     lines = ["dry run: nothing is written", "input:"]
     for c in prep.sources.inputs:
@@ -61,4 +65,13 @@ def describe_plan(prep: Any, out: Path, fmt: str, save_tokenizer: bool) -> str:
     free = free_space(out)
     verdict = "enough" if free >= total else "NOT ENOUGH"
     lines.append(f"free disk at {out.parent}: {_size(free)} ({verdict})")
+    if removal is not None:
+        lines.append(
+            f"--remove_checkpoint_dir: after verification, would remove {len(removal.files)} "
+            f"shard files of {removal.model_dir} (and the folder if then empty):"
+        )
+        shown = removal.files[:LISTED]
+        lines += [f"  {f.relative}" for f in shown]
+        if len(removal.files) > len(shown):
+            lines.append(f"  (+{len(removal.files) - len(shown)} more)")
     return "\n".join(lines)
