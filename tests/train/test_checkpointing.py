@@ -247,10 +247,25 @@ def _truncate(path: Path, keep: float = 0.5) -> None:
         f.truncate(int(path.stat().st_size * keep))
 
 
+def _damage(path: Path) -> None:
+    """`path` cut in half, or with `@record` its first record's zip directory overwritten (same
+    size: only parsing the record shows it)."""
+    if path.name.endswith("@record"):
+        path = path.with_name(path.name.removesuffix("@record"))
+        data = bytearray(path.read_bytes())
+        eocd = data.find(b"PK\x05\x06")
+        assert eocd > 0
+        data[eocd : eocd + 4] = b"XXXX"
+        path.write_bytes(bytes(data))
+    else:
+        _truncate(path)
+
+
 @pytest.mark.parametrize(
     "damage,found",
     [
         ("model/__0_0.distcp", "truncated"),
+        ("model/__0_0.distcp@record", "model/__0_0.distcp"),
         ("optimizer/.metadata", "optimizer/.metadata"),
         ("rng_state_1.pt", "rng_state_1.pt: unreadable"),
         ("trainer_state.json", "trainer_state.json: unreadable"),
@@ -262,7 +277,7 @@ def test_a_damaged_checkpoint_is_named_and_auto_falls_back(
     """The merge's checks (paths, tiling, file sizes) plus the trainer state and RNG files:
     `auto` skips the damaged latest checkpoint with one notice, a named one is one error."""
     out = _stopped_after(reference, 4, tmp_path / "out")
-    _truncate(out / "checkpoint-4" / damage)
+    _damage(out / "checkpoint-4" / damage)
     with caplog.at_level(logging.INFO, logger="shardforge"):
         assert ckpt.resolve_resume("auto", out) == out / "checkpoint-2"
     notices = [r.getMessage() for r in caplog.records]
