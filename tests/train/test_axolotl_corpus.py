@@ -171,5 +171,5 @@ def test_unsupported_configs_are_refused_by_train_and_merge_reads_them(
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and len(errors[0]) <= 300, proc.stderr
     assert "Traceback" not in proc.stderr and "launching" not in proc.stderr
-    assert "adapter: LoRA/QLoRA adapters is not supported by shardforge train yet" in proc.stderr
+    assert "adapter: QLoRA (adapter: qlora, 4-bit base weights: needs a CUDA GPU" in proc.stderr
     assert not (corpus["root"] / "runs" / name).exists()

@@ -126,6 +126,9 @@ def _sort_level(
         name = str(key)
         dotted = f"{where}{name}"
         if name in ours:
+            row = theirs.get(name)
+            if refuse_unsupported and row is not None and _refused(value, row.refused):
+                out.unsupported.append((dotted, row.note))
             if value is None and name in model.model_fields and name not in nullable:
                 out.placeholders.append(dotted)
             else:
@@ -156,6 +159,11 @@ def _sort_level(
         else:
             out.unused.append(dotted)
     return kept
+
+
+def _refused(value: Any, refused: tuple[Any, ...]) -> bool:
+    """`value` is one a partly implemented key refuses (compared by type too: 1 is not True)."""
+    return any(type(value) is type(r) and value == r for r in refused)
 
 
 def sort_keys(data: Mapping[str, Any], command: str) -> Sorted:

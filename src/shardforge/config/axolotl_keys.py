@@ -33,6 +33,8 @@ class AxolotlKey(NamedTuple):
     default: Any = None
     # implemented under another shardforge key (dotted), e.g. "fsdp" or "attn_implementation"
     ours: str | None = None
+    # implemented, except these values: `train` refuses them as the feature `note` names
+    refused: tuple[Any, ...] = ()
 
 
 def _i(note: str = "", default: Any = None, ours: str | None = None) -> AxolotlKey:
@@ -84,7 +86,11 @@ TOP_LEVEL: dict[str, AxolotlKey] = {
     "adam_beta3": _u("CAME optimizer parameters"),
     "adam_epsilon": _i(),
     "adam_epsilon2": _u("CAME optimizer parameters"),
-    "adapter": _u(_LORA),
+    "adapter": AxolotlKey(
+        "implemented",
+        "QLoRA (adapter: qlora, 4-bit base weights: needs a CUDA GPU with bitsandbytes)",
+        refused=("qlora",),
+    ),
     "added_tokens_overrides": _u("renaming reserved added tokens"),
     "attn_implementation": _i(),
     "auto_find_batch_size": _u("automatic batch size search", False),
@@ -321,21 +327,21 @@ TOP_LEVEL: dict[str, AxolotlKey] = {
     "load_in_8bit": _u("8-bit quantized loading (bitsandbytes)", False),
     "local_rank": _g(_LAUNCHER),
     "logging_steps": _i(),
-    "lora_alpha": _u(_LORA),
+    "lora_alpha": _i(),
     "lora_alpha_pattern": _u(_LORA),
-    "lora_dropout": _u(_LORA, 0.0),
+    "lora_dropout": _i(default=0.0),
     "lora_embedding_kernel": _u("LoRA kernels", False),
     "lora_fan_in_fan_out": _u(_LORA, False),
     "lora_mlp_kernel": _u("LoRA kernels", False),
-    "lora_model_dir": _u(_LORA),
-    "lora_modules_to_save": _u(_LORA),
+    "lora_model_dir": _i(),
+    "lora_modules_to_save": _i(),
     "lora_o_kernel": _u("LoRA kernels", False),
     "lora_on_cpu": _u(_LORA, False),
     "lora_qkv_kernel": _u("LoRA kernels", False),
-    "lora_r": _u(_LORA),
+    "lora_r": _i(),
     "lora_rank_pattern": _u(_LORA),
-    "lora_target_linear": _u(_LORA, False),
-    "lora_target_modules": _u(_LORA),
+    "lora_target_linear": _i(default=False),
+    "lora_target_modules": _i(),
     "lora_target_parameters": _u(_LORA),
     "loraplus_lr_embedding": _u("LoRA+ learning rates", 1e-06),
     "loraplus_lr_ratio": _u("LoRA+ learning rates"),
@@ -413,8 +419,8 @@ TOP_LEVEL: dict[str, AxolotlKey] = {
     "peft_layers_pattern": _u(_LORA),
     "peft_layers_to_transform": _u(_LORA),
     "peft_trainable_token_indices": _u(_LORA),
-    "peft_use_dora": _u("DoRA adapters", False),
-    "peft_use_rslora": _u("rank-stabilised LoRA adapters", False),
+    "peft_use_dora": AxolotlKey("implemented", "DoRA adapters", False, refused=(True,)),
+    "peft_use_rslora": _i(default=False),
     "plugins": _u("Axolotl plugins"),
     "pose_max_context_len": _u("PoSE context extension"),
     "pose_num_chunks": _u("PoSE context extension"),
