@@ -286,7 +286,7 @@ class ShardforgeConfig(_Strict):
         "`qlora` (4-bit base weights) is not supported by train yet.",
     )
     lora_r: int = Field(8, gt=0, description="LoRA rank r (the inner dimension of B @ A).")
-    lora_alpha: float = Field(
+    lora_alpha: int = Field(
         16, gt=0, description="LoRA alpha: the update is scaled by lora_alpha / lora_r."
     )
     lora_dropout: float = Field(
@@ -335,6 +335,110 @@ class ShardforgeConfig(_Strict):
         description="Replica groups of the HSDP mesh (world size = dp_replicate_size x "
         "dp_shard_size).",
     )
+
+    # -- evaluation and tracking -----------------------------------------------------------------
+    val_set_size: float = Field(
+        0.0,
+        ge=0,
+        description="Hold out part of the training samples for evaluation: a fraction below 1 "
+        "(0.05: 5%, rounded up) or a whole number of samples (200). Chosen by `seed`, before "
+        "packing; the same split at any world size. 0: none. Exclusive with test_datasets.",
+    )
+    test_datasets: list[DatasetConfig] = Field(
+        default_factory=list,
+        description="Evaluation data sets (entries like `datasets`). Exclusive with "
+        "val_set_size.",
+    )
+    eval_steps: float | None = Field(
+        None,
+        gt=0,
+        description="Evaluate every N optimizer steps (a value below 1: every ceil(value x "
+        "total steps)), and before the first step. With evaluation data, training always "
+        "ends with an evaluation. Exclusive with evals_per_epoch.",
+    )
+    evals_per_epoch: int | None = Field(
+        None,
+        ge=0,
+        description="Evaluate this many times per epoch (every max(1, steps_per_epoch // N) "
+        "steps), and before the first step. 0 or null: only at the end. Exclusive with "
+        "eval_steps.",
+    )
+    eval_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Evaluation sequences per rank per forward pass (default: "
+        "micro_batch_size). Does not change the eval loss beyond float rounding.",
+    )
+    eval_sequence_len: int | None = Field(
+        None, gt=0, description="Tokens per evaluation sequence (default: sequence_len)."
+    )
+    eval_sample_packing: bool | None = Field(
+        None,
+        description="Pack the evaluation samples into eval_sequence_len windows (default: "
+        "as sample_packing).",
+    )
+    use_tensorboard: bool = Field(
+        False,
+        description="Write TensorBoard event files (rank 0) to output_dir/runs (or "
+        "$TENSORBOARD_LOGGING_DIR). Needs `pip install 'shardforge[tracking]'`.",
+    )
+    wandb_project: str | None = Field(
+        None,
+        description="Log to Weights & Biases under this project (rank 0; W&B is on when this "
+        "is set). Needs `pip install 'shardforge[tracking]'`.",
+    )
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user).")
+    wandb_name: str | None = Field(None, description="W&B run name (display name).")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None,
+        description="W&B mode: online, offline (no network: the run is kept under "
+        "output_dir/wandb, or $WANDB_DIR, for `wandb sync`), disabled. null: W&B's default "
+        "($WANDB_MODE, else online).",
+    )
+    wandb_run_id: str | None = Field(
+        None,
+        description="W&B run id. Default: a new id, kept in output_dir/tracking.json so a "
+        "resumed run continues the same W&B run.",
+    )
+    fsdp_diagnostics: bool = Field(
+        False,
+        description="Also log per-phase peak memory (after forward, after backward, after the "
+        "optimizer step) for the first fsdp_diagnostics_steps steps. The sharding summary is "
+        "logged at every start.",
+    )
+    fsdp_diagnostics_steps: int = Field(
+        3, gt=0, description="Steps whose per-phase memory fsdp_diagnostics logs."
+    )
+
+    @field_validator("val_set_size")
+    @classmethod
+    def _fraction_or_count(cls, value: float) -> float:
+        if value >= 1 and not float(value).is_integer():
+            raise ValueError(
+                f"{value} is neither a fraction below 1 (0.05) nor a whole number of samples "
+                "(200)"
+            )
+        return value
+
+    @field_validator("eval_steps")
+    @classmethod
+    def _steps_or_fraction(cls, value: float | None) -> float | None:
+        if value is not None and value >= 1 and not float(value).is_integer():
+            raise ValueError(
+                f"{value} is neither a number of steps (50) nor a fraction of all steps below "
+                "1 (0.1)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_eval_source_and_schedule(self) -> ShardforgeConfig:
+        if self.val_set_size and self.test_datasets:
+            raise ValueError(
+                "val_set_size and test_datasets are both set; evaluate on one of them"
+            )
+        if self.eval_steps is not None and self.evals_per_epoch:
+            raise ValueError("eval_steps and evals_per_epoch are both set; choose one")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> ShardforgeConfig:

@@ -221,8 +221,12 @@ def save_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     save_total_limit: int | None,
+    adapter_only: bool = False,
 ) -> Path:
-    """Write checkpoint-<step> on every rank; complete (renamed) only once all ranks are done."""
+    """Write checkpoint-<step> on every rank; complete (renamed) only once all ranks are done.
+
+    `adapter_only` (LoRA): the model folder holds the trainable parameters only (the adapter
+    and `lora_modules_to_save`), not the frozen base weights the run starts from."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -236,7 +240,10 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(get_model_state_dict(model), checkpoint_id=str(tmp / MODEL_DIR))
+    dcp.save(
+        get_model_state_dict(model, options=_model_options(adapter_only)),
+        checkpoint_id=str(tmp / MODEL_DIR),
+    )
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_DIR))
     torch.save(rng_state(), tmp / RNG_FILE.format(rank=rank))
     dist.barrier()
@@ -267,8 +274,17 @@ def prune(output_dir: Path, limit: int | None) -> list[Path]:
     return doomed
 
 
+def _model_options(adapter_only: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=adapter_only, strict=not adapter_only)
+
+
 def load_checkpoint(
-    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    adapter_only: bool = False,
 ) -> TrainerState:
     """Load model and optimizer shards (resharding to this world size) and the trainer state.
 
@@ -286,9 +302,10 @@ def load_checkpoint(
     from shardforge.formats.dcp.reader import load_checked
 
     state = TrainerState.read(path)
-    model_sd = get_model_state_dict(model)
+    options = _model_options(adapter_only)
+    model_sd = get_model_state_dict(model, options=options)
     load_checked(model_sd, path / MODEL_DIR)
-    set_model_state_dict(model, model_sd)
+    set_model_state_dict(model, model_sd, options=options)
     optim_sd = get_optimizer_state_dict(model, optimizer)
     load_checked(optim_sd, path / OPTIMIZER_DIR)
     set_optimizer_state_dict(model, optimizer, optim_sd)

@@ -32,6 +32,7 @@ from shardforge.train.data import (
     load_tokenizer,
     rank_slice,
 )
+from shardforge.train.lora import prepare_lora, save_adapter
 from shardforge.train.model import (
     build_meta_model,
     load_model_config,
@@ -180,14 +181,16 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
         return TrainResult(steps=saved.step, output_dir=out, resumed_from=resume)
 
     model = build_meta_model(cfg, model_config)
+    weights = prepare_lora(model, cfg, rt.is_main) if cfg.adapter else None
     shard_model(model, cfg, device_mesh(rt, mesh))
-    materialize_and_load(model, cfg, rt.device, rt.rank)
+    materialize_and_load(model, cfg, rt.device, rt.rank, weights)
+    del weights
     if rt.is_main:
         out.mkdir(parents=True, exist_ok=True)
         write_output_metadata(cfg, model_config, tokenizer)
     dist.barrier()
     model.train()
-    optimizer = build_optimizer(model.parameters(), cfg)
+    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
     scheduler = build_scheduler(
         optimizer, cfg, total_steps, _continuation(saved, total_steps, cfg, rt)
     )
@@ -242,8 +245,11 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
                     )
             progress.update(record["loss"])
             final = step == total_steps
+            if final and cfg.adapter:
+                save_adapter(out, model, cfg)  # the PEFT adapter directory in output_dir
             if final and cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
-                ckpt.save_full_model(out, model, model_config)
+                if not cfg.adapter:
+                    ckpt.save_full_model(out, model, model_config)
                 dist.barrier()
             elif final or (every is not None and step % every == 0):
                 state = ckpt.TrainerState(
@@ -257,7 +263,12 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
                     mesh_shape=list(mesh),
                 )
                 ckpt.save_checkpoint(
-                    out, ckpt.stamped(state), model, optimizer, cfg.save_total_limit
+                    out,
+                    ckpt.stamped(state),
+                    model,
+                    optimizer,
+                    cfg.save_total_limit,
+                    adapter_only=cfg.adapter is not None,
                 )
     finally:
         progress.close()
@@ -314,7 +325,7 @@ def _resume(
     global_batch: int,
 ) -> tuple[int, int]:
     """Load a checkpoint into model, optimizer, scheduler and RNGs; return (step, consumed)."""
-    state = ckpt.load_checkpoint(path, model, optimizer)
+    state = ckpt.load_checkpoint(path, model, optimizer, adapter_only=cfg.adapter is not None)
     scheduler.load_state_dict({**scheduler.state_dict(), **state.scheduler})
     if state.global_batch_size != global_batch:
         log.warning(

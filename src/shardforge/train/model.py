@@ -226,12 +226,16 @@ def read_full_state_dict(base_model: str, model: nn.Module) -> dict[str, torch.T
 
 
 def materialize_and_load(
-    model: nn.Module, cfg: ShardforgeConfig, device: torch.device, rank: int
+    model: nn.Module,
+    cfg: ShardforgeConfig,
+    device: torch.device,
+    rank: int,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Allocate the local shards on `device` and fill them with the base weights.
 
-    Only rank 0 reads the files; `set_model_state_dict(broadcast_from_rank0=True)` sends each
-    rank its slices. Non-persistent buffers (rotary inv_freq ...) were computed at build time and
+    Only rank 0 reads the files (or is handed `weights`, e.g. with a LoRA adapter's names);
+    `set_model_state_dict(broadcast_from_rank0=True)` sends each rank its slices. Non-persistent buffers (rotary inv_freq ...) were computed at build time and
     are restored after `to_empty`, which would otherwise leave them uninitialised.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -241,7 +245,9 @@ def materialize_and_load(
     with torch.no_grad():
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name].to(buf.device))
-    full: dict[str, Any] = read_full_state_dict(cfg.base_model, model) if rank == 0 else {}
+    full: dict[str, Any] = {}
+    if rank == 0:
+        full = weights if weights is not None else read_full_state_dict(cfg.base_model, model)
     set_model_state_dict(
         model,
         full,
