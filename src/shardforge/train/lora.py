@@ -83,7 +83,7 @@ def _all_linear_plus(model: nn.Module, names: list[str]) -> list[str]:
 
 
 def _ties_embeddings(model: nn.Module) -> bool:
-    config = model.config  # type: ignore[union-attr]
+    config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return bool(getattr(text, "tie_word_embeddings", False))
 
