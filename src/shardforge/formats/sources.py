@@ -68,6 +68,8 @@ class StoredTensor:
 
 DCP_FORMAT = "dcp"
 RANK_FILES_FORMAT = "rankfiles"
+# a safetensors file (`StoredTensor.directory` is the file itself)
+SAFETENSORS_FORMAT = "safetensors"
 
 
 @runtime_checkable
@@ -379,6 +381,72 @@ class AveragedSource(_WholeTensor):
         return acc.div_(len(self.inputs))
 
 
+# ---------------------------------------------------------------- LoRA (merge-lora, --merge_lora)
+
+
+def fuse_lora(
+    base: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+    transpose: bool = False,
+) -> torch.Tensor:
+    """``W + scale * B @ A`` in float32, with peft's operations in peft's order
+    (`LoraLayer.get_delta_weight` then ``weight += delta``): ``(B @ A)``, transposed for an
+    embedding or a fan-in-fan-out layer, times the Python float `scale`, plus W. Each step is
+    the same float32 operation as peft's, so a float32 model fuses bit for bit alike."""
+    delta = lora_b.to(torch.float32) @ lora_a.to(torch.float32)
+    if transpose:
+        delta = delta.T
+    delta = delta.mul_(scale)
+    return delta.add_(base.to(torch.float32)).contiguous()  # W + d == d + W in IEEE arithmetic
+
+
+@dataclass(frozen=True)
+class FusedLoraSource(_WholeTensor):
+    """A base weight with a LoRA adapter fused in: ``base + scale * lora_b @ lora_a``
+    (`fuse_lora`), returned in float32 (the writer casts to the output dtype).
+
+    `lora_a` is (r, in) and `lora_b` (out, r) for a linear layer; for an embedding
+    (`transpose`) peft stores A as (r, num_embeddings) and B as (dim, r) and the delta is
+    ``(B @ A).T``. Memory: the base tensor, the float32 delta it is added to, A and B.
+    """
+
+    base: TensorSource
+    lora_a: TensorSource
+    lora_b: TensorSource
+    scale: float
+    transpose: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def slabs(self, reader: ChunkReader) -> list[FileSlab] | None:
+        return None
+
+    def read(self, reader: ChunkReader) -> torch.Tensor:
+        a, b = self.lora_a.read(reader), self.lora_b.read(reader)
+        return fuse_lora(self.base.read(reader), a, b, self.scale, self.transpose)
+
+    def stored(self) -> tuple[StoredTensor, ...]:
+        return (*self.base.stored(), *self.lora_a.stored(), *self.lora_b.stored())
+
+    def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """As `read`, from the stored tensors of base, A and B (in `stored()` order)."""
+        parts, start = [], 0
+        for src in (self.base, self.lora_a, self.lora_b):
+            n = len(src.stored())
+            parts.append(src.combine(tensors[start : start + n]))
+            start += n
+        base, a, b = parts
+        return fuse_lora(base, a, b, self.scale, self.transpose)
+
+
 def average(
     per_input: Sequence[Mapping[str, TensorSource]], labels: Sequence[str]
 ) -> dict[str, TensorSource]:
@@ -430,12 +498,15 @@ def _chunk_blocks(
 __all__ = [
     "DCP_FORMAT",
     "RANK_FILES_FORMAT",
+    "SAFETENSORS_FORMAT",
     "AveragedSource",
     "DcpSource",
     "FileSlab",
+    "FusedLoraSource",
     "RankFileSource",
     "StoredTensor",
     "TensorSource",
     "TransformedSource",
     "average",
+    "fuse_lora",
 ]
