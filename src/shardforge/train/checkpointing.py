@@ -229,7 +229,6 @@ def save_checkpoint(
     and `lora_modules_to_save`), not the frozen base weights the run starts from."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
         get_optimizer_state_dict,
     )
 
@@ -240,10 +239,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(
-        get_model_state_dict(model, options=_model_options(adapter_only)),
-        checkpoint_id=str(tmp / MODEL_DIR),
-    )
+    dcp.save(_model_state(model, adapter_only), checkpoint_id=str(tmp / MODEL_DIR))
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_DIR))
     torch.save(rng_state(), tmp / RNG_FILE.format(rank=rank))
     dist.barrier()
@@ -280,6 +276,20 @@ def _model_options(adapter_only: bool) -> Any:
     return StateDictOptions(ignore_frozen_params=adapter_only, strict=not adapter_only)
 
 
+def _model_state(model: torch.nn.Module, adapter_only: bool) -> dict[str, Any]:
+    """The model's sharded state dict; with `adapter_only` its trainable parameters only (torch
+    keeps a frozen parameter that is tied to another name, e.g. a tied output layer)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model, options=_model_options(adapter_only))
+    if not adapter_only:
+        return state
+    trainable = {
+        name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
+    }
+    return {k: v for k, v in state.items() if k in trainable}
+
+
 def load_checkpoint(
     path: Path,
     model: torch.nn.Module,
@@ -293,7 +303,6 @@ def load_checkpoint(
     unpickler, each record's bounds, view and CRC-32 checked before torch sees a tensor.
     """
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
@@ -302,10 +311,9 @@ def load_checkpoint(
     from shardforge.formats.dcp.reader import load_checked
 
     state = TrainerState.read(path)
-    options = _model_options(adapter_only)
-    model_sd = get_model_state_dict(model, options=options)
+    model_sd = _model_state(model, adapter_only)
     load_checked(model_sd, path / MODEL_DIR)
-    set_model_state_dict(model, model_sd, options=options)
+    set_model_state_dict(model, model_sd, options=_model_options(adapter_only))
     optim_sd = get_optimizer_state_dict(model, optimizer)
     load_checked(optim_sd, path / OPTIMIZER_DIR)
     set_optimizer_state_dict(model, optimizer, optim_sd)

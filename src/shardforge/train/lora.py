@@ -232,7 +232,8 @@ def save_adapter(output_dir: Path, model: nn.Module, cfg: ShardforgeConfig) -> N
     if dist.get_rank() != 0:
         return
     saved = get_peft_model_state_dict(model, state_dict=full, adapter_name=ADAPTER)
-    tensors = {PEFT_PREFIX + k: v.detach().contiguous() for k, v in saved.items()}
+    # tied trained embeddings come back as one tensor under two names; peft stores both
+    tensors = {PEFT_PREFIX + k: v.detach().clone().contiguous() for k, v in saved.items()}
     config = lora_config(cfg, cfg.base_model, tied=_ties_embeddings(model))
     config.inference_mode = True
     tmp = output_dir / f".{ADAPTER_WEIGHTS}.tmp"
