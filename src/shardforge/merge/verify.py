@@ -9,7 +9,8 @@ unpickler, slabs). Verification does not use it for any tensor byte:
 * per-rank DTensor files are read by ``torch.load(weights_only=True, mmap=True)`` and each full
   tensor is assembled where torch's own placement arithmetic puts each rank's local tensor
   (``DTensor.__create_chunk_list__``);
-* averaged and reordered (torchtitan) tensors are recomputed from those tensors;
+* a safetensors file (a base model, a LoRA adapter) is read by the `safetensors` library;
+* averaged, reordered (torchtitan) and LoRA-fused tensors are recomputed from those tensors;
 * the output is read by the `safetensors` library.
 
 A tensor in the output that the checkpoint does not have, a checkpoint tensor missing from the
@@ -40,6 +41,7 @@ from shardforge.errors import CheckpointError, MergeError, printable
 from shardforge.formats.sources import (
     DCP_FORMAT,
     RANK_FILES_FORMAT,
+    SAFETENSORS_FORMAT,
     StoredTensor,
     TensorSource,
 )
@@ -334,12 +336,52 @@ class _RankFilesReference:
         return out
 
 
-_Reference = _DcpReference | _RankFilesReference
+@dataclass
+class _SafetensorsReference:
+    """One safetensors file (a base model's shard, an adapter) read by the `safetensors`
+    library (``safe_open``), never by shardforge's header parser. The file has no checksums."""
+
+    path: Path  # `StoredTensor.directory` of a safetensors tensor is its file
+
+    def check_crcs(self, keys: set[str]) -> None:
+        return None
+
+    def load(self, wanted: Sequence[StoredTensor]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        out: dict[str, torch.Tensor] = {}
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                present = set(f.keys())
+                for s in wanted:
+                    if s.key not in present:
+                        raise _fail(s.key, self.path, "is missing for the safetensors library")
+                    tensor = f.get_tensor(s.key)
+                    if tensor.dtype != s.dtype or tuple(tensor.shape) != tuple(s.shape):
+                        raise _fail(
+                            s.key,
+                            self.path,
+                            f"is {tensor.dtype} {list(tensor.shape)} for the safetensors "
+                            f"library but {s.dtype} {list(s.shape)} for the merge",
+                        )
+                    out[s.key] = tensor
+        except MergeError:
+            raise
+        except Exception as exc:
+            raise MergeError(
+                f"verification failed: the safetensors library cannot read {self.path} "
+                f"({_reason(exc)})"
+            ) from None
+        return out
+
+
+_Reference = _DcpReference | _RankFilesReference | _SafetensorsReference
 
 # checkpoint format -> the reader verification uses for it (never the merge's own parser)
 REFERENCE_READERS: dict[str, Callable[[Path], _Reference]] = {
     DCP_FORMAT: _DcpReference,
     RANK_FILES_FORMAT: _RankFilesReference,
+    SAFETENSORS_FORMAT: _SafetensorsReference,
 }
 
 

@@ -1,0 +1,637 @@
+"""`merge_lora`: fuse a PEFT LoRA adapter directory into its base model and write a complete
+Hugging Face model directory, streamed one tensor at a time.
+
+    from shardforge.config import load_cfg
+    from shardforge.merge.lora import merge_lora
+    merge_lora(load_cfg("cfg.yml", command="merge"), "out/merged", verify=True)
+
+Every output tensor is a source (`shardforge.formats.sources`): an untouched base tensor is
+copied file to file from the base model's safetensors; an adapted weight is a
+`FusedLoraSource` (``W + scale * B @ A`` in float32, peft's operations in peft's order, cast to
+the output dtype by the writer); a modules_to_save module's tensor is the adapter's copy.
+Memory: one tensor, its float32 delta, and the two LoRA factors.
+
+Before a byte is written the adapter is checked against the base model's architecture (built
+on the meta device): every adapted module exists and is targeted by the adapter's config, A is
+(r, in) and B is (out, r) with the module's own r, every modules_to_save copy has its module's
+shape, and the base model's files hold every tensor the architecture needs.
+
+`fuse_sources` is the piece other callers share (a LoRA checkpoint of FSDP training): base
+tensors by Hugging Face name + the adapter's names and sources -> the output's sources.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardforge.config import coerce_cfg
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import CheckpointError, MergeError, printable, shown
+from shardforge.formats.dcp.chunks import ChunkReader
+from shardforge.formats.safetensors_dir import (
+    open_safetensors_dir,
+    open_safetensors_file,
+)
+from shardforge.formats.sources import FusedLoraSource, TensorSource
+from shardforge.io.copy import prefetch
+from shardforge.io.files import open_regular, read_exact_into
+from shardforge.keymap.keys import check_tied_copies, same_tensor
+from shardforge.keymap.lora import LoraNames, LoraSettings, split_adapter_names
+from shardforge.merge.check import ExpectedModel, build_expected, check_against
+from shardforge.merge.check import load_config as load_model_config
+from shardforge.merge.companions import (
+    has_tokenizer,
+    write_config,
+    write_generation_config,
+    write_tokenizer,
+)
+from shardforge.merge.plan import OutputPlan, TensorSpec, default_max_shard_size, plan_output
+from shardforge.merge.publish import (
+    atomic_directory,
+    check_free_space,
+    check_output_path,
+    sigterm_as_interrupt,
+)
+from shardforge.merge.sinks.hf_dir import write_plan
+from shardforge.merge.verify import verify_output
+
+log = logging.getLogger("shardforge")
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# the pickle peft writes with safe_serialization=False (never read)
+ADAPTER_PICKLE = "adapter_model.bin"
+# Axolotl's merge-lora writes <output_dir>/merged
+MERGED_DIRNAME = "merged"
+# the largest adapter_config.json read
+MAX_ADAPTER_CONFIG_BYTES = 1 << 20
+
+# --dtype spellings -> torch dtype (None: each tensor as the base model stores it)
+DTYPES: dict[str, torch.dtype | None] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "as_saved": None,
+    "as-saved": None,
+}
+
+
+# ----------------------------------------------------------------------------- the adapter
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A PEFT LoRA adapter directory: its settings, its tensors' names split by role, and a
+    source per tensor (by the name in the adapter file)."""
+
+    directory: Path
+    settings: LoraSettings
+    names: LoraNames
+    tensors: dict[str, TensorSource]
+    base_model_name: str | None
+
+
+def _read_json(path: Path, root: Path) -> Any:
+    fd = open_regular(path, root)
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_ADAPTER_CONFIG_BYTES:
+            raise CheckpointError(
+                f"{path}: {size} bytes, more than an adapter config holds "
+                f"({MAX_ADAPTER_CONFIG_BYTES}); is it the right file?"
+            )
+        data = bytearray(size)
+        read_exact_into(fd, data, 0, str(path))
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({printable(str(exc))[:120]})") from None
+
+
+def read_adapter(directory: str | Path) -> Adapter:
+    """Open a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)
+    without loading a tensor; CheckpointError naming the file for anything missing, unsafe or
+    not fusable."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointError(
+            f"{root}: adapter directory not found; set lora_model_dir or pass --lora_model_dir"
+        )
+    config_path = root / ADAPTER_CONFIG
+    if not config_path.exists():
+        raise CheckpointError(
+            f"{root}: no {ADAPTER_CONFIG}, so not a PEFT adapter directory; set lora_model_dir "
+            "or pass --lora_model_dir"
+        )
+    weights = root / ADAPTER_WEIGHTS
+    if not weights.exists():
+        if (root / ADAPTER_PICKLE).exists():
+            raise CheckpointError(
+                f"{root / ADAPTER_PICKLE}: a pickle, which shardforge never loads; convert it "
+                "to adapter_model.safetensors where you trust it (load it with peft and "
+                "save_pretrained(..., safe_serialization=True))"
+            )
+        raise CheckpointError(f"{root}: no {ADAPTER_WEIGHTS}; the adapter has no weights")
+    data = _read_json(config_path, root)
+    settings = LoraSettings.from_adapter_config(data, str(config_path))
+    tensors: dict[str, TensorSource] = dict(open_safetensors_file(weights, root))
+    names = split_adapter_names(tensors, str(weights))
+    base = data.get("base_model_name_or_path") if isinstance(data, dict) else None
+    return Adapter(root, settings, names, tensors, base if isinstance(base, str) else None)
+
+
+# ---------------------------------------------------------------------------- the fuse
+
+
+def _module_of(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _factor_problems(
+    module: str,
+    weight: tuple[int, ...],
+    a: TensorSource,
+    b: TensorSource,
+    r: int,
+    transpose_base: bool,
+    embedding: bool,
+) -> list[str]:
+    """What is wrong with the shapes of one module's factors (A is (r, in), B is (out, r))."""
+    if len(weight) != 2:
+        return [f"{module}: the base weight {list(weight)} is not a matrix"]
+    rows, cols = weight
+    if embedding or transpose_base:
+        # an embedding: A (r, num_embeddings), B (dim, r); fan_in_fan_out: the weight is
+        # (in, out); either way the delta is (B @ A).T
+        want_a, want_b = (r, rows), (cols, r)
+    else:
+        want_a, want_b = (r, cols), (rows, r)
+    out = []
+    for label, src, want in (("A", a, want_a), ("B", b, want_b)):
+        if tuple(src.shape) != want:
+            out.append(
+                f"{module}: LoRA {label} is {list(src.shape)}, expected {list(want)} "
+                f"(base weight {list(weight)}, r={r})"
+            )
+        if not src.dtype.is_floating_point:
+            out.append(f"{module}: LoRA {label} has dtype {src.dtype}, not a floating type")
+    return out
+
+
+def fuse_sources(
+    base: Mapping[str, TensorSource],
+    names: LoraNames,
+    tensors: Mapping[str, TensorSource],
+    settings: LoraSettings,
+    expected: ExpectedModel,
+    source: str,
+) -> dict[str, TensorSource]:
+    """The output's sources, by Hugging Face name, in `expected.saved_names` order.
+
+    `base`: the base model's tensors by Hugging Face name (tied targets may be present: they
+    are dropped); `names.base` (the adapter's own base copies, e.g. embeddings saved with
+    ``save_embedding_layers``, or every base tensor of a LoRA training checkpoint) override
+    them; `tensors`: input name -> source for every name in `names`. One MergeError lists
+    every problem (untargeted or unknown modules, shapes, tied weights) before anything is
+    written.
+    """
+    merged: dict[str, TensorSource] = dict(base)
+    merged.update({hf: tensors[n] for hf, n in names.base.items()})
+    problems: list[str] = []
+    unknown = [n for n in merged if n not in expected.shapes]
+    problems += [f"base tensor {n} is not part of the architecture" for n in unknown]
+    for name in expected.saved_names:
+        if name not in merged:
+            problems.append(f"base tensor {name} is missing")
+        elif tuple(merged[name].shape) != expected.shapes[name]:
+            problems.append(
+                f"base tensor {name} is {list(merged[name].shape)}, the architecture has "
+                f"{list(expected.shapes[name])}"
+            )
+    kept = expected.tied  # target -> the name stored for it
+    out: dict[str, TensorSource] = {n: merged[n] for n in expected.saved_names if n in merged}
+    changed: dict[str, str] = {}  # output name -> what changed it
+    for module, pair in names.pairs.items():
+        weight = f"{module}.{pair.weight}"
+        if not settings.targets(module):
+            problems.append(
+                f"{module}: the adapter holds LoRA weights for it, but its target_modules "
+                f"({shown(settings.target_modules, 80)}) do not name it"
+            )
+            continue
+        stored = kept.get(weight, weight)
+        if weight not in expected.shapes or stored not in out:
+            problems.append(f"{module}: the adapter adapts it, the base model has no {weight}")
+            continue
+        r = settings.rank(module)
+        transpose_base = settings.fan_in_fan_out and not pair.embedding
+        a, b = tensors[pair.a], tensors[pair.b]
+        found = _factor_problems(
+            module, expected.shapes[weight], a, b, r, transpose_base, pair.embedding
+        )
+        if found:
+            problems += found
+            continue
+        if stored in changed:
+            problems.append(
+                f"{module}: {weight} is tied to {stored}, which {changed[stored]} changes too; "
+                "two changes of one tied weight are not fused"
+            )
+            continue
+        changed[stored] = f"the LoRA of {module}"
+        out[stored] = FusedLoraSource(
+            out[stored], a, b, settings.scale(module), pair.embedding or transpose_base
+        )
+    copies: dict[str, list[str]] = {}  # output name -> the tied copies saved for it
+    for hf, input_name in names.replacements.items():
+        module = _module_of(hf)
+        stored = kept.get(hf, hf)
+        partners = [stored, *(t for t, s in kept.items() if s == stored)]
+        # with ensure_weight_tying peft saves the tied partner too, naming only one of them
+        named = settings.saves(module) or (
+            settings.ensure_weight_tying and any(settings.saves(_module_of(p)) for p in partners)
+        )
+        if not named:
+            problems.append(
+                f"{hf}: the adapter holds a copy of it, but modules_to_save "
+                f"({shown(list(settings.modules_to_save), 80)}) does not name {module}"
+            )
+            continue
+        if hf not in expected.shapes or stored not in out:
+            problems.append(f"{hf}: a modules_to_save copy of a tensor the base model lacks")
+            continue
+        src = tensors[input_name]
+        if tuple(src.shape) != expected.shapes[hf]:
+            problems.append(
+                f"{hf}: the modules_to_save copy is {list(src.shape)}, the base model has "
+                f"{list(expected.shapes[hf])} (a resized vocabulary is not fused)"
+            )
+            continue
+        if hf != stored and not settings.ensure_weight_tying:
+            problems.append(
+                f"{hf}: a modules_to_save copy of a weight tied to {stored}, which the saved "
+                "model stores for both (untie the weights first: see `unties`)"
+            )
+            continue
+        copies.setdefault(stored, []).append(hf)
+        if stored in changed and changed[stored] != "a modules_to_save copy":
+            problems.append(f"{hf}: changed by both {changed[stored]} and a modules_to_save copy")
+            continue
+        changed[stored] = "a modules_to_save copy"
+        if hf == stored:
+            out[stored] = src
+    for stored, found in copies.items():
+        if len(found) > 1 or found[0] != stored:
+            problems += _tied_copies(stored, found, names, tensors)
+    if problems:
+        raise MergeError(
+            f"the adapter does not fit the base model ({len(problems)} problem"
+            f"{'s' if len(problems) > 1 else ''}); check base_model and lora_model_dir",
+            [f"{source}: {p}" if i == 0 else p for i, p in enumerate(problems)],
+        )
+    return out
+
+
+def _tied_copies(
+    stored: str, found: list[str], names: LoraNames, tensors: Mapping[str, TensorSource]
+) -> list[str]:
+    """The saved copies of one tied pair (ensure_weight_tying) must be the same tensor; the
+    one stored under the kept name is written."""
+    if stored not in found:
+        return [f"{stored}: only its tied partner {found[0]} has a modules_to_save copy"]
+    with ChunkReader() as reader:
+        first = tensors[names.replacements[stored]].read(reader)
+        for other in found:
+            if other != stored:
+                copy = tensors[names.replacements[other]].read(reader)
+                if not same_tensor(first, copy):
+                    return [
+                        f"{other}: its modules_to_save copy differs from {stored}'s, to "
+                        "which it is tied"
+                    ]
+    return []
+
+
+def unties(names: LoraNames, settings: LoraSettings, expected: ExpectedModel) -> list[str]:
+    """The tied targets (``lm_head.weight``) that a modules_to_save copy of one member of
+    their pair unties: without ``ensure_weight_tying`` peft's `merge_and_unload` sets
+    ``tie_word_embeddings`` false and keeps the copy on one side and the original on the
+    other, so the merged model stores both."""
+    if settings.ensure_weight_tying:
+        return []
+    saved = set(names.replacements)
+    return sorted(t for t, s in expected.tied.items() if t in saved or s in saved)
+
+
+# ------------------------------------------------------------------------------ the merge
+
+
+def _parse_dtype(value: str | torch.dtype | None) -> torch.dtype | str | None:
+    """ "config" for None; a dtype, or None (as stored)."""
+    if value is None:
+        return "config"
+    if isinstance(value, torch.dtype):
+        return value
+    key = value.strip().lower().removeprefix("torch.")
+    if key not in DTYPES:
+        raise MergeError(f"--dtype {value!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    raw = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(raw, str):
+        raw = DTYPES.get(raw.lower().removeprefix("torch."))
+    return raw if isinstance(raw, torch.dtype) and raw.is_floating_point else None
+
+
+def _base_directory(base_model: str | None) -> Path:
+    """base_model as a local directory: the path, else its snapshot in the Hugging Face cache
+    (nothing is downloaded)."""
+    if not base_model:
+        raise MergeError("base_model is not set; merge-lora needs the base model's directory")
+    path = Path(base_model).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(base_model, local_files_only=True))
+    except Exception:
+        raise MergeError(
+            f"base_model {shown(base_model)}: neither a local directory nor a model in the "
+            "Hugging Face cache; download it first or set base_model to its directory"
+        ) from None
+
+
+@dataclass(frozen=True)
+class LoraMerge:
+    """Everything decided and checked before a byte is written."""
+
+    adapter: Adapter
+    base_dir: Path
+    config_source: str
+    tokenizer_source: str
+    expected: ExpectedModel
+    by_name: dict[str, TensorSource]
+    plan: OutputPlan
+    dtype: torch.dtype | None  # the main output dtype (config.json)
+
+
+def _base_sources(
+    base_dir: Path,
+    expected: ExpectedModel,
+    source: str,
+    untied: Mapping[str, str] | None = None,
+) -> dict[str, TensorSource]:
+    """The base model's tensors, checked: unexpected ones dropped (as from_pretrained drops
+    them), tied copies compared then dropped, every stored name present with its shape.
+
+    `untied`: target -> source of the tied pairs the adapter unties (`unties`): the base
+    model's target is its source's tensor, as from_pretrained ties it."""
+    opened: dict[str, TensorSource] = dict(open_safetensors_dir(base_dir))
+    unexpected = sorted(n for n in opened if n not in expected.shapes)
+    if unexpected:
+        log.warning(
+            "%s: %d tensor(s) the architecture does not have are not written: %s",
+            base_dir,
+            len(unexpected),
+            ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else ""),
+        )
+    base = {n: s for n, s in opened.items() if n in expected.shapes}
+    tied = {**expected.tied, **(untied or {})}
+    with ChunkReader() as reader:
+        check_tied_copies(tied, base, lambda s: s.read(reader), str(base_dir))
+    for target, kept in (untied or {}).items():
+        if kept in base:
+            base[target] = base[kept]
+    try:
+        check_against(expected, base, {n: n for n in base}, [], source)
+    except MergeError as exc:
+        raise MergeError(f"{base_dir}: {exc.message}", exc.details) from None
+    return {n: s for n, s in base.items() if n not in expected.tied}
+
+
+def _output_dtype(stored: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    return target if target is not None and stored.is_floating_point else stored
+
+
+def _main_dtype(specs: list[TensorSpec]) -> torch.dtype | None:
+    sizes: dict[torch.dtype, int] = {}
+    for s in specs:
+        if s.dtype.is_floating_point:
+            sizes[s.dtype] = sizes.get(s.dtype, 0) + s.nbytes
+    return max(sizes, key=lambda d: sizes[d]) if sizes else None
+
+
+def prepare_lora(
+    cfg: ShardforgeConfig,
+    lora_model_dir: str | Path | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str | None = None,
+) -> LoraMerge:
+    """Read and check the adapter and the base model, choose the sources and plan the files."""
+    adapter_dir = Path(lora_model_dir or getattr(cfg, "lora_model_dir", None) or cfg.output_dir)
+    adapter = read_adapter(adapter_dir)
+    s = adapter.settings
+    log.info(
+        "adapter: %s (r=%d, lora_alpha=%g%s, %d adapted modules, %d saved tensors)",
+        adapter_dir,
+        s.r,
+        s.lora_alpha,
+        ", rsLoRA" if s.use_rslora else "",
+        len(adapter.names.pairs),
+        len(adapter.names.replacements),
+    )
+    base_dir = _base_directory(cfg.base_model)
+    log.info("base model: %s", base_dir)
+    prefetch(sorted(p for p in base_dir.iterdir() if p.suffix == ".safetensors"))
+    config_source = cfg.base_model_config or str(base_dir)
+    if cfg.tokenizer_config:
+        tokenizer_source = cfg.tokenizer_config
+    elif has_tokenizer(adapter_dir):
+        tokenizer_source = str(adapter_dir)
+    else:
+        tokenizer_source = str(base_dir)
+    config = load_model_config(config_source, cfg.trust_remote_code)
+    expected = build_expected(config, cfg.trust_remote_code)
+    if expected.renamed_on_save:
+        raise MergeError(
+            f"{config_source}: this architecture is saved under other names than it uses in "
+            "memory (transformers weight conversion); merge-lora does not fuse it yet"
+        )
+    untied: dict[str, str] = {}
+    for name in unties(adapter.names, adapter.settings, expected):
+        untied[name] = expected.tied[name]
+    if untied:
+        # as peft's merge_and_unload: the saved copy on one side, the original on the other
+        config.tie_word_embeddings = False
+        expected = build_expected(config, cfg.trust_remote_code)
+        if any(t in expected.tied for t in untied):
+            raise MergeError(
+                f"{adapter_dir}: a modules_to_save copy of a tied weight "
+                f"({', '.join(untied)}) needs the weights untied, and setting "
+                "tie_word_embeddings false does not untie them for this architecture"
+            )
+        log.warning(
+            "%s: a modules_to_save copy of one of the tied weights %s: the merged model unties "
+            "them (tie_word_embeddings: false), as peft's merge_and_unload does; train with "
+            "ensure_weight_tying to keep them tied",
+            adapter_dir,
+            ", ".join(f"{t} / {s}" for t, s in untied.items()),
+        )
+    base = _base_sources(base_dir, expected, config_source, untied)
+    by_name = fuse_sources(
+        base, adapter.names, adapter.tensors, adapter.settings, expected, str(adapter_dir)
+    )
+    wanted = _parse_dtype(dtype)
+    target = _config_dtype(config) if wanted == "config" else wanted
+    assert target is None or isinstance(target, torch.dtype)
+    specs = [
+        TensorSpec(n, _output_dtype(base[n].dtype, target), by_name[n].shape)
+        for n in expected.saved_names
+    ]
+    shard = max_shard_size or default_max_shard_size()
+    try:
+        plan = plan_output(specs, shard, expected.total_parameters)
+    except ValueError as exc:
+        if isinstance(exc, MergeError):
+            raise
+        raise MergeError(f"--max_shard_size {shard!r}: {exc}") from None
+    return LoraMerge(
+        adapter,
+        base_dir,
+        config_source,
+        tokenizer_source,
+        expected,
+        by_name,
+        plan,
+        _main_dtype(specs),
+    )
+
+
+@contextmanager
+def _progress(total: int, desc: str, quiet: bool) -> Iterator[Callable[[int], None]]:
+    from tqdm import tqdm
+
+    disable = quiet or not sys.stderr.isatty()
+    with tqdm(
+        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=disable
+    ) as bar:
+        yield bar.update
+
+
+def _check_inputs(out: Path, inputs: list[Path]) -> None:
+    """The output may lie inside the adapter directory (Axolotl's <output_dir>/merged) but
+    must not be an input or contain one (publishing replaces the whole directory)."""
+    o = out.resolve()
+    for src in inputs:
+        s = src.resolve()
+        if o == s or s.is_relative_to(o):
+            raise MergeError(
+                f"{out}: the output path is or contains the input {src}; choose another directory"
+            )
+
+
+def default_output_path(cfg: ShardforgeConfig) -> Path:
+    """``<output_dir>/merged``, where Axolotl's merge-lora writes."""
+    return Path(cfg.output_dir) / MERGED_DIRNAME
+
+
+def merge_lora(
+    cfg: Any,
+    output_path: str | Path | None = None,
+    lora_model_dir: str | Path | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str | None = None,
+    verify: bool = False,
+    overwrite: bool = False,
+    quiet: bool = False,
+    save_tokenizer: bool = True,
+) -> Path:
+    """Fuse a PEFT LoRA adapter into its base model; write a Hugging Face model directory.
+
+    Args:
+        cfg: the config (``load_cfg`` result, path, mapping or ``ShardforgeConfig``): its
+            ``base_model`` (a local directory, or a model in the Hugging Face cache) holds the
+            base weights; ``base_model_config`` / ``tokenizer_config`` / ``chat_template`` as
+            for the merge; ``lora_model_dir``, else ``output_dir``, the adapter.
+        output_path: the directory to create (default ``<output_dir>/merged``), written as a
+            temporary sibling and renamed at the end.
+        lora_model_dir: the adapter directory (overrides the config's).
+        dtype: output dtype of floating tensors (``bfloat16``, ``float16``, ``float32`` or
+            ``as_saved``: as the base model stores them); default the config's ``dtype`` /
+            ``torch_dtype``, else as saved.
+        max_shard_size: largest safetensors file (``"5GB"``, bytes); default as save_pretrained.
+        verify: re-read the output and compare every tensor with the base model and the
+            adapter read by the ``safetensors`` library, fused again.
+        overwrite: replace an existing output directory.
+        quiet: no progress bar.
+        save_tokenizer: also write the tokenizer (with the config's chat template).
+
+    Returns:
+        The output directory.
+
+    Raises:
+        CheckpointError: the adapter or the base model cannot be found, read or trusted.
+        MergeError: the adapter does not fit the base model, the output exists, no disk space,
+            failed verification.
+    """
+    config = coerce_cfg(cfg, command="merge")
+    out = Path(output_path if output_path is not None else default_output_path(config))
+    out = out.absolute()
+    check_output_path(out, overwrite, [])  # fail fast, before reading anything
+    prep = prepare_lora(config, lora_model_dir, dtype, max_shard_size)
+    _check_inputs(out, [prep.adapter.directory, prep.base_dir])
+    check_free_space(out, prep.plan.total_bytes)
+    with sigterm_as_interrupt(), atomic_directory(out, overwrite) as tmp:
+        with _progress(prep.plan.total_bytes, "merging", quiet) as update:
+            write_plan(prep.plan, prep.by_name, tmp, update)
+        write_config(prep.expected.config, prep.dtype, tmp)
+        generation = list(dict.fromkeys([prep.config_source, str(prep.base_dir)]))
+        if not write_generation_config(generation, tmp):
+            (tmp / "generation_config.json").unlink(missing_ok=True)
+        if save_tokenizer:
+            write_tokenizer(
+                prep.tokenizer_source,
+                tmp,
+                config.trust_remote_code,
+                config.chat_template,
+                config.chat_template_jinja,
+            )
+        if verify:
+            with _progress(prep.plan.total_bytes, "verifying", quiet) as update:
+                n = verify_output(prep.plan, prep.by_name, tmp, update, prep.expected.tied)
+            log.info("verified %d tensors: identical to the base model with the adapter fused", n)
+    log.info("wrote %s (%.1f MB)", out, prep.plan.total_bytes / 1e6)
+    return out
+
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "Adapter",
+    "LoraMerge",
+    "default_output_path",
+    "fuse_sources",
+    "merge_lora",
+    "prepare_lora",
+    "read_adapter",
+]
