@@ -73,9 +73,9 @@ def test_the_table_is_large_and_classified() -> None:
     assert len(TOP_LEVEL) > 200  # Axolotl's schema, not a hand-picked sample
     statuses = {row.status for row in TOP_LEVEL.values()}
     assert statuses == {"implemented", "ignored", "unsupported"}
-    for key in ("load_in_4bit", "rl", "plugins", "deepspeed", "val_set_size"):
+    for key in ("load_in_4bit", "rl", "plugins", "deepspeed", "early_stopping_patience"):
         assert TOP_LEVEL[key].status == "unsupported", key
-    for key in ("wandb_project", "dataset_prepared_path", "strict"):
+    for key in ("use_comet", "dataset_prepared_path", "strict"):
         assert TOP_LEVEL[key].status == "ignored", key
 
 
@@ -86,9 +86,9 @@ def test_train_refuses_unsupported_features_one_line_each(tmp_path: Path) -> Non
             "base_model": "m",
             "adapter": "qlora",  # lora is implemented, qlora is not
             "load_in_4bit": True,
-            "val_set_size": 0.05,
+            "early_stopping_patience": 3,
             "deepspeed": "zero3.json",
-            "wandb_project": "",  # an empty placeholder
+            "comet_project_name": "",  # an empty placeholder
             "load_in_8bit": False,  # Axolotl's default: changes nothing
             "special_tokens": None,
         },
@@ -98,7 +98,11 @@ def test_train_refuses_unsupported_features_one_line_each(tmp_path: Path) -> Non
     problems = err.value.problems
     assert len(problems) == 4, problems
     assert any(
-        re.match(r"val_set_size: .*evaluation.* not supported by shardforge train yet; remove", p)
+        re.match(
+            r"early_stopping_patience: early stopping.* not supported by shardforge train yet; "
+            "remove",
+            p,
+        )
         for p in problems
     ), problems
     for key in ("adapter", "load_in_4bit", "deepspeed"):
@@ -113,7 +117,7 @@ def test_ignored_keys_get_one_notice(tmp_path: Path, caplog: pytest.LogCaptureFi
         tmp_path,
         {
             "base_model": "m",
-            "wandb_project": "my-project",
+            "use_comet": True,
             "dataset_prepared_path": "last_run_prepared",
             "strict": True,
         },
@@ -122,7 +126,7 @@ def test_ignored_keys_get_one_notice(tmp_path: Path, caplog: pytest.LogCaptureFi
         load_cfg(p, command="train")
     lines = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert len(lines) == 1, caplog.text
-    for key in ("wandb_project", "dataset_prepared_path", "strict"):
+    for key in ("use_comet", "dataset_prepared_path", "strict"):
         assert key in lines[0]
 
 

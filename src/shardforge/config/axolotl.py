@@ -67,6 +67,8 @@ FLAG_VALUES: dict[str, tuple[str, Any]] = {
 IMPLICIT: frozenset[str] = frozenset({"tokenizer_type", "model_type"})
 # Older dataset-entry spellings that DatasetConfig itself folds into message_property_mappings.
 DATASET_LEGACY: tuple[str, ...] = ("message_field_role", "message_field_content")
+# Top-level keys whose entries are `datasets:` entries (DatasetConfig, Axolotl's DATASET_KEYS).
+DATASET_LISTS: tuple[str, ...] = ("datasets", "test_datasets")
 
 
 @dataclass
@@ -185,15 +187,22 @@ def sort_keys(data: Mapping[str, Any], command: str) -> Sorted:
     kept = _sort_level(data, ShardforgeConfig, TOP_LEVEL, "", out, refuse)
     if isinstance(kept.get("fsdp"), Mapping):
         kept["fsdp"] = _sort_level(kept["fsdp"], FsdpConfig, FSDP_CONFIG_KEYS, "fsdp.", out, refuse)
-    if isinstance(kept.get("datasets"), list):
-        kept["datasets"] = [
-            _sort_level(
-                entry, DatasetConfig, DATASET_KEYS, f"datasets[{i}].", out, refuse, DATASET_LEGACY
-            )
-            if isinstance(entry, Mapping)
-            else entry
-            for i, entry in enumerate(kept["datasets"])
-        ]
+    for list_key in DATASET_LISTS:
+        if isinstance(kept.get(list_key), list):
+            kept[list_key] = [
+                _sort_level(
+                    entry,
+                    DatasetConfig,
+                    DATASET_KEYS,
+                    f"{list_key}[{i}].",
+                    out,
+                    refuse,
+                    DATASET_LEGACY,
+                )
+                if isinstance(entry, Mapping)
+                else entry
+                for i, entry in enumerate(kept[list_key])
+            ]
     out.data = kept
     return out
 

@@ -50,10 +50,14 @@ def _u(note: str, default: Any = None) -> AxolotlKey:
 
 
 # Notes shared by many rows.
-_TRACKING = "experiment tracking is not supported yet; metrics go to output_dir/metrics.jsonl"
+_TRACKING = "this tracker is not supported (TensorBoard and W&B are); metrics go to metrics.jsonl"
 _PREPROCESS = "dataset caching/preprocessing; shardforge tokenizes in memory at start"
 _HUB = "nothing is pushed"
-_EVAL = "no evaluation without a validation set (val_set_size is unsupported)"
+_BENCH = "benchmark evaluation is not run; evaluation reports the eval loss and perplexity"
+_GEN_EVAL = "generation metrics are not computed; evaluation reports eval loss and perplexity"
+_EVAL_SCHEDULE = "evaluation runs every eval_steps / evals_per_epoch (if set) and at the end"
+_BEST = "only picks a best checkpoint or stops early, which shardforge does not do"
+_WANDB_EXTRAS = "W&B logs the metrics only (no model artifacts, no gradient watching)"
 _SPEED = "speed only; does not change the trained weights"
 _MEMORY = "memory use only; does not change the trained weights"
 _LAUNCHER = "set by the launcher; shardforge reads the torchrun environment"
@@ -102,8 +106,8 @@ TOP_LEVEL: dict[str, AxolotlKey] = {
     "base_model_config": _i(),
     "batch_flattening": _g(_SPEED),
     "batch_size": _u("global batch_size (use gradient_accumulation_steps)"),
-    "bench_dataset": _g(_EVAL),
-    "bench_split": _g(_EVAL),
+    "bench_dataset": _g(_BENCH),
+    "bench_split": _g(_BENCH),
     "bf16": _i(default="auto"),
     "bfloat16": _u("loading weights in half precision without mixed precision", False),
     "bnb_config_kwargs": _u("bitsandbytes quantization settings"),
@@ -155,8 +159,8 @@ TOP_LEVEL: dict[str, AxolotlKey] = {
     "dion_momentum": _u("Dion optimizer"),
     "dion_rank_fraction": _u("Dion optimizer", 1.0),
     "dion_rank_multiple_of": _u("Dion optimizer", 1),
-    "do_bench_eval": _g(_EVAL, False),
-    "do_causal_lm_eval": _g(_EVAL, False),
+    "do_bench_eval": _g(_BENCH, False),
+    "do_causal_lm_eval": _g(_GEN_EVAL, False),
     "dp_replicate_size": _i(),
     "dp_shard_size": _i(),
     "dpo_beta": _u(_RL),
@@ -178,7 +182,7 @@ TOP_LEVEL: dict[str, AxolotlKey] = {
     "eaft_alpha": _u("entropy-aware focal training loss (EAFT)", 1.0),
     "eaft_k": _u("entropy-aware focal training loss (EAFT)", 20),
     "eager_attention": _i("true means eager", ours="attn_implementation"),
-    "early_stopping_patience": _g(_EVAL),
+    "early_stopping_patience": _u("early stopping on the eval loss"),
     "ebft": _u("EBFT training"),
     "embedding_lr": _u("separate embedding learning rate"),
     "embedding_lr_scale": _u("separate embedding learning rate"),
@@ -186,16 +190,16 @@ TOP_LEVEL: dict[str, AxolotlKey] = {
         "only affects PEFT adapters, which shardforge does not train", False
     ),
     "eot_tokens": _i(),
-    "eval_batch_size": _g(_EVAL),
-    "eval_causal_lm_metrics": _g(_EVAL),
-    "eval_max_new_tokens": _g(_EVAL),
-    "eval_sample_packing": _g(_EVAL, False),
-    "eval_sequence_len": _g(_EVAL),
-    "eval_steps": _g(_EVAL),
-    "eval_strategy": _g(_EVAL),
-    "eval_table_size": _g(_EVAL),
-    "evals_per_epoch": _g(_EVAL),
-    "evaluation_strategy": _g(_EVAL),
+    "eval_batch_size": _i(),
+    "eval_causal_lm_metrics": _g(_GEN_EVAL),
+    "eval_max_new_tokens": _g(_GEN_EVAL),
+    "eval_sample_packing": _i(),
+    "eval_sequence_len": _i(),
+    "eval_steps": _i(),
+    "eval_strategy": _g(_EVAL_SCHEDULE),
+    "eval_table_size": _g(_GEN_EVAL),
+    "evals_per_epoch": _i(),
+    "evaluation_strategy": _g(_EVAL_SCHEDULE),
     "excess_length_strategy": _u("choosing how over-long rows are handled"),
     "experimental_skip_move_to_device": _g("model loading detail; FSDP2 places the shards", True),
     "expert_backend": _u(_MOE_PLUGIN),
@@ -255,7 +259,7 @@ TOP_LEVEL: dict[str, AxolotlKey] = {
     "gradio_share": _g(_GRADIO, False),
     "gradio_temperature": _g(_GRADIO),
     "gradio_title": _g(_GRADIO),
-    "greater_is_better": _g(_EVAL, False),
+    "greater_is_better": _g(_BEST, False),
     "grokfast_alpha": _u("Grokfast gradient filter (plugin)", 0.98),
     "grokfast_lamb": _u("Grokfast gradient filter (plugin)", 2.0),
     "group_by_length": _g(
@@ -322,7 +326,7 @@ TOP_LEVEL: dict[str, AxolotlKey] = {
         "lm-eval benchmarks are not run; they do not change the weights", True
     ),
     "lm_eval_tasks": _g("lm-eval benchmarks are not run; they do not change the weights", []),
-    "load_best_model_at_end": _g(_EVAL, False),
+    "load_best_model_at_end": _u("loading the best checkpoint at the end", False),
     "load_in_4bit": _u("4-bit quantized loading (bitsandbytes)", False),
     "load_in_8bit": _u("8-bit quantized loading (bitsandbytes)", False),
     "local_rank": _g(_LAUNCHER),
@@ -361,7 +365,7 @@ TOP_LEVEL: dict[str, AxolotlKey] = {
     "mean_resizing_embeddings": _u("mean-initialised resized embeddings", False),
     "merge_lora": _u("merging LoRA adapters", False),
     "merge_method": _u("merging LoRA adapters", "memory_efficient"),
-    "metric_for_best_model": _g(_EVAL),
+    "metric_for_best_model": _g(_BEST),
     "micro_batch_size": _i(default=1),
     "min_sample_len": _u("minimum sample length filter"),
     "mlflow_experiment_name": _g(_TRACKING),
@@ -520,7 +524,7 @@ TOP_LEVEL: dict[str, AxolotlKey] = {
     "swanlab_web_host": _g(_TRACKING),
     "swanlab_workspace": _g(_TRACKING),
     "tensor_parallel_size": _u("tensor parallelism", 1),
-    "test_datasets": _u("evaluation datasets"),
+    "test_datasets": _i(),
     "tf32": _i(default="auto"),
     "tiled_mlp": _u("tiled MLP (ALST)", False),
     "tiled_mlp_num_shards": _u("tiled MLP (ALST)"),
@@ -562,18 +566,18 @@ TOP_LEVEL: dict[str, AxolotlKey] = {
     "use_scattermoe": _u(_MOE_PLUGIN, False),
     "use_sonicmoe": _u(_MOE_PLUGIN, False),
     "use_swanlab": _g(_TRACKING, False),
-    "use_tensorboard": _g(_TRACKING, False),
+    "use_tensorboard": _i(default=False),
     "use_trackio": _g(_TRACKING, False),
-    "use_wandb": _g(_TRACKING, False),
-    "val_set_size": _u("evaluation on a validation split", 0.0),
+    "use_wandb": _g("Axolotl derives it: W&B is on when wandb_project is set", False),
+    "val_set_size": _i(default=0.0),
     "vllm": _u("vLLM generation for RL"),
-    "wandb_entity": _g(_TRACKING),
-    "wandb_log_model": _g(_TRACKING),
-    "wandb_mode": _g(_TRACKING),
-    "wandb_name": _g(_TRACKING),
-    "wandb_project": _g(_TRACKING),
-    "wandb_run_id": _g(_TRACKING),
-    "wandb_watch": _g(_TRACKING),
+    "wandb_entity": _i(),
+    "wandb_log_model": _g(_WANDB_EXTRAS),
+    "wandb_mode": _i(),
+    "wandb_name": _i(),
+    "wandb_project": _i(),
+    "wandb_run_id": _i(),
+    "wandb_watch": _g(_WANDB_EXTRAS),
     "warmup_ratio": _i(),
     "warmup_steps": _i(),
     "weight_decay": _i(default=0.0),

@@ -346,8 +346,7 @@ class ShardforgeConfig(_Strict):
     )
     test_datasets: list[DatasetConfig] = Field(
         default_factory=list,
-        description="Evaluation data sets (entries like `datasets`). Exclusive with "
-        "val_set_size.",
+        description="Evaluation data sets (entries like `datasets`). Exclusive with val_set_size.",
     )
     eval_steps: float | None = Field(
         None,
@@ -415,8 +414,7 @@ class ShardforgeConfig(_Strict):
     def _fraction_or_count(cls, value: float) -> float:
         if value >= 1 and not float(value).is_integer():
             raise ValueError(
-                f"{value} is neither a fraction below 1 (0.05) nor a whole number of samples "
-                "(200)"
+                f"{value} is neither a fraction below 1 (0.05) nor a whole number of samples (200)"
             )
         return value
 
@@ -433,9 +431,7 @@ class ShardforgeConfig(_Strict):
     @model_validator(mode="after")
     def _one_eval_source_and_schedule(self) -> ShardforgeConfig:
         if self.val_set_size and self.test_datasets:
-            raise ValueError(
-                "val_set_size and test_datasets are both set; evaluate on one of them"
-            )
+            raise ValueError("val_set_size and test_datasets are both set; evaluate on one of them")
         if self.eval_steps is not None and self.evals_per_epoch:
             raise ValueError("eval_steps and evals_per_epoch are both set; choose one")
         return self

@@ -357,15 +357,21 @@ def tokenize_row(
         raise ConfigError(f"{key}.{exc.field}", [f"{where} of {ds.path}: {exc}"]) from None
 
 
-def load_samples(cfg: ShardforgeConfig, tokenizer: Any) -> list[Sample]:
-    """All rows of all data sets, tokenized, in file order."""
+def load_samples(
+    cfg: ShardforgeConfig,
+    tokenizer: Any,
+    datasets: list[DatasetConfig] | None = None,
+    key: str = "datasets",
+) -> list[Sample]:
+    """All rows of all data sets, tokenized, in file order: `cfg.datasets`, or the entries
+    given (`test_datasets`), whose errors name `key`[i]."""
     opts = TokenizeOptions.of(cfg)
     out: list[Sample] = []
-    for i, ds in enumerate(cfg.datasets):
-        key = f"datasets[{i}]"
+    for i, ds in enumerate(cfg.datasets if datasets is None else datasets):
+        entry = f"{key}[{i}]"
         out += [
-            tokenize_row(row, ds, tokenizer, opts, key, f"row {n}")
-            for n, row in enumerate(read_rows(ds, key), 1)
+            tokenize_row(row, ds, tokenizer, opts, entry, f"row {n}")
+            for n, row in enumerate(read_rows(ds, entry), 1)
         ]
     return out
 

@@ -8,11 +8,11 @@ the same loss and the same gradients.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,10 +28,11 @@ from shardforge.train.data import (
     IGNORE_INDEX,
     GlobalOrder,
     Sequences,
-    build_sequences,
     load_tokenizer,
     rank_slice,
 )
+from shardforge.train.diagnostics import StepMemory, report_sharding
+from shardforge.train.eval import Evaluator, build_datasets
 from shardforge.train.lora import prepare_lora, save_adapter
 from shardforge.train.model import (
     build_meta_model,
@@ -54,11 +55,10 @@ from shardforge.train.runtime import (
     local_world_size,
     mesh_shape,
 )
+from shardforge.train.tracking import open_trackers
 from shardforge.train.vocab import grow_vocab_size
 
 log = logging.getLogger("shardforge")
-
-METRICS_FILE = "metrics.jsonl"
 
 
 @dataclass
@@ -157,7 +157,8 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
     model_config = load_model_config(cfg)
     grow_vocab_size(model_config, tokenizer)  # a row per added token, before the model is built
 
-    seqs = build_sequences(cfg, tokenizer)
+    data = build_datasets(cfg, tokenizer)  # training sequences (and held-out / test ones)
+    seqs = data.train
     global_batch = cfg.micro_batch_size * rt.world_size * cfg.gradient_accumulation_steps
     if len(seqs) < global_batch:
         raise ShardforgeError(
@@ -185,6 +186,7 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
     shard_model(model, cfg, device_mesh(rt, mesh))
     materialize_and_load(model, cfg, rt.device, rt.rank, weights)
     del weights
+    report_sharding(model, cfg, rt, mesh)
     if rt.is_main:
         out.mkdir(parents=True, exist_ok=True)
         write_output_metadata(cfg, model_config, tokenizer)
@@ -203,7 +205,10 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
 
     order = GlobalOrder(len(seqs), cfg.seed)
     result = TrainResult(steps=step, output_dir=out, resumed_from=resume)
-    metrics_file = (out / METRICS_FILE).open("a" if resume else "w") if rt.is_main else None
+    trackers = open_trackers(cfg, out, rt.is_main, step if resume is not None else None)
+    evaluator = Evaluator.of(cfg, data, rt, math.ceil(len(seqs) / global_batch), total_steps)
+    memory = StepMemory.of(cfg, rt)
+    failed = True
     progress = _Progress(rt, total_steps, step)
     if rt.is_main:
         log.info(
@@ -217,10 +222,13 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
         if len(mesh) == 2:
             log.info("HSDP: %d replicas of %d-rank shard groups", *mesh)
     try:
+        if resume is None and evaluator.at_start:
+            trackers.log(evaluator.run(model, 0))
         while step < total_steps:
             started = time.perf_counter()
             batches = _micro_batches(seqs, order, consumed, cfg, rt)
-            record = _train_step(model, optimizer, scheduler, batches, cfg, rt)
+            memory.start()
+            record = _train_step(model, optimizer, scheduler, batches, cfg, rt, memory.mark)
             step += 1
             consumed += global_batch
             record = {
@@ -229,10 +237,10 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
                 "tokens_per_s": record["tokens"] / max(time.perf_counter() - started, 1e-9),
                 "epoch": consumed / len(seqs),
             }
-            if metrics_file is not None:
+            record["peak_memory_mib"] = memory.finish(step)
+            trackers.log(record)
+            if rt.is_main:
                 result.metrics.append(record)
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
                 if step % cfg.logging_steps == 0 or step == total_steps:
                     log.info(
                         "step %d/%d  loss %.4f  lr %.3g  grad_norm %.4f  tokens/s %.0f",
@@ -244,6 +252,9 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
                         record["tokens_per_s"],
                     )
             progress.update(record["loss"])
+            if evaluator.due(step):  # before the save: a checkpoint's step has its evaluation
+                trackers.log(evaluator.run(model, step))
+            trackers.flush()
             final = step == total_steps
             if final and cfg.adapter:
                 save_adapter(out, model, cfg)  # the PEFT adapter directory in output_dir
@@ -270,10 +281,10 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
                     cfg.save_total_limit,
                     adapter_only=cfg.adapter is not None,
                 )
+        failed = False
     finally:
         progress.close()
-        if metrics_file is not None:
-            metrics_file.close()
+        trackers.close(failed)
     result.steps = step
     return result
 
@@ -348,8 +359,10 @@ def _train_step(
     batches: list[Sequences],
     cfg: ShardforgeConfig,
     rt: Runtime,
+    mark: Callable[[str], None] = lambda phase: None,
 ) -> dict[str, Any]:
-    """One optimizer step over this rank's micro-batches; the loss is the global-batch mean."""
+    """One optimizer step over this rank's micro-batches; the loss is the global-batch mean.
+    `mark(phase)` is called after each forward, backward and the optimizer step (diagnostics)."""
     counts = torch.tensor(
         [
             float(sum(int((b.labels[:, 1:] != IGNORE_INDEX).sum()) for b in batches)),
@@ -363,14 +376,17 @@ def _train_step(
     for micro, batch in enumerate(batches):
         model.set_requires_gradient_sync(micro == len(batches) - 1)  # type: ignore[operator]
         loss_sum = _loss_sum(model, batch, rt.device)
+        mark("forward")
         # FSDP averages gradients over all ranks (under HSDP: reduce-scatter within a shard
         # group, all-reduce across replicas, divided by both sizes); scale back so they are
         # exact sums / targets
         (loss_sum * (rt.world_size / targets)).backward()
+        mark("backward")
         loss_total += loss_sum.detach()
     grad_norm = _grad_norm_and_clip(model, cfg.max_grad_norm)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
+    mark("optimizer")
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_total)

@@ -15,6 +15,7 @@ from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError, ShardforgeError
 from shardforge.train import checkpointing as ckpt
 from shardforge.train.data import data_files
+from shardforge.train.eval import check_eval
 from shardforge.train.model import (
     WEIGHT_FILES,
     WEIGHT_INDEX_FILES,
@@ -23,6 +24,7 @@ from shardforge.train.model import (
     wrap_classes,
 )
 from shardforge.train.runtime import mesh_shape
+from shardforge.train.tracking import check_trackers
 
 log = logging.getLogger("shardforge")
 
@@ -196,6 +198,8 @@ def check_device(cfg: ShardforgeConfig) -> list[Problem]:
 
 CHECKS: tuple[Callable[[ShardforgeConfig], list[Problem]], ...] = (
     check_datasets,
+    check_eval,
+    check_trackers,
     check_attention,
     check_model,
     check_tokenizer,

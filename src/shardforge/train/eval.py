@@ -1,0 +1,265 @@
+"""Evaluation: which sequences are evaluated, when, and the eval loss over all ranks.
+
+    held_out(n, val_set_size, seed)     indices of the samples `val_set_size` holds out
+    build_datasets(cfg, tokenizer)      training sequences, and evaluation sequences (held out
+                                        of the training samples, or `test_datasets`)
+    eval_interval(cfg, ...)             steps between evaluations (eval_steps, evals_per_epoch)
+    evaluate(model, seqs, size, rt)     the eval loss: a global token mean over all ranks
+
+The eval loss is the sum of the token losses of all evaluation sequences divided by their number
+of target tokens. The sequences are cut into chunks of `eval_batch_size`; chunk k is one forward
+pass on rank k mod world size, so every chunk is computed as the same batch at any world size.
+Each sequence's loss is summed in float64 into its own slot of a vector that one all-reduce
+completes (the other ranks add zeros, which is exact), and the vector is summed in slot order:
+for the same weights the eval loss is the same number, bit for bit, at any world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import ConfigError, ShardforgeError
+from shardforge.train.data import (
+    IGNORE_INDEX,
+    Sample,
+    Sequences,
+    data_files,
+    load_samples,
+    pad_token_id,
+    to_sequences,
+)
+from shardforge.train.runtime import Runtime
+
+log = logging.getLogger("shardforge")
+
+# keeps the split's permutation apart from the epochs' permutations (data.GlobalOrder)
+SPLIT_SALT = 0x5EED_0E7A1
+
+
+@dataclass(frozen=True)
+class Datasets:
+    """The training sequences and the evaluation sequences (None: no evaluation)."""
+
+    train: Sequences
+    eval: Sequences | None = None
+    eval_key: str = ""  # the config key the evaluation data come from
+
+
+def held_out(n: int, val_set_size: float, seed: int) -> list[int]:
+    """Indices (ascending) of the samples held out of `n`: ceil(fraction x n) for a fraction
+    below 1, else the count; drawn by a permutation seeded by `seed` alone, so every rank and
+    every world size holds out the same samples."""
+    if not val_set_size:
+        return []
+    count = math.ceil(val_set_size * n) if val_set_size < 1 else int(val_set_size)
+    if count >= n:
+        raise ConfigError(
+            "val_set_size",
+            [
+                f"holding out {count} of the {n} training samples leaves none to train on; "
+                "lower val_set_size"
+            ],
+        )
+    gen = torch.Generator().manual_seed((seed + SPLIT_SALT) % 2**63)
+    return sorted(torch.randperm(n, generator=gen)[:count].tolist())
+
+
+def _target_tokens(seqs: Sequences) -> int:
+    return int((seqs.labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def build_datasets(cfg: ShardforgeConfig, tokenizer: Any) -> Datasets:
+    """Tokenize `datasets` (and `test_datasets`); hold out `val_set_size` samples before
+    packing; pack or pad each side on its own (eval: eval_sequence_len, eval_sample_packing)."""
+    samples = load_samples(cfg, tokenizer)
+    if not samples:
+        raise ShardforgeError("datasets: the data files hold no rows")
+    pad = pad_token_id(tokenizer)
+    held: list[Sample] = []
+    key = ""
+    if cfg.val_set_size:
+        key = "val_set_size"
+        out = set(held_out(len(samples), cfg.val_set_size, cfg.seed))
+        held = [s for i, s in enumerate(samples) if i in out]
+        samples = [s for i, s in enumerate(samples) if i not in out]
+    elif cfg.test_datasets:
+        key = "test_datasets"
+        held = load_samples(cfg, tokenizer, cfg.test_datasets, key)
+        if not held:
+            raise ShardforgeError("test_datasets: the data files hold no rows")
+    train = to_sequences(samples, cfg.sequence_len, cfg.sample_packing, pad)
+    if not held:
+        return Datasets(train)
+    packing = cfg.sample_packing if cfg.eval_sample_packing is None else cfg.eval_sample_packing
+    evals = to_sequences(held, cfg.eval_sequence_len or cfg.sequence_len, packing, pad)
+    if _target_tokens(evals) == 0:
+        raise ConfigError(
+            key, ["the evaluation samples hold no target tokens (every label is masked)"]
+        )
+    return Datasets(train, evals, key)
+
+
+def eval_interval(cfg: ShardforgeConfig, steps_per_epoch: int, total_steps: int) -> int | None:
+    """Steps between evaluations: `eval_steps` (below 1: that fraction of all steps, rounded
+    up), or `evals_per_epoch` evenly spaced per epoch; None: only at the end."""
+    if cfg.eval_steps is not None:
+        if cfg.eval_steps < 1:
+            return max(1, math.ceil(cfg.eval_steps * total_steps))
+        return int(cfg.eval_steps)
+    if cfg.evals_per_epoch:
+        return max(1, steps_per_epoch // cfg.evals_per_epoch)
+    return None
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    perplexity: float
+    tokens: int
+
+    def record(self, step: int) -> dict[str, Any]:
+        """The metrics row of an evaluation at `step`."""
+        return {
+            "step": step,
+            "eval_loss": self.loss,
+            "eval_perplexity": self.perplexity,
+            "eval_tokens": self.tokens,
+        }
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def _sequence_losses(
+    model: torch.nn.Module, batch: Sequences, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """Each sequence's summed token loss (float64) and the batch's number of target tokens."""
+    ids = batch.input_ids.to(device)
+    logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device)).logits
+    labels = batch.labels.to(device)[:, 1:]
+    token = F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
+    per_sequence = token.view(labels.shape).double().sum(dim=1)
+    return per_sequence.cpu(), int((labels != IGNORE_INDEX).sum())
+
+
+def evaluate(model: torch.nn.Module, seqs: Sequences, batch_size: int, rt: Runtime) -> EvalResult:
+    """The global eval loss over all of `seqs` (every rank calls this with the same `seqs`)."""
+    n = len(seqs)
+    rounds = math.ceil(math.ceil(n / batch_size) / rt.world_size)
+    slots = torch.zeros(n + 1, dtype=torch.float64)  # a loss per sequence, then the tokens
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for r in range(rounds):
+                start = (r * rt.world_size + rt.rank) * batch_size
+                index = list(range(start, min(start + batch_size, n)))
+                # a rank without a chunk in this round still runs a forward pass: FSDP's
+                # all-gathers are collectives; its result is dropped
+                losses, tokens = _sequence_losses(model, seqs.select(index or [0]), rt.device)
+                if index:
+                    slots[index] = losses
+                    slots[n] += tokens
+    finally:
+        model.train(was_training)
+    total = slots.to(rt.device)
+    dist.all_reduce(total)
+    total = total.cpu()
+    tokens = int(total[n].item())
+    loss = float(total[:n].sum().item()) / max(tokens, 1)
+    return EvalResult(loss, perplexity(loss), tokens)
+
+
+class Evaluator:
+    """When to evaluate, and the evaluation itself (a metrics row; logged on rank 0)."""
+
+    def __init__(
+        self,
+        cfg: ShardforgeConfig,
+        seqs: Sequences | None,
+        rt: Runtime,
+        every: int | None,
+        total_steps: int,
+    ) -> None:
+        self.seqs = seqs
+        self.rt = rt
+        self.every = every
+        self.total_steps = total_steps
+        self.batch_size = cfg.eval_batch_size or cfg.micro_batch_size
+
+    @classmethod
+    def of(
+        cls,
+        cfg: ShardforgeConfig,
+        data: Datasets,
+        rt: Runtime,
+        steps_per_epoch: int,
+        total_steps: int,
+    ) -> Evaluator:
+        every = eval_interval(cfg, steps_per_epoch, total_steps)
+        if data.eval is None and (cfg.eval_steps is not None or cfg.evals_per_epoch):
+            if rt.is_main:
+                key = "eval_steps" if cfg.eval_steps is not None else "evals_per_epoch"
+                log.warning(
+                    "warning: %s is set, but there is no evaluation data (set val_set_size or "
+                    "test_datasets); no evaluation",
+                    key,
+                )
+        elif data.eval is not None and rt.is_main:
+            log.info(
+                "evaluation: %d sequences (%s), %s",
+                len(data.eval),
+                data.eval_key,
+                f"before the first step, every {every} steps and after the last step"
+                if every
+                else "after the last step",
+            )
+        return cls(cfg, data.eval, rt, every, total_steps)
+
+    @property
+    def at_start(self) -> bool:
+        """A periodic evaluation also runs before the first step (a fresh run's step 0)."""
+        return self.seqs is not None and self.every is not None
+
+    def due(self, step: int) -> bool:
+        if self.seqs is None:
+            return False
+        return step == self.total_steps or (self.every is not None and step % self.every == 0)
+
+    def run(self, model: torch.nn.Module, step: int) -> dict[str, Any]:
+        assert self.seqs is not None
+        result = evaluate(model, self.seqs, self.batch_size, self.rt)
+        if self.rt.is_main:
+            log.info(
+                "eval at step %d  loss %.4f  perplexity %.4g  (%d tokens)",
+                step,
+                result.loss,
+                result.perplexity,
+                result.tokens,
+            )
+        return result.record(step)
+
+
+def check_eval(cfg: ShardforgeConfig) -> list[tuple[str, str]]:
+    """Before launch: every test_datasets entry names existing files of a known format."""
+    out: list[tuple[str, str]] = []
+    for i, ds in enumerate(cfg.test_datasets):
+        try:
+            data_files(ds, f"test_datasets[{i}]")
+        except ConfigError as exc:
+            out += [(exc.source, p) for p in exc.problems]
+    return out
