@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "config-schema": "config_schema",
     "train": "train",
     "merge-sharded-fsdp-weights": "merge_sharded_fsdp_weights",
+    "merge-lora": "merge_lora",
     "inspect": "inspect",
 }
 
@@ -25,6 +26,7 @@ SUMMARIES: dict[str, str] = {
     "config-schema": "Print the JSON schema of the config.",
     "train": "Train with FSDP2 (starts torchrun itself); resumable sharded checkpoints.",
     "merge-sharded-fsdp-weights": "Merge a sharded FSDP checkpoint into a Hugging Face model.",
+    "merge-lora": "Fuse a PEFT LoRA adapter into its base model: a Hugging Face model, streamed.",
     "inspect": "Describe a sharded checkpoint: layout, steps, world size, tensors, optimizer.",
 }
 

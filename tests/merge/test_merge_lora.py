@@ -199,6 +199,35 @@ def test_float32_fuse_equals_merge_and_unload(
         assert (out / companion).is_file(), companion
 
 
+def test_fan_in_fan_out_layers(tmp_path: Path) -> None:
+    """GPT-2's Conv1D layers store the weight as (in, out): peft's fan_in_fan_out delta is
+    (B @ A).T."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "gpt2",
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=320,
+        n_positions=64,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn", "c_proj"], "fan_in_fan_out": True}
+    pm = make_adapter(tmp_path / "base", tmp_path / "adapter", lora)
+    state = pm.merge_and_unload().state_dict()
+    cfg = {"base_model": str(tmp_path / "base"), "output_dir": str(tmp_path / "run")}
+    out = merge_lora(cfg, tmp_path / "out", tmp_path / "adapter", verify=True, save_tokenizer=False)
+    written = _written(out)
+    assert set(written) == set(state) - {"lm_head.weight"}  # tied to the token embeddings
+    for key, tensor in written.items():
+        assert torch.equal(tensor, state[key]), key
+    _load(out)
+
+
 def test_adapted_weights_really_change(cases: dict[str, Case]) -> None:
     """The comparison above is not vacuous: the fused weights differ from the base's."""
     case = cases["llama"]

@@ -1,0 +1,224 @@
+"""`shardforge merge-lora`: the adapter from output_dir into <output_dir>/merged; bad inputs each
+give one `error:` line, a non-zero exit and no output; --help with examples; the fire entry
+point."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from shardforge.cli.main import cli
+from shardforge.testing.tiny import make_model
+
+CMD = "merge-lora"
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny base model, an adapter with random factors (peft's B starts at zeros) and the
+    merge_and_unload weights to compare with."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("cli-lora")
+    base = make_model(root / "base", "llama")
+    make_model(root / "other", "llama", hidden_size=32, num_attention_heads=2)
+    pm = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    pm.save_pretrained(root / "run")
+    torch.save(pm.merge_and_unload().state_dict(), root / "merged.pt")
+    return root
+
+
+@pytest.fixture
+def env(pristine: Path, tmp_path: Path) -> Path:
+    shutil.copytree(pristine / "run", tmp_path / "run")
+    cfg = {"base_model": str(pristine / "base"), "output_dir": str(tmp_path / "run")}
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump(cfg))
+    return tmp_path
+
+
+def tree_hash(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def invoke(env: Path, *args: str) -> Any:
+    return CliRunner().invoke(cli, [CMD, str(env / "cfg.yml"), "--quiet", *args])
+
+
+def one_line_error(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert sum(line.startswith("error") for line in lines) == 1, stderr
+    at = next(i for i, line in enumerate(lines) if line.startswith("error: "))
+    assert all(d.startswith("  ") for d in lines[at + 1 :]), stderr
+    assert len(lines[at]) <= 300 and "Traceback" not in stderr
+    return "\n".join(lines[at:])
+
+
+def assert_refused(env: Path, result: Any, before: str, *words: str) -> None:
+    assert result.exit_code != 0, result.output
+    error = one_line_error(result.stderr)
+    for w in words:
+        assert w in error, (w, error)
+    assert not (env / "out").exists() and not (env / "run" / "merged").exists()
+    assert not list(env.glob(".out.*")) and not list((env / "run").glob(".merged.*"))
+    assert tree_hash(env / "run") == before
+
+
+def test_merges_into_output_dir_merged(env: Path, pristine: Path) -> None:
+    result = invoke(env, "--verify")
+    assert result.exit_code == 0, result.output
+    out = env / "run" / "merged"
+    assert result.stdout.strip() == str(out)
+    assert "adapter:" in result.stderr and "verified" in result.stderr
+    want = torch.load(pristine / "merged.pt", weights_only=True)
+    for key, tensor in load_file(str(out / "model.safetensors")).items():
+        assert torch.equal(tensor, want[key]), key
+    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+
+
+def test_options_and_spellings(env: Path) -> None:
+    result = invoke(
+        env,
+        "--lora-model-dir",
+        str(env / "run"),
+        "--output-path",
+        str(env / "out"),
+        "--dtype",
+        "bf16",
+        "--max_shard_size",
+        "100000",
+        "--no_save_tokenizer",
+    )
+    assert result.exit_code == 0, result.output
+    assert (env / "out" / "model.safetensors.index.json").is_file()
+    assert not (env / "out" / "tokenizer.json").exists()
+    shards = sorted((env / "out").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    for shard in shards:
+        for tensor in load_file(str(shard)).values():
+            assert tensor.dtype == torch.bfloat16
+
+
+def test_help_shows_examples() -> None:
+    result = CliRunner().invoke(cli, [CMD, "--help"])
+    assert result.exit_code == 0
+    assert "Examples:" in result.output
+    for option in ("--lora_model_dir", "--output_path", "--dtype", "--verify", "--overwrite"):
+        assert option in result.output
+    assert "merged" in result.output
+
+
+def test_bad_adapter_dir(env: Path) -> None:
+    before = tree_hash(env / "run")
+    result = invoke(
+        env, "--lora_model_dir", str(env / "nowhere"), "--output_path", str(env / "out")
+    )
+    assert_refused(env, result, before, "nowhere", "adapter directory not found")
+
+
+def test_not_an_adapter(env: Path, pristine: Path) -> None:
+    before = tree_hash(env / "run")
+    result = invoke(env, "--lora_model_dir", str(pristine / "base"))
+    assert_refused(env, result, before, "adapter_config.json")
+
+
+def test_pickled_adapter(env: Path) -> None:
+    (env / "run" / "adapter_model.safetensors").rename(env / "run" / "adapter_model.bin")
+    before = tree_hash(env / "run")
+    assert_refused(env, invoke(env), before, "adapter_model.bin", "pickle")
+
+
+def test_damaged_adapter_weights(env: Path) -> None:
+    path = env / "run" / "adapter_model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[:8] = (1 << 40).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    before = tree_hash(env / "run")
+    assert_refused(env, invoke(env), before, "adapter_model.safetensors", "header length")
+
+
+def test_adapter_of_another_base_model(env: Path, pristine: Path) -> None:
+    before = tree_hash(env / "run")
+    result = invoke(env, "--base_model", str(pristine / "other"))  # a config override
+    assert_refused(env, result, before, "does not fit the base model")
+
+
+def test_existing_output(env: Path) -> None:
+    (env / "out").mkdir()
+    (env / "out" / "keep.txt").write_text("mine")
+    result = invoke(env, "--output_path", str(env / "out"))
+    assert result.exit_code != 0
+    assert "--overwrite" in one_line_error(result.stderr)
+    assert (env / "out" / "keep.txt").read_text() == "mine"
+    result = invoke(env, "--output_path", str(env / "out"), "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert not (env / "out" / "keep.txt").exists()
+
+
+def test_a_mistyped_option_is_an_option_error(env: Path) -> None:
+    result = invoke(env, "--verfy")
+    assert result.exit_code == 2
+    assert "did you mean --verify" in one_line_error(result.stderr)
+
+
+def test_python_module_entry_point(env: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardforge.cli.merge_lora",
+            str(env / "cfg.yml"),
+            "--output_path",
+            str(env / "out"),
+            "--dtype",
+            "bfloat16",
+            "--verify",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith(str(env / "out"))
+    assert (env / "out" / "model.safetensors").is_file()
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardforge.cli.merge_lora",
+            str(env / "cfg.yml"),
+            "--lora_model_dir",
+            str(env / "nowhere"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 1
+    assert "adapter directory not found" in one_line_error(bad.stderr)
