@@ -40,6 +40,9 @@ Examples:
       --state_dict_dirname pytorch_ema_model_fsdp_0
   # a torchtitan step-N/ checkpoint (names mapped by the config's model_type)
   shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --checkpoint outputs/checkpoint
+  # a LoRA run (adapter: lora): a PEFT adapter directory, or the fused model
+  shardforge merge-sharded-fsdp-weights lora.yml --output_path out/adapter
+  shardforge merge-sharded-fsdp-weights lora.yml --output_path out/merged --merge_lora
   # the mean of the last 3 checkpoints (or --average_steps 100,200,300)
   shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --average_last 3
   # one safetensors file; one torch file {"state_dict": ...} (default <ckpt>.consolidated)
@@ -168,6 +171,12 @@ def do_merge_sharded_fsdp_weights(
     is_flag=True,
     help="Print the plan (inputs, output files, dtypes, bytes, free disk) and write nothing.",
 )
+@spelled_option(
+    "merge_lora",
+    is_flag=True,
+    help="For a LoRA checkpoint: write the complete model with the adapter fused in "
+    "(W + scale * B @ A, streamed) instead of a PEFT adapter directory.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @debug_option()
 @click.pass_context
@@ -189,6 +198,7 @@ def command(
     average_steps: str | None,
     output_format: str,
     dry_run: bool,
+    merge_lora: bool,
     quiet: bool,
     debug: bool,
 ) -> None:
@@ -215,6 +225,7 @@ def command(
             average_steps=average_steps,
             output_format=output_format,
             dry_run=dry_run,
+            merge_lora=merge_lora,
         ),
         debug or stray_debug,
     )

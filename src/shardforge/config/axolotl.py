@@ -49,6 +49,17 @@ COMMAND_KEYS: dict[str, frozenset[str] | None] = {
             "trust_remote_code",
             "chat_template",
             "chat_template_jinja",
+            # a LoRA run's checkpoint: its adapter_config.json comes from these
+            "adapter",
+            "lora_r",
+            "lora_alpha",
+            "lora_dropout",
+            "lora_target_modules",
+            "lora_target_linear",
+            "lora_modules_to_save",
+            "peft_use_rslora",
+            "peft_use_dora",
+            "lora_model_dir",
         }
     ),
     "inspect": frozenset({"base_model", "output_dir"}),

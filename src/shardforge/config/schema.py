@@ -292,10 +292,11 @@ class ShardforgeConfig(_Strict):
     lora_dropout: float = Field(
         0.0, ge=0, lt=1, description="Dropout on the LoRA input during training."
     )
-    lora_target_modules: list[str] | None = Field(
+    lora_target_modules: list[str] | str | None = Field(
         None,
         description="Module names (or name suffixes, as peft matches them) that get a LoRA "
-        "adapter, e.g. [q_proj, v_proj].",
+        "adapter, e.g. [q_proj, v_proj]; a string is a regular expression peft matches "
+        "against the whole module name.",
     )
     lora_target_linear: bool = Field(
         False,

@@ -8,7 +8,9 @@ directory, streamed with memory bounded by about one tensor.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -20,13 +22,14 @@ from typing import Any, Literal
 import torch
 
 from shardforge.config import coerce_cfg
+from shardforge.config.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError
 from shardforge.formats.dcp.chunks import ChunkReader
-from shardforge.formats.registry import DCP, open_checkpoint
-from shardforge.formats.sources import DcpSource, TensorSource, average
+from shardforge.formats.registry import DCP, NamedSource, open_checkpoint
+from shardforge.formats.sources import DcpSource, FusedLoraSource, TensorSource, average
 from shardforge.io.copy import prefetch
-from shardforge.keymap.keys import KeyMap, check_tied_copies, map_keys
+from shardforge.keymap.keys import KeyMap, check_tied_copies, is_optimizer_key, map_keys
 from shardforge.keymap.names import adapt_names
 from shardforge.layouts.steps import (
     LAST,
@@ -43,6 +46,7 @@ from shardforge.merge.companions import (
     write_generation_config,
     write_tokenizer,
 )
+from shardforge.merge.lora_checkpoint import adapter_sources, has_lora, open_lora
 from shardforge.merge.plan import (
     SAFE_WEIGHTS_NAME,
     OutputPlan,
@@ -167,6 +171,7 @@ class _Prepared:
     plan: OutputPlan
     dtype: torch.dtype | None
     plain_dcp: bool  # one DCP checkpoint with HF names (what --engine transformers reads)
+    adapter_config: dict[str, Any] | None = None  # a PEFT adapter directory is written
 
 
 def _label(c: Candidate) -> str:
@@ -198,14 +203,21 @@ def _pick_inputs(root: str | Path, request: MergeRequest) -> list[Candidate]:
     return [by_step[s] for s in average_steps]
 
 
-def _hf_sources(
-    candidate: Candidate, config: Any, expected: ExpectedModel, source: str
-) -> tuple[KeyMap, dict[str, TensorSource]]:
-    """The candidate's tensors under HF names, checked against the architecture."""
+def _open_named(candidate: Candidate, config: Any) -> dict[str, NamedSource]:
+    """The candidate's tensors by checkpoint key, with their original paths."""
     opened = open_checkpoint(candidate.kind, candidate.model_dir)
     if candidate.kind == DCP:
         check_model_keys(candidate.model_dir, list(opened))
-    named = adapt_names(candidate.adapter, candidate.model_dir, opened, config)
+    return adapt_names(candidate.adapter, candidate.model_dir, opened, config)
+
+
+def _hf_sources(
+    candidate: Candidate,
+    named: dict[str, NamedSource],
+    expected: ExpectedModel,
+    source: str,
+) -> tuple[KeyMap, dict[str, TensorSource]]:
+    """The candidate's tensors under HF names, checked against the architecture."""
     keymap = map_keys({k: n.path for k, n in named.items()}, expected.shapes)
     try:
         check_against(expected, named, keymap.to_hf, list(keymap.unexpected), source)
@@ -232,7 +244,13 @@ def _prepare(cfg: ShardforgeConfig, request: MergeRequest) -> _Prepared:
     sources = _sources(cfg, inputs)
     config = load_model_config(sources.config, cfg.trust_remote_code)
     expected = build_expected(config, cfg.trust_remote_code)
-    per_input = [_hf_sources(c, config, expected, sources.config) for c in inputs]
+    opened = [_open_named(c, config) for c in inputs]
+    if any(has_lora(list(named)) for named in opened):
+        return _prepare_lora(cfg, request, sources, config, expected, opened)
+    per_input = [
+        _hf_sources(c, named, expected, sources.config)
+        for c, named in zip(inputs, opened, strict=True)
+    ]
     keymap = per_input[-1][0]
     if len(inputs) > 1:
         by_name = average([p[1] for p in per_input], [_label(c) for c in inputs])
@@ -258,6 +276,71 @@ def _prepare(cfg: ShardforgeConfig, request: MergeRequest) -> _Prepared:
         for key, src in ((k, by_name[hf]) for k, hf in keymap.to_hf.items())
     )
     return _Prepared(sources, expected, keymap, by_name, plan, _main_dtype(specs), plain)
+
+
+def _prepare_lora(
+    cfg: ShardforgeConfig,
+    request: MergeRequest,
+    sources: MergeSources,
+    config: Any,
+    expected: ExpectedModel,
+    opened: list[dict[str, NamedSource]],
+) -> _Prepared:
+    """A LoRA checkpoint: a PEFT adapter directory, or with --merge_lora the fused model
+    (`shardforge.merge.lora_checkpoint`)."""
+    from shardforge.merge.lora import base_directory, base_sources, fuse_sources
+
+    if len(opened) > 1:
+        raise MergeError("averaging LoRA checkpoints is not supported; merge one step")
+    model_dir = sources.checkpoint.model_dir
+    named = {k: n.source for k, n in opened[0].items() if not is_optimizer_key(n.path)}
+    lora = open_lora(named, model_dir, cfg, expected)
+    log.info(
+        "LoRA checkpoint: %d adapted modules, %d modules_to_save tensors%s (settings from %s)",
+        len(lora.names.pairs),
+        len(lora.names.replacements),
+        ", base weights included" if lora.holds_base else "",
+        lora.config_source,
+    )
+    base: dict[str, TensorSource] = {}
+    if not lora.holds_base:
+        base = base_sources(base_directory(cfg.base_model), expected, sources.config)
+    fused = fuse_sources(base, lora.names, lora.tensors, lora.settings, expected, str(model_dir))
+    wanted = _parse_dtype(request.dtype)
+    target = _config_dtype(config) if wanted == "config" else wanted
+    assert target != "config"
+    empty = KeyMap({}, "", (), ())
+    if request.merge_lora:
+        specs = [
+            TensorSpec(n, _output_dtype(_stored_dtype(fused[n]), target), fused[n].shape)
+            for n in expected.saved_names
+        ]
+        shard = None if request.single_file else request.max_shard_size or default_max_shard_size()
+        plan = plan_output(specs, shard, expected.total_parameters)
+        return _Prepared(sources, expected, empty, fused, plan, _main_dtype(specs), False)
+    if request.single_file:
+        raise MergeError(
+            f"{model_dir}: a LoRA checkpoint merges to a PEFT adapter directory (--format hf), "
+            "or with --merge_lora to a complete model in any format"
+        )
+    by_name = adapter_sources(lora)
+    specs = [
+        TensorSpec(
+            n,
+            src.dtype if wanted is None or wanted == "config" else _output_dtype(src.dtype, wanted),
+            src.shape,
+        )
+        for n, src in by_name.items()
+    ]
+    plan = plan_output(specs, None, sum(math.prod(s.shape) for s in specs))
+    return _Prepared(
+        sources, expected, empty, by_name, plan, _main_dtype(specs), False, lora.adapter_config
+    )
+
+
+def _stored_dtype(source: TensorSource) -> torch.dtype:
+    """The dtype a fused weight's base is stored in (the fuse itself computes in float32)."""
+    return source.base.dtype if isinstance(source, FusedLoraSource) else source.dtype
 
 
 def _write_hf(prep: _Prepared, out: Path, opts: _Options) -> None:
@@ -292,6 +375,28 @@ def _write_hf(prep: _Prepared, out: Path, opts: _Options) -> None:
             )
         if opts.verify:
             _verify(prep, tmp, opts.quiet)
+
+
+def _write_adapter(prep: _Prepared, out: Path, opts: _Options) -> None:
+    """A PEFT adapter directory: adapter_model.safetensors, adapter_config.json, tokenizer."""
+    assert prep.adapter_config is not None
+    with atomic_directory(out, opts.overwrite) as tmp:
+        with _progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
+            write_plan(prep.plan, prep.by_name, tmp, update)
+        if opts.verify:
+            _verify(prep, tmp, opts.quiet)
+        os.replace(tmp / SAFE_WEIGHTS_NAME, tmp / ADAPTER_WEIGHTS)
+        (tmp / ADAPTER_CONFIG).write_text(
+            json.dumps(prep.adapter_config, indent=2, sort_keys=True) + "\n"
+        )
+        if opts.save_tokenizer:
+            write_tokenizer(
+                prep.sources.tokenizer,
+                tmp,
+                opts.trust_remote_code,
+                opts.chat_template,
+                opts.chat_template_jinja,
+            )
 
 
 def _verify(prep: _Prepared, directory: Path, quiet: bool) -> None:
@@ -372,6 +477,7 @@ def merge_fsdp_weights(
     average_steps: list[int] | None = None,
     output_format: str = "hf",
     dry_run: bool = False,
+    merge_lora: bool = False,
 ) -> Path:
     """Merge a sharded FSDP checkpoint (DCP, per-rank DTensor files, torchtitan) into a
     Hugging Face model directory, or one safetensors / torch file.
@@ -407,6 +513,8 @@ def merge_fsdp_weights(
         output_format: ``hf`` (directory), ``safetensors`` (one file) or ``torch`` (one
             ``{"state_dict": ...}`` file).
         dry_run: check and plan everything, print the plan to stdout, write nothing.
+        merge_lora: for a LoRA checkpoint, write the complete model with the adapter fused in
+            (``W + scale * B @ A`` in float32, streamed) instead of a PEFT adapter directory.
 
     Returns:
         The output path.
@@ -433,6 +541,7 @@ def merge_fsdp_weights(
         tuple(average_steps or ()),
         output_format,
         dry_run,
+        merge_lora,
     )  # every option conflict is refused here, before anything is read
     return run_merge(coerce_cfg(cfg, command="merge"), request)
 
@@ -480,8 +589,9 @@ def run_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
         request.max_shard_size if request.max_shard_size is not None else default_max_shard_size(),
         request.overwrite,
     )
+    writer = _write_adapter if prep.adapter_config is not None else FORMATS[request.output_format]
     with sigterm_as_interrupt():
-        FORMATS[request.output_format](prep, out, opts)
+        writer(prep, out, opts)
     log.info("wrote %s (%.1f MB)", out, prep.plan.total_bytes / 1e6)
     if removal is not None:  # the output is verified and published
         removed = remove_shards(removal)

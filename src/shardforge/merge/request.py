@@ -37,6 +37,7 @@ class MergeRequest:
     average_steps: tuple[int, ...] = ()
     output_format: str = "hf"
     dry_run: bool = False
+    merge_lora: bool = False
 
     def __post_init__(self) -> None:
         if self.output_path is not None:

@@ -17,58 +17,35 @@ same adapter.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from shardforge.config.peft import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_config_json,
+    lora_config,
+)
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
 
 log = logging.getLogger("shardforge")
 
 ADAPTER = "default"  # peft's adapter name inside the model
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before every name
 
 # segments peft inserts into a wrapped module's parameter names -> the base model's name
 _BASE_SEGMENTS = re.compile(r"\.(base_layer|original_module|modules_to_save\.default)(?=\.)")
 # adapter parameters: (kind, module) from a model key
 _ADAPTER_KEY = re.compile(rf"^(?P<module>.+)\.(?P<kind>lora_A|lora_B)\.{ADAPTER}\.weight$")
-
-
-def lora_config(
-    cfg: ShardforgeConfig, base_model_path: str | None = None, tied: bool = False
-) -> Any:
-    """The peft `LoraConfig` of the config's `adapter: lora` settings (`tied`: the model ties
-    its input and output embeddings, which then stay one trained matrix when both are in
-    `lora_modules_to_save`)."""
-    from peft import LoraConfig
-
-    targets: list[str] | str
-    if cfg.lora_target_linear:
-        targets = "all-linear" if not cfg.lora_target_modules else list(cfg.lora_target_modules)
-    else:
-        targets = list(cfg.lora_target_modules or [])
-    return LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=targets,
-        modules_to_save=list(cfg.lora_modules_to_save) if cfg.lora_modules_to_save else None,
-        use_rslora=cfg.peft_use_rslora,
-        bias="none",
-        task_type="CAUSAL_LM",
-        ensure_weight_tying=tied and bool(cfg.lora_modules_to_save),
-        base_model_name_or_path=base_model_path,
-    )
 
 
 def _all_linear_plus(model: nn.Module, names: list[str]) -> list[str]:
@@ -94,8 +71,8 @@ def add_lora(model: nn.Module, cfg: ShardforgeConfig) -> Any:
     from peft import inject_adapter_in_model
 
     config = lora_config(cfg, cfg.base_model, tied=_ties_embeddings(model))
-    if cfg.lora_target_linear and cfg.lora_target_modules:
-        config.target_modules = set(_all_linear_plus(model, list(cfg.lora_target_modules)))
+    if cfg.lora_target_linear and isinstance(cfg.lora_target_modules, list):
+        config.target_modules = set(_all_linear_plus(model, cfg.lora_target_modules))
     try:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as exc:
@@ -234,12 +211,11 @@ def save_adapter(output_dir: Path, model: nn.Module, cfg: ShardforgeConfig) -> N
     saved = get_peft_model_state_dict(model, state_dict=full, adapter_name=ADAPTER)
     # tied trained embeddings come back as one tensor under two names; peft stores both
     tensors = {PEFT_PREFIX + k: v.detach().clone().contiguous() for k, v in saved.items()}
-    config = lora_config(cfg, cfg.base_model, tied=_ties_embeddings(model))
-    config.inference_mode = True
+    config = adapter_config_json(lora_config(cfg, cfg.base_model, tied=_ties_embeddings(model)))
     tmp = output_dir / f".{ADAPTER_WEIGHTS}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, output_dir / ADAPTER_WEIGHTS)
-    with tempfile.TemporaryDirectory(dir=output_dir, prefix=".adapter-config.") as tmp_dir:
-        config.save_pretrained(tmp_dir)  # peft's own adapter_config.json
-        os.replace(Path(tmp_dir) / ADAPTER_CONFIG, output_dir / ADAPTER_CONFIG)
+    tmp_config = output_dir / f".{ADAPTER_CONFIG}.tmp"
+    tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True))
+    os.replace(tmp_config, output_dir / ADAPTER_CONFIG)
     log.info("saved the LoRA adapter (%d tensors) to %s", len(tensors), output_dir)

@@ -1,0 +1,52 @@
+"""The peft `LoraConfig` of a config's `adapter: lora` settings: what training injects and what
+the merge writes as `adapter_config.json` (one function, so the two always agree)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from shardforge.config.schema import ShardforgeConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def lora_config(
+    cfg: ShardforgeConfig, base_model_path: str | None = None, tied: bool = False
+) -> Any:
+    """peft's `LoraConfig` (`tied`: the model ties its input and output embeddings, which then
+    stay one trained matrix when both are in `lora_modules_to_save`)."""
+    from peft import LoraConfig
+
+    given = cfg.lora_target_modules
+    targets: list[str] | str
+    if isinstance(given, str):  # a regular expression
+        targets = given
+    elif cfg.lora_target_linear:
+        targets = "all-linear" if not given else list(given)
+    else:
+        targets = list(given or [])
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        modules_to_save=list(cfg.lora_modules_to_save) if cfg.lora_modules_to_save else None,
+        use_rslora=cfg.peft_use_rslora,
+        bias="none",
+        task_type="CAUSAL_LM",
+        ensure_weight_tying=tied and bool(cfg.lora_modules_to_save),
+        base_model_name_or_path=base_model_path,
+    )
+
+
+def adapter_config_json(config: Any) -> dict[str, Any]:
+    """`config` (a peft config, inference mode) as peft writes it to adapter_config.json."""
+    config.inference_mode = True
+    with tempfile.TemporaryDirectory(prefix="shardforge-adapter-config.") as tmp:
+        config.save_pretrained(tmp)
+        data: dict[str, Any] = json.loads((Path(tmp) / ADAPTER_CONFIG).read_text())
+    return data

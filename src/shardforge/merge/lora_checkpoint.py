@@ -1,0 +1,148 @@
+"""A LoRA training checkpoint in the merge: shardforge's (adapter and modules_to_save copies
+only) or a PEFT-wrapped model's whole state dict as HF Trainer / accelerate / Axolotl save it
+(``base_layer`` / ``lora_A`` / ``lora_B`` / ``modules_to_save`` names).
+
+Two outputs:
+
+* default: a PEFT adapter directory (`adapter_sources`): ``adapter_model.safetensors`` under
+  the names `PeftModel.save_pretrained` writes and ``adapter_config.json`` (the checkpoint's own,
+  when its step folder has one, else made from the config's `adapter: lora` keys);
+* ``--merge_lora``: the complete model with the adapter fused in (`fused_sources`): the base
+  tensors from the checkpoint when it holds them, else from `base_model`'s safetensors, each
+  adapted weight a `FusedLoraSource` (``W + scale * B @ A`` in float32), streamed like any
+  other merge.
+
+Either way the adapter is checked against the meta-device architecture first
+(`shardforge.merge.lora.fuse_sources`: targeted modules, factor shapes, tied copies).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardforge.config.peft import ADAPTER_CONFIG, adapter_config_json, lora_config
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import CheckpointError, MergeError
+from shardforge.formats.sources import TensorSource
+from shardforge.io.files import open_regular
+from shardforge.keymap.keys import clean_name
+from shardforge.keymap.lora import PEFT_PREFIX, LoraNames, LoraSettings, split_model_names
+from shardforge.merge.check import ExpectedModel
+
+# a LoRA factor segment in a tensor name: what makes a checkpoint a LoRA checkpoint
+_FACTOR = re.compile(r"(^|\.)lora_(A|B|embedding_A|embedding_B)(\.|$)")
+MAX_ADAPTER_CONFIG = 1 << 20
+
+
+def has_lora(names: list[str]) -> bool:
+    """The checkpoint holds LoRA factors (it is LoRA training's, not a full model's)."""
+    return any(_FACTOR.search(n) for n in names)
+
+
+@dataclass(frozen=True)
+class LoraCheckpoint:
+    """A LoRA checkpoint's tensors split by role, and the adapter settings."""
+
+    names: LoraNames
+    tensors: dict[str, TensorSource]  # the names in `names` -> their sources
+    settings: LoraSettings
+    adapter_config: dict[str, Any]  # adapter_config.json as written
+    config_source: str  # where the adapter settings came from
+
+    @property
+    def holds_base(self) -> bool:
+        """The checkpoint has the base weights too (a PEFT-wrapped model's full state dict)."""
+        return bool(self.names.base)
+
+
+def _best_split(
+    keys: Mapping[str, str], expected: ExpectedModel, source: str
+) -> tuple[LoraNames, dict[str, str]]:
+    """`split_model_names` under the wrapper prefix (``model.`` from accelerate's
+    ``{"model": state_dict}``, ...) that puts the most names on the architecture's."""
+    cleaned = {clean_name(k): k for k in keys}
+    prefixes = {""} | {n.split(".", 1)[0] + "." for n in cleaned if "." in n}
+    best: tuple[int, LoraNames, dict[str, str]] | None = None
+    error: CheckpointError | None = None
+    for prefix in sorted(prefixes, key=len):
+        stripped = {n[len(prefix) :]: k for n, k in cleaned.items() if n.startswith(prefix)}
+        if len(stripped) != len(cleaned):
+            continue
+        try:
+            names = split_model_names(stripped, source=source)
+        except CheckpointError as exc:
+            error = error or exc
+            continue
+        hits = sum(f"{m}.{p.weight}" in expected.shapes for m, p in names.pairs.items()) + sum(
+            n in expected.shapes for n in [*names.base, *names.replacements]
+        )
+        if best is None or hits > best[0]:
+            best = (hits, names, stripped)
+    if best is None:
+        assert error is not None  # the unprefixed names were tried
+        raise error
+    return best[1], best[2]
+
+
+def _checkpoint_adapter_config(model_dir: Path) -> tuple[dict[str, Any], str] | None:
+    """The adapter_config.json HF Trainer writes beside a PEFT model's checkpoint, if any."""
+    for folder in (model_dir, model_dir.parent):
+        path = folder / ADAPTER_CONFIG
+        if path.is_file():
+            fd = open_regular(path, folder)
+            with open(fd, "rb") as f:
+                data = f.read(MAX_ADAPTER_CONFIG + 1)
+            if len(data) > MAX_ADAPTER_CONFIG:
+                raise CheckpointError(f"{path}: larger than {MAX_ADAPTER_CONFIG} bytes")
+            try:
+                parsed = json.loads(data)
+            except ValueError as exc:
+                raise CheckpointError(f"{path}: not JSON ({str(exc)[:100]})") from None
+            return parsed, str(path)
+    return None
+
+
+def open_lora(
+    named: Mapping[str, TensorSource],
+    model_dir: Path,
+    cfg: ShardforgeConfig,
+    expected: ExpectedModel,
+) -> LoraCheckpoint:
+    """Split a LoRA checkpoint's tensors (`named`: checkpoint key -> source) and read its
+    adapter settings (the checkpoint's adapter_config.json, else the config's lora keys)."""
+    source = str(model_dir)
+    names, by_input = _best_split({k: k for k in named}, expected, source)
+    tensors = {n: named[by_input[n]] for n in by_input}
+    found = _checkpoint_adapter_config(model_dir)
+    if found is not None:
+        data, where = found
+    elif cfg.adapter == "lora":
+        tied = bool(expected.tied)
+        data = adapter_config_json(lora_config(cfg, cfg.base_model, tied=tied))
+        where = "the config's adapter / lora_* keys"
+    else:
+        raise MergeError(
+            f"{model_dir}: holds a LoRA adapter, and neither the checkpoint has an "
+            f"{ADAPTER_CONFIG} nor the config sets adapter: lora; add the training run's "
+            "adapter and lora_* keys to the config"
+        )
+    settings = LoraSettings.from_adapter_config(data, where)
+    return LoraCheckpoint(names, tensors, settings, data, where)
+
+
+def adapter_sources(lora: LoraCheckpoint) -> dict[str, TensorSource]:
+    """The adapter file's tensors under the names `PeftModel.save_pretrained` writes."""
+    out: dict[str, TensorSource] = {}
+    for module, pair in sorted(lora.names.pairs.items()):
+        kind = "lora_embedding" if pair.embedding else "lora"
+        leaf = "" if pair.embedding else ".weight"
+        out[f"{PEFT_PREFIX}{module}.{kind}_A{leaf}"] = lora.tensors[pair.a]
+        out[f"{PEFT_PREFIX}{module}.{kind}_B{leaf}"] = lora.tensors[pair.b]
+    for hf, name in sorted(lora.names.replacements.items()):
+        out[f"{PEFT_PREFIX}{hf}"] = lora.tensors[name]
+    return out
