@@ -164,13 +164,14 @@ def settings_line(cfg: ShardforgeConfig, model: nn.Module, mesh: tuple[int, ...]
     source = "configured" if configured else "the model's _no_split_modules"
     param, reduce = compute_dtypes(cfg)
     checkpointing = fsdp.activation_checkpointing or cfg.gradient_checkpointing
+    stored = sorted({_dtype_name(p.dtype) for p in model.parameters() if p.requires_grad})
     return (
         f"fsdp: {strategy_name(hybrid, fsdp.reshard_after_forward)} on {where} "
         f"(reshard_after_forward {str(fsdp.reshard_after_forward).lower()}, offload_params "
         f"{str(fsdp.offload_params).lower()}); wrap {wrap} ({source}); activation "
         f"checkpointing {'on' if checkpointing else 'off'}; mixed precision param_dtype "
-        f"{_dtype_name(param)}, reduce_dtype {_dtype_name(reduce)} (parameters stored in "
-        f"{_dtype_name(MASTER_DTYPE)}); state_dict_type {fsdp.state_dict_type}"
+        f"{_dtype_name(param)}, reduce_dtype {_dtype_name(reduce)} (trainable parameters "
+        f"stored in {', '.join(stored) or 'none'}); state_dict_type {fsdp.state_dict_type}"
     )
 
 
