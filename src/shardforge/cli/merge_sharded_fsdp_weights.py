@@ -40,6 +40,8 @@ Examples:
       --state_dict_dirname pytorch_ema_model_fsdp_0
   # a torchtitan step-N/ checkpoint (names mapped by the config's model_type)
   shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --checkpoint outputs/checkpoint
+  # on 4 CPU ranks of this machine (2 machines: --nnodes 2 --node_rank R --rdzv_endpoint H:P)
+  shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --nproc_per_node 4
   # a LoRA run (adapter: lora): a PEFT adapter directory, or the fused model
   shardforge merge-sharded-fsdp-weights lora.yml --output_path out/adapter
   shardforge merge-sharded-fsdp-weights lora.yml --output_path out/merged --merge_lora
@@ -177,6 +179,19 @@ def do_merge_sharded_fsdp_weights(
     help="For a LoRA checkpoint: write the complete model with the adapter fused in "
     "(W + scale * B @ A, streamed) instead of a PEFT adapter directory.",
 )
+@spelled_option(
+    "nproc_per_node",
+    type=int,
+    default=None,
+    help="Merge on N CPU ranks of this machine (torchrun, gloo): the output bytes are split "
+    "evenly between them.",
+)
+@click.option("--nnodes", default=None, help="Machines of a distributed merge (torchrun).")
+@spelled_option("node_rank", type=int, default=None, help="This machine's rank (torchrun).")
+@spelled_option("rdzv_endpoint", default=None, help="host:port of the rendezvous (torchrun).")
+@spelled_option("rdzv_id", default=None, help="Rendezvous id (torchrun).")
+@spelled_option("master_addr", default=None, help="Address of node 0 (torchrun).")
+@spelled_option("master_port", type=int, default=None, help="Port on node 0 (torchrun).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @debug_option()
 @click.pass_context
@@ -201,6 +216,7 @@ def command(
     merge_lora: bool,
     quiet: bool,
     debug: bool,
+    **launch: Any,
 ) -> None:
     args, stray_debug = split_debug(list(ctx.args))
     args = check_options(ctx, args)
@@ -226,6 +242,7 @@ def command(
             output_format=output_format,
             dry_run=dry_run,
             merge_lora=merge_lora,
+            **launch,
         ),
         debug or stray_debug,
     )

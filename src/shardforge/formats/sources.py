@@ -107,6 +107,42 @@ class TensorSource(Protocol):
         self, reader: ChunkReader, dtype: torch.dtype, block_bytes: int
     ) -> Iterator[tuple[Index, torch.Tensor]]: ...
 
+    def write_rows(
+        self,
+        reader: ChunkReader,
+        out_fd: int,
+        offset: int,
+        out_dtype: torch.dtype,
+        rows: tuple[int, int],
+        progress: Progress,
+    ) -> None:
+        """Rows [start, stop) along dim 0 of the tensor (all of a 0-d one), cast, at their
+        place in the tensor written at byte `offset` (one rank's share of a distributed
+        merge)."""
+        ...
+
+
+def _row_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
+
+
+def _write_rows_whole(
+    source: TensorSource,
+    reader: ChunkReader,
+    out_fd: int,
+    offset: int,
+    out_dtype: torch.dtype,
+    rows: tuple[int, int],
+    progress: Progress,
+) -> None:
+    """`write_rows` through one whole tensor in memory (sources without row access)."""
+    start, stop = rows
+    full = source.read(reader).to(out_dtype)
+    part = full[start:stop] if source.shape else full
+    data = tensor_bytes(part.contiguous())
+    pwrite_all(out_fd, data, offset + start * _row_bytes(source.shape, out_dtype))
+    progress(data.nbytes)
+
 
 def _write_whole(
     source: TensorSource,
@@ -162,6 +198,17 @@ class _WholeTensor:
         self, reader: ChunkReader, dtype: torch.dtype, block_bytes: int
     ) -> Iterator[tuple[Index, torch.Tensor]]:
         return _blocks_whole(self, reader, dtype, block_bytes)  # type: ignore[arg-type]
+
+    def write_rows(
+        self,
+        reader: ChunkReader,
+        out_fd: int,
+        offset: int,
+        out_dtype: torch.dtype,
+        rows: tuple[int, int],
+        progress: Progress,
+    ) -> None:
+        _write_rows_whole(self, reader, out_fd, offset, out_dtype, rows, progress)  # type: ignore[arg-type]
 
 
 def _rows(shape: tuple[int, ...], start: int, stop: int) -> Index:
@@ -240,6 +287,37 @@ class DcpSource:
         full = reader.read_full(self.entry).to(out_dtype)
         pwrite_all(out_fd, tensor_bytes(full), offset)
         progress(full.numel() * out_dtype.itemsize)
+
+    def write_rows(
+        self,
+        reader: ChunkReader,
+        out_fd: int,
+        offset: int,
+        out_dtype: torch.dtype,
+        rows: tuple[int, int],
+        progress: Progress,
+    ) -> None:
+        """Only the rows' bytes of the slab chunks they cross are read (or copied file to file
+        without a cast); other chunk shapes go through the whole tensor."""
+        shape = self.shape
+        chunks = [c for c in self.entry.chunks if c.numel]
+        if not shape or not all(_is_slab(c, shape) for c in chunks):
+            _write_rows_whole(self, reader, out_fd, offset, out_dtype, rows, progress)
+            return
+        row = _row_bytes(shape, out_dtype)
+        for c in chunks:
+            lo, hi = max(rows[0], c.offsets[0]), min(rows[1], c.offsets[0] + c.sizes[0])
+            if lo >= hi:
+                continue
+            dst = offset + lo * row
+            fd, raw = reader.locate(c)
+            if raw is not None and raw.contiguous and raw.dtype == out_dtype:
+                start = raw.data_offset + (lo - c.offsets[0]) * row
+                copy_range(fd, out_fd, start, dst, (hi - lo) * row)
+            else:
+                part = reader.read_rows(c, lo - c.offsets[0], hi - c.offsets[0]).to(out_dtype)
+                pwrite_all(out_fd, tensor_bytes(part.contiguous()), dst)
+            progress((hi - lo) * row)
 
     def blocks(
         self, reader: ChunkReader, dtype: torch.dtype, block_bytes: int

@@ -24,7 +24,7 @@ import torch
 from shardforge.config import coerce_cfg
 from shardforge.config.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from shardforge.config.schema import ShardforgeConfig
-from shardforge.errors import MergeError
+from shardforge.errors import MergeError, ShardforgeError
 from shardforge.formats.dcp.chunks import ChunkReader
 from shardforge.formats.registry import DCP, NamedSource, open_checkpoint
 from shardforge.formats.sources import DcpSource, FusedLoraSource, TensorSource, average
@@ -65,7 +65,7 @@ from shardforge.merge.publish import (
 )
 from shardforge.merge.remove import plan_removal, remove_shards
 from shardforge.merge.request import OUTPUT_FORMATS, Engine, MergeRequest
-from shardforge.merge.sinks.hf_dir import write_plan
+from shardforge.merge.sinks.hf_dir import write_index, write_plan
 from shardforge.merge.sinks.torch_file import verify_torch_file, write_torch_file
 from shardforge.merge.verify import verify_output
 
@@ -362,19 +362,24 @@ def _write_hf(prep: _Prepared, out: Path, opts: _Options) -> None:
                 opts.max_shard_size,
                 opts.trust_remote_code,
             )
-        write_config(prep.expected.config, prep.dtype, tmp)
-        if not write_generation_config(prep.sources.generation, tmp):
-            (tmp / "generation_config.json").unlink(missing_ok=True)
-        if opts.save_tokenizer:
-            write_tokenizer(
-                prep.sources.tokenizer,
-                tmp,
-                opts.trust_remote_code,
-                opts.chat_template,
-                opts.chat_template_jinja,
-            )
+        _write_companions(prep, tmp, opts)
         if opts.verify:
             _verify(prep, tmp, opts.quiet)
+
+
+def _write_companions(prep: _Prepared, tmp: Path, opts: _Options) -> None:
+    """config.json (with the output dtype), generation_config.json, the tokenizer."""
+    write_config(prep.expected.config, prep.dtype, tmp)
+    if not write_generation_config(prep.sources.generation, tmp):
+        (tmp / "generation_config.json").unlink(missing_ok=True)
+    if opts.save_tokenizer:
+        write_tokenizer(
+            prep.sources.tokenizer,
+            tmp,
+            opts.trust_remote_code,
+            opts.chat_template,
+            opts.chat_template_jinja,
+        )
 
 
 def _write_adapter(prep: _Prepared, out: Path, opts: _Options) -> None:
@@ -478,6 +483,13 @@ def merge_fsdp_weights(
     output_format: str = "hf",
     dry_run: bool = False,
     merge_lora: bool = False,
+    nproc_per_node: int | None = None,
+    nnodes: str | None = None,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
 ) -> Path:
     """Merge a sharded FSDP checkpoint (DCP, per-rank DTensor files, torchtitan) into a
     Hugging Face model directory, or one safetensors / torch file.
@@ -542,8 +554,136 @@ def merge_fsdp_weights(
         output_format,
         dry_run,
         merge_lora,
+        nproc_per_node,
+        nnodes,
+        node_rank,
+        rdzv_endpoint,
+        rdzv_id,
+        master_addr,
+        master_port,
     )  # every option conflict is refused here, before anything is read
-    return run_merge(coerce_cfg(cfg, command="merge"), request)
+    config = coerce_cfg(cfg, command="merge")
+    if request.distributed and not _in_process_group():
+        from shardforge.merge.launch import launch_merge
+
+        return launch_merge(config, request)
+    if _in_process_group():
+        return merge_on_ranks(config, request)
+    return run_merge(config, request)
+
+
+def _in_process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def merge_on_ranks(config: ShardforgeConfig, request: MergeRequest) -> Path:
+    """This rank's part of a distributed merge (see `shardforge.merge.distributed`); every rank
+    returns the output path or raises the same MergeError."""
+    import torch.distributed as dist
+
+    from shardforge.merge.distributed import (
+        broadcast,
+        create_files,
+        gather_status,
+        owner,
+        raise_failures,
+        shares,
+        write_shares,
+    )
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    error: BaseException | None = None
+    prep: _Prepared | None = None
+    out = request.output_path
+    assert out is not None  # the request requires it for --format hf
+    try:
+        if rank == 0:
+            check_output_path(out, request.overwrite, [])
+        prep = _prepare(config, request)
+        if prep.adapter_config is not None or prep.expected.renamed_on_save:
+            raise MergeError(
+                "a distributed merge writes complete models of the stream engine; merge this "
+                "checkpoint on one rank"
+            )
+        if rank == 0:
+            check_output_path(out, request.overwrite, [c.model_dir for c in prep.sources.inputs])
+            check_free_space(out, prep.plan.total_bytes)
+    except (ShardforgeError, OSError) as exc:
+        error = exc
+    raise_failures(gather_status(error))
+    assert prep is not None
+    opts = _Options(
+        "stream",
+        request.quiet or rank != 0,
+        request.verifies,
+        request.save_tokenizer,
+        config.trust_remote_code,
+        config.chat_template,
+        config.chat_template_jinja,
+        default_max_shard_size(),
+        request.overwrite,
+    )
+    mine = shares(prep.plan, rank, world)
+    if rank == 0:
+        log.info(
+            "distributed merge on %d ranks: %s bytes each",
+            world,
+            f"{prep.plan.total_bytes // world:,}",
+        )
+    published: BaseException | None = None
+    try:
+        with atomic_directory(out, request.overwrite) if rank == 0 else _no_directory() as tmp:
+            directory = Path(broadcast(str(tmp) if rank == 0 else None))
+            _on_every_rank(lambda: create_files(prep.plan, directory) if rank == 0 else None)
+            mine_bytes = sum(
+                (s.rows[1] - s.rows[0]) * (s.tensor.spec.nbytes // max(1, _rows(s.tensor)))
+                for s in mine
+            )
+            with _progress(mine_bytes, "merging", opts.quiet) as update:
+                _on_every_rank(lambda: write_shares(mine, prep.by_name, directory, update))
+            if opts.verify:
+                owners = owner(prep.plan, world)
+                _on_every_rank(
+                    lambda: verify_output(
+                        prep.plan,
+                        prep.by_name,
+                        directory,
+                        tied=prep.expected.tied,
+                        only=lambda name: owners[name] == rank,
+                    )
+                )
+            if rank == 0:
+                write_index(prep.plan, directory)
+                _write_companions(prep, directory, opts)
+    except (ShardforgeError, OSError) as exc:
+        published = exc
+    raise_failures(gather_status(published))
+    if rank == 0:
+        log.info("wrote %s (%.1f MB) on %d ranks", out, prep.plan.total_bytes / 1e6, world)
+    return out
+
+
+def _rows(t: Any) -> int:
+    return t.spec.shape[0] if t.spec.shape else 1
+
+
+@contextmanager
+def _no_directory() -> Iterator[None]:
+    yield None
+
+
+def _on_every_rank(step: Callable[[], object]) -> None:
+    """Run `step` here, then stop every rank with the first failure any rank had."""
+    from shardforge.merge.distributed import gather_status, raise_failures
+
+    error: BaseException | None = None
+    try:
+        step()
+    except (ShardforgeError, OSError) as exc:
+        error = exc
+    raise_failures(gather_status(error))
 
 
 def run_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:

@@ -38,6 +38,14 @@ class MergeRequest:
     output_format: str = "hf"
     dry_run: bool = False
     merge_lora: bool = False
+    # a distributed merge: torchrun's options, passed through (gloo, CPU ranks)
+    nproc_per_node: int | None = None
+    nnodes: str | None = None
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.output_path is not None:
@@ -63,8 +71,31 @@ class MergeRequest:
             raise MergeError("give --average_last or --average_steps, not both")
         if len(set(self.average_steps)) != len(self.average_steps):
             raise MergeError("--average_steps: a step is listed twice")
+        if self.distributed:
+            if self.nproc_per_node is not None and self.nproc_per_node < 1:
+                raise MergeError(f"--nproc_per_node {self.nproc_per_node}: expected 1 or more")
+            what = [
+                flag
+                for flag, on in (
+                    ("--engine transformers", self.engine != "stream"),
+                    (f"--format {self.output_format}", self.single_file),
+                    ("--remove_checkpoint_dir", self.remove_checkpoint_dir),
+                    ("--dry_run", self.dry_run),
+                )
+                if on
+            ]
+            if what:
+                raise MergeError(
+                    f"a distributed merge (--nproc_per_node/--nnodes) writes --format hf with "
+                    f"the stream engine; drop {', '.join(what)} or merge on one rank"
+                )
         if self.step is not None and self.averaging:
             raise MergeError("--step picks one checkpoint; with averaging list --average_steps")
+
+    @property
+    def distributed(self) -> bool:
+        """More than one rank asked for (the launcher starts them with torchrun)."""
+        return (self.nproc_per_node or 1) > 1 or self.nnodes not in (None, "1")
 
     @property
     def averaging(self) -> bool:

@@ -475,6 +475,7 @@ def compare_all(
     tied: Mapping[str, str],
     compare: Callable[[str, str, torch.Tensor], None],
     batch_bytes: int = BATCH_BYTES,
+    only: Callable[[str], bool] | None = None,
 ) -> int:
     """Account for every name on both sides, then call ``compare(output name, label,
     expected)`` for each checkpoint tensor, read independently and cast as written; return the
@@ -485,6 +486,8 @@ def compare_all(
     name stored for it (a stored copy of a target must equal the tensor written for it).
     """
     checks = _checks(planned, sources, outputs, tied)
+    if only is not None:  # one rank's share: every name is still accounted for above
+        checks = [c for c in checks if only(c.output)]
     reader = IndependentReader()
     for batch in _batches(checks, batch_bytes):
         loaded = reader.load([s for c in batch for s in c.source.stored()])
@@ -505,14 +508,16 @@ def verify_output(
     tied: Mapping[str, str] | None = None,
     block_bytes: int = BLOCK_BYTES,
     batch_bytes: int = BATCH_BYTES,
+    only: Callable[[str], bool] | None = None,
 ) -> int:
     """Compare every tensor of the safetensors output in `directory` (read by the safetensors
     library) with the checkpoint read independently (see the module docstring); return the
-    number of tensors compared."""
+    number of tensors compared. `only`: compare just the output names it accepts (a rank's
+    share of a distributed merge; the accounting of every name still runs)."""
     outputs = output_tensors(directory)
     planned = {t.spec.name: t.spec.dtype for _, t in plan.tensors()}
 
     def compare(name: str, label: str, expected: torch.Tensor) -> None:
         _compare_output(name, outputs[name], expected, progress, block_bytes, label)
 
-    return compare_all(planned, sources, outputs, tied or {}, compare, batch_bytes)
+    return compare_all(planned, sources, outputs, tied or {}, compare, batch_bytes, only)

@@ -65,6 +65,11 @@ def write_plan(
                 os.fsync(fd)
             finally:
                 os.close(fd)
+    write_index(plan, directory)
+
+
+def write_index(plan: OutputPlan, directory: Path) -> None:
+    """model.safetensors.index.json when the weights are sharded."""
     if plan.index is not None:
         text = json.dumps(plan.index, indent=2, sort_keys=True) + "\n"
         (directory / SAFE_WEIGHTS_INDEX_NAME).write_text(text, encoding="utf-8")

@@ -1,0 +1,46 @@
+"""One rank of a distributed merge, as `merge-sharded-fsdp-weights --nproc_per_node N` has
+torchrun start it: `python -m shardforge.cli.merge_rank REQUEST.json`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+from shardforge.cli._common import run_guarded, setup_logging, split_debug
+from shardforge.errors import ShardforgeError
+
+
+def main(argv: list[str]) -> None:
+    args, debug = split_debug(argv)
+    if len(args) != 1:
+        print("usage: python -m shardforge.cli.merge_rank REQUEST.json", file=sys.stderr)
+        raise SystemExit(2)
+    setup_logging(quiet=os.environ.get("RANK", "0") != "0")
+
+    def merge() -> None:
+        import torch.distributed as dist
+
+        from shardforge.merge.api import merge_on_ranks
+        from shardforge.merge.launch import ERROR_FILE_ENV, read_request
+
+        config, request = read_request(Path(args[0]))
+        dist.init_process_group("gloo")
+        try:
+            merge_on_ranks(config, request)
+        except ShardforgeError as exc:
+            path = os.environ.get(ERROR_FILE_ENV)
+            if path:  # the first rank to fail leaves the message for the launcher
+                with contextlib.suppress(FileExistsError), open(path, "x", encoding="utf-8") as f:
+                    f.write(f"{exc.exit_code}\n{exc}")
+                raise SystemExit(exc.exit_code) from None
+            raise
+        finally:
+            dist.destroy_process_group()
+
+    run_guarded(merge, debug)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

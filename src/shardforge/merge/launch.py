@@ -1,0 +1,86 @@
+"""Start a distributed merge: torchrun runs `python -m shardforge.cli.merge_rank REQUEST` on
+every rank (gloo, CPU only), the request being the checked config and options in a JSON file.
+
+Like `train`, one machine gets `--standalone`; several pass `--nnodes`, `--node_rank`,
+`--rdzv_endpoint` (or `--master_addr`/`--master_port`) through. A rank that stops on a user
+error leaves its message in a file; the launcher prints it once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import MergeError, ShardforgeError
+from shardforge.merge.request import MergeRequest
+
+log = logging.getLogger("shardforge")
+
+# set for the ranks: where the first rank that fails on a user error writes it
+ERROR_FILE_ENV = "SHARDFORGE_RANK_ERROR_FILE"
+
+
+def torchrun_command(request: MergeRequest, request_file: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    cmd += ["--nproc_per_node", str(request.nproc_per_node or 1)]
+    passthrough = {
+        "--nnodes": request.nnodes,
+        "--node_rank": request.node_rank,
+        "--rdzv_endpoint": request.rdzv_endpoint,
+        "--rdzv_id": request.rdzv_id,
+        "--master_addr": request.master_addr,
+        "--master_port": request.master_port,
+    }
+    alone = request.rdzv_endpoint is None and request.master_addr is None
+    if alone and request.nnodes in (None, "1"):
+        cmd.append("--standalone")
+    for flag, value in passthrough.items():
+        if value is not None:
+            cmd += [flag, str(value)]
+    return [*cmd, "-m", "shardforge.cli.merge_rank", str(request_file)]
+
+
+def write_request(config: ShardforgeConfig, request: MergeRequest, path: Path) -> None:
+    fields = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(request).items()}
+    data = {"config": config.model_dump(mode="json"), "request": fields}
+    path.write_text(json.dumps(data), encoding="utf-8")
+
+
+def read_request(path: Path) -> tuple[ShardforgeConfig, MergeRequest]:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    fields = data["request"]
+    fields["average_steps"] = tuple(fields.get("average_steps") or ())
+    return ShardforgeConfig.model_validate(data["config"]), MergeRequest(**fields)
+
+
+def launch_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
+    """Run the merge on the requested ranks; the output path, or the ranks' one error."""
+    assert request.output_path is not None  # the request requires it for --format hf
+    with tempfile.TemporaryDirectory(prefix="shardforge-merge-") as tmp:
+        request_file = Path(tmp) / "request.json"
+        write_request(config, request, request_file)
+        error_file = Path(tmp) / "rank-error"
+        nproc = request.nproc_per_node or 1
+        env = {**os.environ, ERROR_FILE_ENV: str(error_file)}
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        cmd = torchrun_command(request, request_file)
+        log.info("launching: %s", " ".join(cmd))
+        status = subprocess.call(cmd, env=env)
+        if status != 0 and error_file.is_file():
+            code, message = error_file.read_text(encoding="utf-8").split("\n", 1)
+            error = ShardforgeError(message)
+            error.exit_code = int(code)
+            raise error
+    if status != 0:
+        raise MergeError(
+            f"the distributed merge failed (torchrun exit status {status}); nothing was "
+            f"published at {request.output_path}; see the log above"
+        )
+    return request.output_path
