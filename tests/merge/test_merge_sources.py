@@ -408,3 +408,20 @@ def test_verl_fsdp_config_of_another_world_size(built: Built, tmp_path: Path) ->
     with pytest.raises(CheckpointError, match=r"says world_size 4.*world size 2"):
         merge_fsdp_weights(_cfg(built.base, run), tmp_path / "out")
     assert not (tmp_path / "out").exists() and tree_hash(run) == before
+
+
+def test_all_steps_merges_each_step_to_its_folder(built: Built, tmp_path: Path) -> None:
+    """--all_steps: every LMMs-Engine step to out/step-N, each what merging that step alone
+    gives; --steps picks some; an unknown step is refused before anything is written."""
+    cfg = _cfg(built.base, built.root / "lmms")
+    out = merge_fsdp_weights(cfg, tmp_path / "all", all_steps=True, verify=True, quiet=True)
+    assert sorted(p.name for p in out.iterdir()) == [f"step-{s}" for s in sorted(LMMS_STEPS)]
+    for s in LMMS_STEPS:
+        assert_merged(built.base, out / f"step-{s}", expected_state(built.base, delta("model", s)))
+    some = merge_fsdp_weights(cfg, tmp_path / "some", steps=[LMMS_STEPS[0]], quiet=True)
+    assert [p.name for p in some.iterdir()] == [f"step-{LMMS_STEPS[0]}"]
+    with pytest.raises(MergeError, match=r"no complete checkpoint for step\(s\) 999"):
+        merge_fsdp_weights(cfg, tmp_path / "bad", steps=[LMMS_STEPS[0], 999])
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(MergeError, match="cannot be combined with --step"):
+        merge_fsdp_weights(cfg, tmp_path / "bad", all_steps=True, step=1)

@@ -40,6 +40,8 @@ Examples:
       --state_dict_dirname pytorch_ema_model_fsdp_0
   # a torchtitan step-N/ checkpoint (names mapped by the config's model_type)
   shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --checkpoint outputs/checkpoint
+  # every checkpoint of the run, each to out/step-N (or --steps 100,200)
+  shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --all_steps
   # on 4 CPU ranks of this machine (2 machines: --nnodes 2 --node_rank R --rdzv_endpoint H:P)
   shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --nproc_per_node 4
   # a LoRA run (adapter: lora): a PEFT adapter directory, or the fused model
@@ -56,8 +58,10 @@ Examples:
 """
 
 
-def parse_steps(value: str | int | list[int] | tuple[int, ...] | None) -> list[int] | None:
-    """`--average_steps 100,200,300` -> [100, 200, 300]."""
+def parse_steps(
+    value: str | int | list[int] | tuple[int, ...] | None, flag: str = "--average_steps"
+) -> list[int] | None:
+    """`--average_steps 100,200,300` (or `--steps`) -> [100, 200, 300]."""
     if value is None or isinstance(value, list):
         return value
     if isinstance(value, int):
@@ -68,7 +72,7 @@ def parse_steps(value: str | int | list[int] | tuple[int, ...] | None) -> list[i
     if not parts or not all(p.isdigit() for p in parts):
         from shardforge.errors import MergeError
 
-        raise MergeError(f"--average_steps {value!r}: expected step numbers like 100,200,300")
+        raise MergeError(f"{flag} {value!r}: expected step numbers like 100,200,300")
     return [int(p) for p in parts]
 
 
@@ -82,8 +86,9 @@ def do_merge_sharded_fsdp_weights(
     from shardforge.config import load_cfg, parse_override_args
     from shardforge.merge.api import merge_fsdp_weights
 
-    if "average_steps" in options:
-        options["average_steps"] = parse_steps(options["average_steps"])
+    for key in ("average_steps", "steps"):
+        if key in options:
+            options[key] = parse_steps(options[key], f"--{key}")
     overrides = parse_override_args(override_args or [])
     cfg = load_cfg(config, command="merge", **overrides)
     return merge_fsdp_weights(cfg, output_path, **options)
@@ -180,6 +185,16 @@ def do_merge_sharded_fsdp_weights(
     "(W + scale * B @ A, streamed) instead of a PEFT adapter directory.",
 )
 @spelled_option(
+    "all_steps",
+    is_flag=True,
+    help="Merge every checkpoint of the run, each to OUTPUT_PATH/step-N.",
+)
+@click.option(
+    "--steps",
+    default=None,
+    help="Merge these steps, e.g. 100,200, each to OUTPUT_PATH/step-N.",
+)
+@spelled_option(
     "nproc_per_node",
     type=int,
     default=None,
@@ -214,6 +229,8 @@ def command(
     output_format: str,
     dry_run: bool,
     merge_lora: bool,
+    all_steps: bool,
+    steps: str | None,
     quiet: bool,
     debug: bool,
     **launch: Any,
@@ -242,6 +259,8 @@ def command(
             output_format=output_format,
             dry_run=dry_run,
             merge_lora=merge_lora,
+            all_steps=all_steps,
+            steps=steps,
             **launch,
         ),
         debug or stray_debug,

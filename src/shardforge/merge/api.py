@@ -8,6 +8,7 @@ directory, streamed with memory bounded by about one tensor.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -231,6 +232,14 @@ def _hf_sources(
     return keymap, by_hf
 
 
+@functools.lru_cache(maxsize=4)
+def _architecture(config_source: str, trust_remote_code: bool) -> tuple[Any, ExpectedModel]:
+    """The model config and the meta-device architecture of `config_source` (built once per
+    process: --all_steps merges many checkpoints of one architecture)."""
+    config = load_model_config(config_source, trust_remote_code)
+    return config, build_expected(config, trust_remote_code)
+
+
 def _prepare(cfg: ShardforgeConfig, request: MergeRequest) -> _Prepared:
     """Everything decided and checked before a byte is written."""
     root = request.checkpoint if request.checkpoint is not None else cfg.output_dir
@@ -242,8 +251,7 @@ def _prepare(cfg: ShardforgeConfig, request: MergeRequest) -> _Prepared:
     # is checked (a hint to the kernel; nothing is held in this process).
     prefetch(sorted(p for c in inputs for p in c.model_dir.iterdir() if p.is_file()))
     sources = _sources(cfg, inputs)
-    config = load_model_config(sources.config, cfg.trust_remote_code)
-    expected = build_expected(config, cfg.trust_remote_code)
+    config, expected = _architecture(sources.config, cfg.trust_remote_code)
     opened = [_open_named(c, config) for c in inputs]
     if any(has_lora(list(named)) for named in opened):
         return _prepare_lora(cfg, request, sources, config, expected, opened)
@@ -490,6 +498,8 @@ def merge_fsdp_weights(
     rdzv_id: str | None = None,
     master_addr: str | None = None,
     master_port: int | None = None,
+    all_steps: bool = False,
+    steps: list[int] | None = None,
 ) -> Path:
     """Merge a sharded FSDP checkpoint (DCP, per-rank DTensor files, torchtitan) into a
     Hugging Face model directory, or one safetensors / torch file.
@@ -537,32 +547,36 @@ def merge_fsdp_weights(
             verification.
     """
     request = MergeRequest(
-        Path(output_path) if output_path is not None else None,
-        save_tokenizer,
-        checkpoint,
-        step,
-        dtype,
-        max_shard_size,
-        verify,
-        remove_checkpoint_dir,
-        overwrite,
-        engine,
-        quiet,
-        state_dict_dirname,
-        average_last,
-        tuple(average_steps or ()),
-        output_format,
-        dry_run,
-        merge_lora,
-        nproc_per_node,
-        nnodes,
-        node_rank,
-        rdzv_endpoint,
-        rdzv_id,
-        master_addr,
-        master_port,
+        output_path=Path(output_path) if output_path is not None else None,
+        save_tokenizer=save_tokenizer,
+        checkpoint=checkpoint,
+        step=step,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        verify=verify,
+        remove_checkpoint_dir=remove_checkpoint_dir,
+        overwrite=overwrite,
+        engine=engine,
+        quiet=quiet,
+        state_dict_dirname=state_dict_dirname,
+        average_last=average_last,
+        average_steps=tuple(average_steps or ()),
+        output_format=output_format,
+        dry_run=dry_run,
+        merge_lora=merge_lora,
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+        master_addr=master_addr,
+        master_port=master_port,
+        all_steps=all_steps,
+        steps=tuple(steps or ()),
     )  # every option conflict is refused here, before anything is read
     config = coerce_cfg(cfg, command="merge")
+    if request.per_step:
+        return _merge_steps(config, request)
     if request.distributed and not _in_process_group():
         from shardforge.merge.launch import launch_merge
 
@@ -570,6 +584,43 @@ def merge_fsdp_weights(
     if _in_process_group():
         return merge_on_ranks(config, request)
     return run_merge(config, request)
+
+
+def _merge_steps(config: ShardforgeConfig, request: MergeRequest) -> Path:
+    """--all_steps / --steps: each checkpoint of the run to <output_path>/step-N (the
+    architecture is built once; every step's output is checked before the first is written)."""
+    from dataclasses import replace
+
+    root = request.checkpoint if request.checkpoint is not None else config.output_dir
+    found = {c.step: c for c in list_checkpoints(root, request.state_dict_dirname)}
+    wanted = list(request.steps) or sorted(found)
+    missing = [s for s in wanted if s not in found]
+    if missing or not wanted:
+        raise MergeError(
+            f"--steps: {root} has no complete checkpoint for step(s) "
+            f"{', '.join(map(str, missing)) or '(none found)'}; steps found: "
+            f"{sorted(found) or 'none'}"
+        )
+    out = request.output_path
+    assert out is not None  # the request requires it for --format hf
+    requests = [
+        replace(request, step=s, all_steps=False, steps=(), output_path=out / f"step-{s}")
+        for s in wanted
+    ]
+    for r in requests:
+        assert r.output_path is not None
+        check_output_path(r.output_path, r.overwrite, [])
+    if not request.dry_run:
+        out.mkdir(parents=True, exist_ok=True)
+    log.info("merging %d steps to %s: %s", len(wanted), out, ", ".join(map(str, wanted)))
+    for r in requests:
+        if r.distributed and not _in_process_group():
+            from shardforge.merge.launch import launch_merge
+
+            launch_merge(config, r)
+        else:
+            run_merge(config, r)
+    return out
 
 
 def _in_process_group() -> bool:

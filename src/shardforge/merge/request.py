@@ -38,6 +38,9 @@ class MergeRequest:
     output_format: str = "hf"
     dry_run: bool = False
     merge_lora: bool = False
+    # every step of the run (or these steps), each to <output_path>/step-N
+    all_steps: bool = False
+    steps: tuple[int, ...] = ()
     # a distributed merge: torchrun's options, passed through (gloo, CPU ranks)
     nproc_per_node: int | None = None
     nnodes: str | None = None
@@ -51,6 +54,26 @@ class MergeRequest:
         if self.output_path is not None:
             object.__setattr__(self, "output_path", Path(self.output_path).absolute())
         object.__setattr__(self, "average_steps", tuple(self.average_steps or ()))
+        object.__setattr__(self, "steps", tuple(self.steps or ()))
+        if self.per_step:
+            clash = [
+                flag
+                for flag, on in (
+                    ("--step", self.step is not None),
+                    ("averaging", self.averaging),
+                    ("--remove_checkpoint_dir", self.remove_checkpoint_dir),
+                    (f"--format {self.output_format}", self.single_file),
+                    ("--all_steps with --steps", self.all_steps and bool(self.steps)),
+                )
+                if on
+            ]
+            if clash:
+                raise MergeError(
+                    f"--all_steps / --steps merge each step to <output_path>/step-N; they "
+                    f"cannot be combined with {', '.join(clash)}"
+                )
+            if len(set(self.steps)) != len(self.steps):
+                raise MergeError("--steps: a step is listed twice")
         if self.engine not in ENGINES:
             raise MergeError(f"--engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
         if self.output_format not in OUTPUT_FORMATS:
@@ -91,6 +114,11 @@ class MergeRequest:
                 )
         if self.step is not None and self.averaging:
             raise MergeError("--step picks one checkpoint; with averaging list --average_steps")
+
+    @property
+    def per_step(self) -> bool:
+        """Several steps, each merged to its own `step-N` folder."""
+        return self.all_steps or bool(self.steps)
 
     @property
     def distributed(self) -> bool:
