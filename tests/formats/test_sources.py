@@ -88,3 +88,32 @@ def test_average_lists_every_difference(tmp_path: Path) -> None:
     msg = str(exc.value)
     assert "step 2 lacks v" in msg and "step 2 has extra u" in msg
     assert "w: torch.float32 [2, 2] in step 1 vs torch.float16 [2, 2] in step 2" in msg
+
+
+def test_casts_go_through_memory_in_parallel_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cast of a stored slab, in many small blocks on the cast threads, equals `.to(dtype)`
+    (and so does writing some rows only, as a distributed merge rank does)."""
+    from shardforge.formats import sources as mod
+
+    monkeypatch.setattr(mod, "CAST_BLOCK", 64)  # 64-byte blocks: dozens of them, in parallel
+    torch.manual_seed(1)
+    ts = {"w": torch.randn(301, 7), "v": torch.randn(5)}
+    srcs = _save(tmp_path / "ck", ts)
+    with ChunkReader() as reader:
+        for dtype in (torch.bfloat16, torch.float16):
+            for name, t in ts.items():
+                got = _written(reader, srcs[name], dtype, tmp_path / "o")
+                assert torch.equal(got, t.to(dtype)), (name, dtype)
+        src, t = srcs["w"], ts["w"]
+        fd = os.open(tmp_path / "rows", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, t.numel() * 2)
+            src.write_rows(reader, fd, 0, torch.bfloat16, (100, 250), lambda n: None)
+            data = bytearray(os.pread(fd, t.numel() * 2, 0))
+        finally:
+            os.close(fd)
+        rows = torch.frombuffer(data, dtype=torch.bfloat16).reshape(t.shape)
+        assert torch.equal(rows[100:250], t[100:250].bfloat16())
+        assert not rows[:100].any() and not rows[250:].any()

@@ -17,7 +17,9 @@ source they have.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -33,7 +35,8 @@ from shardforge.formats.dcp.chunks import (
     tensor_bytes,
 )
 from shardforge.formats.dcp.metadata import Chunk, TensorEntry
-from shardforge.formats.dcp.records import read_chunk
+from shardforge.formats.dcp.records import RawChunk, read_chunk
+from shardforge.io.files import read_exact_into
 
 Progress = Callable[[int], None]
 Index = tuple[slice, ...]
@@ -280,9 +283,12 @@ class DcpSource:
                 fd, raw = reader.locate(c)
                 if raw is not None and raw.contiguous and raw.dtype == out_dtype:
                     copy_range(fd, out_fd, raw.data_offset, dst, raw.nbytes)
+                    progress(c.numel * out_dtype.itemsize)
+                elif raw is not None and raw.contiguous and c.sizes:
+                    cast_slab(fd, raw, out_fd, dst, out_dtype, progress)
                 else:
                     pwrite_all(out_fd, tensor_bytes(read_chunk(c, fd, raw).to(out_dtype)), dst)
-                progress(c.numel * out_dtype.itemsize)
+                    progress(c.numel * out_dtype.itemsize)
             return
         full = reader.read_full(self.entry).to(out_dtype)
         pwrite_all(out_fd, tensor_bytes(full), offset)
@@ -326,6 +332,51 @@ class DcpSource:
         for chunk in self.entry.chunks:
             if chunk.numel:
                 yield from _chunk_blocks(reader, chunk, dtype, block_bytes)
+
+
+# a cast goes through memory in blocks of about this many input bytes, several at a time
+CAST_BLOCK = 16 << 20
+CAST_THREADS = max(1, min(4, os.cpu_count() or 1))
+_cast_pool: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _cast_pool
+    if _cast_pool is None:
+        _cast_pool = ThreadPoolExecutor(CAST_THREADS, thread_name_prefix="shardforge-cast")
+    return _cast_pool
+
+
+def cast_slab(
+    fd: int,
+    raw: RawChunk,
+    out_fd: int,
+    dst: int,
+    out_dtype: torch.dtype,
+    progress: Progress,
+    block_bytes: int | None = None,
+) -> None:
+    """A contiguous stored chunk, cast to `out_dtype`, at byte `dst` of `out_fd`: row blocks
+    read, converted and written by `CAST_THREADS` threads (reads, the conversion and writes
+    release the GIL). Memory: one block per thread."""
+    rows = raw.size[0]
+    row_in = max(1, math.prod(raw.size[1:]) * raw.dtype.itemsize)
+    row_out = math.prod(raw.size[1:]) * out_dtype.itemsize
+    step = max(1, (block_bytes or CAST_BLOCK) // row_in)
+    label = str(raw.file)
+
+    def one(start: int) -> int:
+        stop = min(rows, start + step)
+        buf = bytearray((stop - start) * row_in)
+        if buf:
+            read_exact_into(fd, buf, raw.data_offset + start * row_in, label)
+        block = torch.frombuffer(buf, dtype=raw.dtype) if buf else torch.empty(0, dtype=raw.dtype)
+        data = tensor_bytes(block.to(out_dtype))
+        pwrite_all(out_fd, data, dst + start * row_out)
+        return data.nbytes
+
+    for written in _pool().map(one, range(0, rows, step)):
+        progress(written)
 
 
 def _is_slab(c: Chunk, shape: tuple[int, ...]) -> bool:
