@@ -361,7 +361,7 @@ def _config_dtype(config: Any) -> torch.dtype | None:
     return raw if isinstance(raw, torch.dtype) and raw.is_floating_point else None
 
 
-def _base_directory(base_model: str | None) -> Path:
+def base_directory(base_model: str | None) -> Path:
     """base_model as a local directory: the path, else its snapshot in the Hugging Face cache
     (nothing is downloaded)."""
     if not base_model:
@@ -394,7 +394,7 @@ class LoraMerge:
     dtype: torch.dtype | None  # the main output dtype (config.json)
 
 
-def _base_sources(
+def base_sources(
     base_dir: Path,
     expected: ExpectedModel,
     source: str,
@@ -459,7 +459,7 @@ def prepare_lora(
         len(adapter.names.pairs),
         len(adapter.names.replacements),
     )
-    base_dir = _base_directory(cfg.base_model)
+    base_dir = base_directory(cfg.base_model)
     log.info("base model: %s", base_dir)
     prefetch(sorted(p for p in base_dir.iterdir() if p.suffix == ".safetensors"))
     config_source = cfg.base_model_config or str(base_dir)
@@ -496,7 +496,7 @@ def prepare_lora(
             adapter_dir,
             ", ".join(f"{t} / {s}" for t, s in untied.items()),
         )
-    base = _base_sources(base_dir, expected, config_source, untied)
+    base = base_sources(base_dir, expected, config_source, untied)
     by_name = fuse_sources(
         base, adapter.names, adapter.tensors, adapter.settings, expected, str(adapter_dir)
     )
