@@ -22,6 +22,7 @@ def main(argv: list[str]) -> None:
     def merge() -> None:
         import torch.distributed as dist
 
+        from shardforge.io.dist import finish_together
         from shardforge.merge.api import merge_on_ranks
         from shardforge.merge.launch import ERROR_FILE_ENV, read_request
 
@@ -29,6 +30,7 @@ def main(argv: list[str]) -> None:
         dist.init_process_group("gloo")
         try:
             merge_on_ranks(config, request)
+            finish_together()
         except ShardforgeError as exc:
             path = os.environ.get(ERROR_FILE_ENV)
             if path:  # the first rank to fail leaves the message for the launcher
