@@ -187,7 +187,14 @@ def sort_keys(data: Mapping[str, Any], command: str) -> Sorted:
     scope = COMMAND_KEYS[command]
     if scope is not None:
         out.unused = [str(k) for k in data if k not in scope]
-        out.data = {str(k): v for k, v in data.items() if k in scope}
+        nullable = _nullable(ShardforgeConfig)
+        # a bare `key:` of a key with no null value of its own means "unset", as for train
+        out.data = {
+            str(k): v
+            for k, v in data.items()
+            if k in scope
+            and (v is not None or k in nullable or k not in ShardforgeConfig.model_fields)
+        }
         known = known_top_level_keys()
         for key in out.unused:  # a misspelt key the command needs must not pass unnoticed
             hint = suggest(key, scope) if key not in known else ""
