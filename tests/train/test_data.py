@@ -62,10 +62,10 @@ def test_chat_template_trains_on_assistant_turns_only(tok) -> None:  # type: ign
 
 def test_packing_and_padding() -> None:
     samples = [Sample([1, 2, 3], [1, 2, 3]), Sample([4, 5], [-100, 5])]
-    packed = to_sequences(samples, 4, packing=True, pad_id=0)
-    assert packed.input_ids.tolist() == [[1, 2, 3, 4], [5, 0, 0, 0]]
-    assert packed.labels.tolist() == [[1, 2, 3, -100], [5, -100, -100, -100]]
-    assert packed.attention_mask.tolist() == [[1, 1, 1, 1], [1, 0, 0, 0]]
+    packed = to_sequences(samples, 4, packing=True, pad_id=0)  # whole samples (test_packing.py)
+    assert packed.input_ids.tolist() == [[1, 2, 3, 0], [4, 5, 0, 0]]
+    assert packed.labels.tolist() == [[-100, 2, 3, -100], [-100, 5, -100, -100]]
+    assert packed.attention_mask.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0]]
     padded = to_sequences(samples, 2, packing=False, pad_id=9)
     assert padded.input_ids.tolist() == [[1, 2], [4, 5]]
     assert padded.labels.tolist() == [[1, 2], [-100, 5]]

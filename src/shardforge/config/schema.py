@@ -213,7 +213,10 @@ class ShardforgeConfig(_Strict):
     sequence_len: int = Field(2048, gt=0, description="Maximum tokens per training sequence.")
     sample_packing: bool = Field(
         False,
-        description="Pack several samples into each sequence_len window instead of padding each.",
+        description="Pack several whole samples into each sequence_len window instead of "
+        "padding each; each sample attends only to itself (position ids restart per sample; "
+        "needs an attn_implementation that honours them: eager, sdpa, flex_attention, "
+        "flash_attention_2/3).",
     )
     micro_batch_size: int = Field(1, gt=0, description="Sequences per rank per forward pass.")
     gradient_accumulation_steps: int = Field(

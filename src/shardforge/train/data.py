@@ -3,7 +3,8 @@
     read_rows(ds)                          rows of one data set (json/jsonl/parquet/text), split
     tokenize_row(row, ds, tokenizer, ...)  (input_ids, labels) of one row, by data set type:
                                            completion, alpaca, input_output, chat_template
-    to_sequences(samples, seq_len, ...)    packed or padded [N, seq_len] tensors
+    to_sequences(samples, seq_len, ...)    packed (samples isolated, see packing.py) or padded
+                                           [N, seq_len] tensors
     GlobalOrder(n, seed)                   which sequence sits at each global position
 
 Every rank builds the same sequences and the same order; an optimizer step consumes the next
@@ -25,6 +26,7 @@ import torch
 from shardforge.config.chat_templates import resolve_chat_template
 from shardforge.config.schema import DatasetConfig, ShardforgeConfig
 from shardforge.errors import ConfigError, ShardforgeError
+from shardforge.train import packing
 from shardforge.train.vocab import add_config_tokens
 
 IGNORE_INDEX = -100
@@ -378,18 +380,35 @@ def load_samples(
 
 @dataclass(frozen=True)
 class Sequences:
-    """Fixed-length training sequences: input_ids, labels, attention_mask, each [N, seq_len]."""
+    """Fixed-length training sequences: input_ids, labels, attention_mask, each [N, seq_len].
+
+    attention_mask is 1 for tokens and 0 for padding. Packed sequences also have position_ids
+    (restarting at 0 for every sample, see `shardforge.train.packing`); the model gets those
+    instead of the attention mask (`model_inputs`)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     attention_mask: torch.Tensor
+    position_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
     def select(self, index: list[int]) -> Sequences:
         idx = torch.tensor(index, dtype=torch.long)
-        return Sequences(self.input_ids[idx], self.labels[idx], self.attention_mask[idx])
+        positions = None if self.position_ids is None else self.position_ids[idx]
+        return Sequences(self.input_ids[idx], self.labels[idx], self.attention_mask[idx], positions)
+
+
+def model_inputs(batch: Sequences, device: torch.device) -> dict[str, Any]:
+    """The forward arguments of a batch: packed windows by position ids alone (transformers
+    then keeps their samples apart), padded rows by attention mask. No KV cache either way."""
+    inputs: dict[str, Any] = {"input_ids": batch.input_ids.to(device), "use_cache": False}
+    if batch.position_ids is not None:
+        inputs["position_ids"] = batch.position_ids.to(device)
+    else:
+        inputs["attention_mask"] = batch.attention_mask.to(device)
+    return inputs
 
 
 def _pad_rows(rows: list[Sample], seq_len: int, pad_id: int) -> Sequences:
@@ -406,17 +425,40 @@ def _pad_rows(rows: list[Sample], seq_len: int, pad_id: int) -> Sequences:
 
 
 def to_sequences(samples: list[Sample], seq_len: int, packing: bool, pad_id: int) -> Sequences:
-    """Packed: all samples concatenated and cut into seq_len windows (the last one padded).
+    """Packed: whole samples in seq_len windows, isolated from each other (`pack`).
     Padded: each sample truncated or padded to seq_len; padding has label -100 and mask 0."""
     if not packing:
         return _pad_rows(samples, seq_len, pad_id)
-    flat_ids = [t for s in samples for t in s.input_ids]
-    flat_labels = [t for s in samples for t in s.labels]
-    windows = [
-        Sample(flat_ids[i : i + seq_len], flat_labels[i : i + seq_len])
-        for i in range(0, len(flat_ids), seq_len)
+    return pack(samples, seq_len, pad_id)
+
+
+def pack(samples: list[Sample], seq_len: int, pad_id: int) -> Sequences:
+    """Samples packed into seq_len windows without cross-talk (see `shardforge.train.packing`).
+
+    A sample longer than seq_len is cut into seq_len pieces, each packed as a sample of its
+    own; `packing.plan_windows` places them (best fit, in data order). Each sample's first
+    label is -100 (it would be predicted from the previous sample), the position ids restart
+    at 0 for every sample and for the trailing padding (label -100, attention_mask 0)."""
+    parts = [
+        Sample(s.input_ids[a:b], [IGNORE_INDEX, *s.labels[a + 1 : b]])
+        for s in samples
+        for a, b in packing.pieces(len(s.input_ids), seq_len)
     ]
-    return _pad_rows(windows, seq_len, pad_id)
+    windows = packing.plan_windows([len(p.input_ids) for p in parts], seq_len)
+    rows = [
+        Sample([t for i in w for t in parts[i].input_ids], [t for i in w for t in parts[i].labels])
+        for w in windows
+    ]
+    out = _pad_rows(rows, seq_len, pad_id)
+    positions = [
+        packing.position_ids([len(parts[i].input_ids) for i in w], seq_len) for w in windows
+    ]
+    return Sequences(
+        out.input_ids,
+        out.labels,
+        out.attention_mask,
+        torch.tensor(positions, dtype=torch.long).reshape(len(windows), seq_len),
+    )
 
 
 class GlobalOrder:

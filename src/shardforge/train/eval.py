@@ -33,6 +33,7 @@ from shardforge.train.data import (
     Sequences,
     data_files,
     load_samples,
+    model_inputs,
     pad_token_id,
     to_sequences,
 )
@@ -143,8 +144,7 @@ def _sequence_losses(
     model: torch.nn.Module, batch: Sequences, device: torch.device
 ) -> tuple[torch.Tensor, int]:
     """Each sequence's summed token loss (float64) and the batch's number of target tokens."""
-    ids = batch.input_ids.to(device)
-    logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device)).logits
+    logits = model(**model_inputs(batch, device)).logits
     labels = batch.labels.to(device)[:, 1:]
     token = F.cross_entropy(
         logits[:, :-1].float().reshape(-1, logits.shape[-1]),

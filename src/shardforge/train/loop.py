@@ -23,12 +23,14 @@ import torch.nn.functional as F
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ShardforgeError
+from shardforge.io.dist import finish_together
 from shardforge.train import checkpointing as ckpt
 from shardforge.train.data import (
     IGNORE_INDEX,
     GlobalOrder,
     Sequences,
     load_tokenizer,
+    model_inputs,
     rank_slice,
 )
 from shardforge.train.diagnostics import StepMemory, report_sharding
@@ -48,6 +50,7 @@ from shardforge.train.optim import (
     continuation,
     scheduler_state,
 )
+from shardforge.train.packing import check_packing
 from shardforge.train.runtime import (
     Runtime,
     device_mesh,
@@ -93,8 +96,7 @@ def _micro_batches(
 
 
 def _loss_sum(model: torch.nn.Module, batch: Sequences, device: torch.device) -> torch.Tensor:
-    ids = batch.input_ids.to(device)
-    logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device)).logits
+    logits = model(**model_inputs(batch, device)).logits
     labels = batch.labels.to(device)[:, 1:]
     return F.cross_entropy(
         logits[:, :-1].float().reshape(-1, logits.shape[-1]),
@@ -140,7 +142,7 @@ def run_training(cfg: ShardforgeConfig) -> TrainResult:
         result = _train(cfg, rt)
         # every rank is done with its last collective before any rank tears the group down
         # (gloo can abort a rank whose peer closes its connections while it still talks)
-        dist.barrier()
+        finish_together()
         return result
     finally:
         dist.destroy_process_group()
@@ -182,6 +184,7 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
         return TrainResult(steps=saved.step, output_dir=out, resumed_from=resume)
 
     model = build_meta_model(cfg, model_config)
+    check_packing(cfg, model)  # sample_packing needs attention that keeps samples apart
     weights = prepare_lora(model, cfg, rt.is_main) if cfg.adapter else None
     shard_model(model, cfg, device_mesh(rt, mesh))
     materialize_and_load(model, cfg, rt.device, rt.rank, weights)

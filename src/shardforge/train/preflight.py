@@ -23,6 +23,7 @@ from shardforge.train.model import (
     load_model_config,
     wrap_classes,
 )
+from shardforge.train.packing import check_packing
 from shardforge.train.runtime import mesh_shape
 from shardforge.train.tracking import check_trackers
 
@@ -60,6 +61,7 @@ def check_model(cfg: ShardforgeConfig) -> list[Problem]:
             return [("base_model", f"no model.safetensors (or its index) in {base}")]
         model = build_meta_model(cfg, model_config)
         wrap_classes(model, cfg.fsdp.transformer_layer_cls_to_wrap)
+        check_packing(cfg, model)
     except ConfigError as exc:
         return _problems_of(exc)
     max_pos = getattr(model_config, "max_position_embeddings", None)
