@@ -4,7 +4,8 @@ through the real CLI and torchrun; a rank killed mid-merge leaves nothing at the
 and the input unchanged.
 
 The checkpoints are the session-shared ones of `test_inspection` (3 gloo ranks of a tiny Llama
-in our, HF Trainer, Lightning, verl and torchtitan layouts).
+in our, HF Trainer, Lightning, verl and LMMs-Engine layouts), plus a torchtitan step (its own
+names, RoPE-permuted q/k) written as `test_merge_sources` writes it.
 """
 
 from __future__ import annotations
@@ -26,18 +27,33 @@ from shardforge.cli.main import cli
 from shardforge.merge.distributed import shares
 from test_inspection import Built, build_checkpoints
 
-LAYOUTS = {
+LAYOUTS = {  # layout -> its tree in test_inspection's checkpoints
     "ours": "ours",
     "hf-trainer": "hf",
     "lightning": "lightning",
     "verl": "verl",
-    "torchtitan": "titan",
+    "lmms-engine": "lmms",
 }
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     return build_checkpoints(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def titan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(base model, torchtitan checkpoint root) as test_merge_sources writes them."""
+    from test_merge_sources import SHAPES, WORLD_SIZE, save_layouts
+
+    from shardforge.testing.dist import run_on_ranks
+    from shardforge.testing.tiny import make_model
+
+    root = tmp_path_factory.mktemp("titan")
+    base = make_model(root / "base", "llama", seed=3, **SHAPES)
+    other = make_model(root / "other", "llama", seed=4, **{**SHAPES, "intermediate_size": 99})
+    run_on_ranks(save_layouts, WORLD_SIZE, str(base), str(other), str(root / "trees"))
+    return base, root / "trees" / "titan"
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -48,13 +64,24 @@ def _tree(root: Path) -> dict[str, str]:
     }
 
 
-def _merge(built: Built, layout: str, out: Path, *extra: str) -> None:
+def _merge(base: Path, checkpoint: Path, out: Path, *extra: str) -> None:
     cfg = out.parent / f"{out.name}.yml"
-    cfg.write_text(yaml.safe_dump({"base_model": str(built.base), "output_dir": "unused"}))
-    checkpoint = built.root / LAYOUTS[layout]
+    cfg.write_text(yaml.safe_dump({"base_model": str(base), "output_dir": "unused"}))
     args = [str(cfg), "--output_path", str(out), "--checkpoint", str(checkpoint), "--quiet"]
     result = CliRunner().invoke(cli, ["merge-sharded-fsdp-weights", *args, *extra])
     assert result.exit_code == 0, result.output
+
+
+def _same_bytes_at_two_and_three_ranks(base: Path, checkpoint: Path, tmp_path: Path) -> None:
+    before = _tree(checkpoint)
+    _merge(base, checkpoint, tmp_path / "one")
+    want = _tree(tmp_path / "one")
+    for n in (2, 3):
+        out = tmp_path / f"ranks{n}"
+        _merge(base, checkpoint, out, "--nproc_per_node", str(n), "--verify")
+        assert _tree(out) == want, (checkpoint, n)
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".ranks{n}")]
+    assert _tree(checkpoint) == before
 
 
 @pytest.mark.slow
@@ -62,15 +89,12 @@ def _merge(built: Built, layout: str, out: Path, *extra: str) -> None:
 def test_two_and_three_ranks_write_the_single_process_bytes(
     built: Built, tmp_path: Path, layout: str
 ) -> None:
-    before = _tree(built.root / LAYOUTS[layout])
-    _merge(built, layout, tmp_path / "one")
-    want = _tree(tmp_path / "one")
-    for n in (2, 3):
-        out = tmp_path / f"ranks{n}"
-        _merge(built, layout, out, "--nproc_per_node", str(n), "--verify")
-        assert _tree(out) == want, (layout, n)
-        assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".ranks{n}")]
-    assert _tree(built.root / LAYOUTS[layout]) == before
+    _same_bytes_at_two_and_three_ranks(built.base, built.root / LAYOUTS[layout], tmp_path)
+
+
+@pytest.mark.slow
+def test_a_torchtitan_step_on_two_and_three_ranks(titan: tuple[Path, Path], tmp_path: Path) -> None:
+    _same_bytes_at_two_and_three_ranks(*titan, tmp_path)
 
 
 def test_shares_cover_every_byte_once_and_split_large_tensors(built: Built, tmp_path: Path) -> None:
