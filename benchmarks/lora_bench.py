@@ -64,7 +64,8 @@ def make_inputs(root: Path, size_bytes: int, rank: int) -> tuple[Path, Path]:
     from shardforge.testing.tiny import make_model
 
     base, adapter = root / "base", root / "adapter"
-    if (base / "config.json").is_file() and (adapter / "adapter_config.json").is_file():
+    ready = [base / "config.json", adapter / "adapter_config.json", root / "run" / "checkpoint-1"]
+    if all(p.exists() for p in ready):
         print(f"reusing {base} and {adapter}", file=sys.stderr)
         return base, adapter
     shutil.rmtree(base, ignore_errors=True)
@@ -82,6 +83,18 @@ def make_inputs(root: Path, size_bytes: int, rank: int) -> tuple[Path, Path]:
             if "lora_" in name:  # peft starts B at zeros: the fuse would change nothing
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     peft_model.save_pretrained(adapter)
+    # the same weights as a PEFT-wrapped model's DCP checkpoint (as accelerate saves it under
+    # FSDP), for the `checkpoint` contender: merge-sharded-fsdp-weights --merge_lora
+    import torch.distributed.checkpoint as dcp
+
+    step = root / "run" / "checkpoint-1"
+    shutil.rmtree(step, ignore_errors=True)
+    dcp.save(
+        {"model": peft_model.state_dict()},
+        checkpoint_id=step / "pytorch_model_fsdp_0",
+        no_dist=True,
+    )
+    lora.save_pretrained(step)
     return base, adapter
 
 
@@ -107,6 +120,11 @@ def command_for(
     if name == "shardforge":
         shardforge = str(Path(sys.executable).parent / "shardforge")
         return [shardforge, "merge-lora", str(cfg), "--lora_model_dir", str(adapter),
+                "--output_path", str(out), "--dtype", dtype, "--quiet",
+                "--no_save_tokenizer"]  # fmt: skip
+    if name == "checkpoint":  # a LoRA training checkpoint, fused by the sharded merge
+        shardforge = str(Path(sys.executable).parent / "shardforge")
+        return [shardforge, "merge-sharded-fsdp-weights", str(cfg), "--merge_lora",
                 "--output_path", str(out), "--dtype", dtype, "--quiet",
                 "--no_save_tokenizer"]  # fmt: skip
     if name == "peft":
@@ -176,6 +194,7 @@ def main() -> None:
     cfg = root / "bench.yml"
     cfg.write_text(f"base_model: {base}\noutput_dir: {root / 'run'}\n")
     files = sorted(base.glob("*.safetensors")) + sorted(adapter.glob("*.safetensors"))
+    files += sorted((root / "run").rglob("*.distcp"))
     base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
     largest = largest_tensor(base)
 
@@ -200,6 +219,9 @@ def main() -> None:
         if {"shardforge", "peft"} <= set(names)
         else "not compared"
     )
+    if {"shardforge", "checkpoint"} <= set(names):
+        fused = same_outputs(root / "merged-shardforge", root / "merged-checkpoint")
+        print(f"merge-lora vs merge-sharded-fsdp-weights --merge_lora outputs: {fused}")
 
     print(f"\nbase model: {human(base_bytes)} float32 ({base}); largest tensor {human(largest)}")
     print(f"adapter: {adapter}; output dtype: {args.dtype}; cache: {args.cache} "
