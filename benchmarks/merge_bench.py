@@ -5,19 +5,29 @@ several gloo ranks, in the HF Trainer / accelerate layout), then measures, alter
 contenders run by run:
 
 - shardforge: `shardforge merge-sharded-fsdp-weights CFG --checkpoint DIR --output_path OUT`
+- shardforge_cast: the same with `--dtype bfloat16` (a float32 checkpoint: every byte is cast)
+- shardforge_Nranks (e.g. shardforge_2ranks): the same with `--nproc_per_node N` (torchrun, gloo)
+- shardforge_dry_run: the same with `--dry_run`: imports, metadata, the meta-device
+  architecture, every check and the plan, and no byte written (the merge's fixed start-up cost)
 - accelerate: `accelerate.utils.merge_fsdp_weights(DIR, OUT)` (the `bench` extra)
 - dcp_to_torch_save: `torch.distributed.checkpoint.format_utils.dcp_to_torch_save(DIR, OUT)`
-- copy: `cp -r` of the shard files plus an fsync of the copy (the disk's reference)
+- copy: `cp -r` of the checkpoint directory plus `sync` of the copied files (the disk's reference)
 
-Each contender runs in its own process; wall seconds, the process's peak RSS (from wait4) and the
-output bytes are recorded. The script prints the medians and the ratios shardforge/peer.
+Each contender runs in its own process (tree); wall seconds, the peak RSS of its largest process
+(from wait4), the peak of the whole process tree's summed RSS (sampled every 50 ms: a multi-rank
+merge is several processes), the 1-minute load average before the run (the machine may be shared)
+and the output bytes are recorded. The script prints the medians and the ratios to shardforge
+and to the copy.
 
     python benchmarks/merge_bench.py --size 1GB --repeats 3
     python benchmarks/merge_bench.py --size 4GB --dtype float32 --cache cold
     python benchmarks/merge_bench.py --size 4GB --contenders shardforge --baseline /tmp/old  # vs. a checkout
+    python benchmarks/merge_bench.py --size 4GB --contenders copy,shardforge,shardforge_cast,\
+        shardforge_2ranks,shardforge_3ranks,shardforge_dry_run,accelerate
 
 `--cache cold` evicts the checkpoint's files from the page cache before every run
-(posix_fadvise DONTNEED after an fsync, no root needed); `--cache warm` reads them once first.
+(posix_fadvise DONTNEED after an fsync, no root needed; not a system-wide drop_caches);
+`--cache warm` reads them once first.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import argparse
 import json
 import os
 import pickle
+import re
 import shutil
 import statistics
 import subprocess
@@ -240,17 +251,39 @@ PEER_SNIPPETS = {
 }
 
 
-def command_for(name: str, cfg: Path, ckpt: Path, out: Path, baseline: str = "") -> list[str]:
+# shardforge's variants: contender name -> extra options of the merge command
+SHARDFORGE_VARIANTS = {
+    "shardforge": [],
+    "shardforge_cast": ["--dtype", "bfloat16"],
+    "shardforge_dry_run": ["--dry_run"],
+}
+RANKS_VARIANT = re.compile(r"^shardforge_(\d+)ranks$")
+
+
+def shardforge_options(name: str) -> list[str] | None:
+    """The extra merge options of a shardforge contender, None for any other contender."""
+    if name in SHARDFORGE_VARIANTS:
+        return SHARDFORGE_VARIANTS[name]
+    m = RANKS_VARIANT.match(name)
+    return ["--nproc_per_node", m[1]] if m else None
+
+
+def command_for(
+    name: str, cfg: Path, ckpt: Path, out: Path, baseline: str = "", source: str = ""
+) -> list[str]:
     merge = ["merge-sharded-fsdp-weights", str(cfg), "--checkpoint", str(ckpt),
              "--output_path", str(out), "--quiet", "--no-save-tokenizer"]  # fmt: skip
-    if name == "shardforge":
-        return [str(Path(sys.executable).parent / "shardforge"), *merge]
+    extra = shardforge_options(name)
+    if extra is not None and source:  # a fixed checkout, not the (changing) working tree
+        return ["env", f"PYTHONPATH={Path(source).resolve() / 'src'}", sys.executable, "-m",
+                "shardforge", *merge, *extra]  # fmt: skip
+    if extra is not None:
+        return [str(Path(sys.executable).parent / "shardforge"), *merge, *extra]
     if name == "baseline":  # another checkout's source (e.g. the previous release), same packages
         return ["env", f"PYTHONPATH={Path(baseline).resolve() / 'src'}", sys.executable, "-m",
                 "shardforge", *merge]  # fmt: skip
-    if name == "copy":
-        files = " ".join(f"'{p}'" for p in sorted(ckpt.glob("*.distcp")))
-        return ["bash", "-c", f"mkdir -p '{out}' && cp {files} '{out}/' && sync '{out}'/*"]
+    if name == "copy":  # `sync FILE...` fsyncs those files only (the machine may be shared)
+        return ["bash", "-c", f"cp -r '{ckpt}' '{out}' && sync '{out}'/* '{out}'/.metadata '{out}'"]
     code = "import sys\n" + textwrap.dedent(PEER_SNIPPETS[name])
     return [sys.executable, "-c", code, str(ckpt), str(out)]
 
@@ -258,39 +291,84 @@ def command_for(name: str, cfg: Path, ckpt: Path, out: Path, baseline: str = "")
 @dataclass
 class Result:
     seconds: list[float] = field(default_factory=list)
-    peak_rss: list[int] = field(default_factory=list)
+    peak_rss: list[int] = field(default_factory=list)  # the largest process (wait4)
+    tree_rss: list[int] = field(default_factory=list)  # the process tree, summed (sampled)
+    load: list[float] = field(default_factory=list)  # 1-minute load average before each run
     out_bytes: int = 0
     failure: str = ""
 
 
 # Runs the contender from a small process, so that its peak RSS is not inflated by a fork of this
-# (torch-sized) process: ru_maxrss of a child counts the memory image it had before exec.
+# (torch-sized) process: ru_maxrss of a child counts the memory image it had before exec
+# (and is the largest single process of the tree: torchrun waits for its ranks). The summed RSS of
+# the whole tree (a multi-rank merge) is sampled from /proc every 50 ms.
 LAUNCHER = """
 import json, os, resource, sys, time
 out, limit, cmd = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+def tree_rss(root):
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                total += int(f.read().split()[1]) * PAGE
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
 t0 = time.perf_counter()
 pid = os.fork()
 if pid == 0:
     if limit:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     os.execvp(cmd[0], cmd)
-_, status = os.waitpid(pid, 0)
+peak = 0
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    peak = max(peak, tree_rss(pid))
+    time.sleep(0.05)
 seconds = time.perf_counter() - t0
 rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 code = os.waitstatus_to_exitcode(status)
 with open(out, "w") as f:
-    json.dump({"seconds": seconds, "rss": rss, "code": code}, f)
+    json.dump({"seconds": seconds, "rss": rss, "tree_rss": max(peak, rss), "code": code}, f)
 """
 
 
-def run_one(cmd: list[str], limit_bytes: int | None, scratch: Path) -> tuple[float, int, int, str]:
-    """(wall seconds, peak RSS bytes, exit status, stderr tail) of one contender process."""
+@dataclass
+class Run:
+    seconds: float
+    rss: int  # peak RSS of the largest process
+    tree_rss: int  # peak of the summed RSS of the process tree (sampled)
+    code: int
+    stderr_tail: str
+
+
+def run_one(cmd: list[str], limit_bytes: int | None, scratch: Path) -> Run:
+    """Wall seconds, peak RSS, exit status and stderr tail of one contender (process tree)."""
     report = scratch / "run.json"
     launcher = [sys.executable, "-S", "-c", LAUNCHER, str(report), str(limit_bytes or 0)]
-    proc = subprocess.run(launcher + cmd, stderr=subprocess.PIPE, check=False)
+    proc = subprocess.run(
+        launcher + cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False
+    )
     err = proc.stderr.decode(errors="replace")
     r = json.loads(report.read_text())
-    return r["seconds"], r["rss"], r["code"], err[-600:]
+    return Run(r["seconds"], r["rss"], r["tree_rss"], r["code"], err[-600:])
 
 
 def dir_bytes(path: Path) -> int:
@@ -324,7 +402,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
     parser.add_argument("--ranks", type=int, default=2, help="ranks writing the checkpoint")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--contenders", default="shardforge,accelerate,dcp_to_torch_save,copy")
+    parser.add_argument(
+        "--contenders",
+        default="copy,shardforge,shardforge_cast,shardforge_2ranks,shardforge_dry_run,"
+        "accelerate,dcp_to_torch_save",
+        help="comma-separated; shardforge_Nranks for any N",
+    )
     parser.add_argument("--cache", choices=["cold", "warm"], default="cold")
     parser.add_argument("--workdir", default=".bench", help="where the checkpoint and outputs go")
     parser.add_argument(
@@ -336,6 +419,12 @@ def main() -> None:
         default="",
         help="a checkout of another shardforge version (e.g. `git worktree add /tmp/old <ref>`): "
         "adds the contender `baseline`, its merge run from that source with these packages",
+    )
+    parser.add_argument(
+        "--source",
+        default="",
+        help="run the shardforge contenders from this checkout's src/ (e.g. a `git worktree` "
+        "of the commit measured) instead of the installed package",
     )
     args = parser.parse_args()
 
@@ -354,6 +443,19 @@ def main() -> None:
     results = {n: Result() for n in names}
     peer_limit = parse_size(args.peer_mem_limit) if args.peer_mem_limit else None
 
+    unknown = [n for n in names if shardforge_options(n) is None and n not in (*PEERS, "baseline")]
+    if unknown:
+        parser.error(f"unknown contender(s) {', '.join(unknown)}")
+    for n in names:
+        m = RANKS_VARIANT.match(n)
+        if m and int(m[1]) > (os.cpu_count() or 1):
+            print(f"note: {n} runs {m[1]} ranks on {os.cpu_count()} cores", file=sys.stderr)
+    if "shardforge_cast" in names and args.dtype == "bfloat16":
+        print("note: shardforge_cast of a bfloat16 checkpoint casts nothing", file=sys.stderr)
+
+    def report() -> dict[str, Any]:
+        return summarize(results, ckpt_bytes, len(files) - 1, args)
+
     for rep in range(args.repeats):
         order = names[rep % len(names) :] + names[: rep % len(names)]  # alternate who goes first
         for name in order:
@@ -363,49 +465,108 @@ def main() -> None:
             out = root / f"merged-{name}"
             shutil.rmtree(out, ignore_errors=True)
             (evict if args.cache == "cold" else warm)(files)
-            limit = peer_limit if name not in ("shardforge", "baseline", "copy") else None
-            cmd = command_for(name, cfg, ckpt, out, args.baseline)
-            seconds, rss, code, err = run_one(cmd, limit, root)
-            if code != 0:
-                res.failure = f"exit {code}: {err.strip().splitlines()[-1] if err.strip() else ''}"
+            ours = shardforge_options(name) is not None or name in ("baseline", "copy")
+            limit = None if ours else peer_limit
+            cmd = command_for(name, cfg, ckpt, out, args.baseline, args.source)
+            load = os.getloadavg()[0]
+            run = run_one(cmd, limit, root)
+            if run.code != 0:
+                err = run.stderr_tail.strip()
+                res.failure = f"exit {run.code}: {err.splitlines()[-1] if err else ''}"
                 print(f"  {name}: FAILED ({res.failure})", file=sys.stderr)
             else:
-                res.seconds.append(seconds)
-                res.peak_rss.append(rss)
+                res.seconds.append(run.seconds)
+                res.peak_rss.append(run.rss)
+                res.tree_rss.append(run.tree_rss)
+                res.load.append(load)
                 res.out_bytes = dir_bytes(out)
                 print(
-                    f"  run {rep + 1} {name}: {seconds:.2f} s, peak RSS {human(rss)}",
+                    f"  run {rep + 1} {name}: {run.seconds:.2f} s, peak RSS {human(run.rss)} "
+                    f"(tree {human(run.tree_rss)}), load before {load:.2f}",
                     file=sys.stderr,
                 )
             shutil.rmtree(out, ignore_errors=True)
+            if args.json:  # after every run: a long session that is cut off keeps its numbers
+                Path(args.json).write_text(json.dumps(report(), indent=2))
 
+    table = report()
     print(f"\ncheckpoint: {human(ckpt_bytes)} {args.dtype}, {len(files) - 1} files, "
-          f"{args.ranks} ranks; cache: {args.cache}; repeats: {args.repeats}")  # fmt: skip
-    print(
-        f"{'contender':<20}{'median s':>10}{'MB/s':>10}{'peak RSS':>12}{'RSS/ckpt':>10}{'output':>12}"
-    )
-    table: dict[str, Any] = {"checkpoint_bytes": ckpt_bytes, "cache": args.cache, "results": {}}
-    for name, res in results.items():
-        if not res.seconds:
-            print(f"{name:<20}{'failed: ' + res.failure}")
-            table["results"][name] = {"failure": res.failure}
+          f"{args.ranks} ranks; cache: {table['cache']}; repeats: {args.repeats}; "
+          f"{os.cpu_count()} cores")  # fmt: skip
+    print(f"{'contender':<22}{'median s':>10}{'MB/s':>8}{'peak RSS':>11}{'RSS/ckpt':>10}"
+          f"{'tree RSS':>11}{'output':>11}{'/copy':>8}{'load':>7}")  # fmt: skip
+    for name, row in table["results"].items():
+        if "median_s" not in row:
+            print(f"{name:<22}{'failed: ' + row['failure'] if row['failure'] else 'no runs'}")
             continue
-        med = statistics.median(res.seconds)
-        rss = max(res.peak_rss)
-        print(f"{name:<20}{med:>10.2f}{ckpt_bytes / med / 1e6:>10.0f}{human(rss):>12}"
-              f"{rss / ckpt_bytes:>10.1%}{human(res.out_bytes):>12}")  # fmt: skip
-        table["results"][name] = {"median_s": med, "runs_s": res.seconds, "peak_rss": rss,
-                                  "output_bytes": res.out_bytes}  # fmt: skip
-    ours = results.get("shardforge")
-    if ours and ours.seconds:
-        mine = statistics.median(ours.seconds)
-        for name, res in results.items():
-            if name != "shardforge" and res.seconds:
-                ratio = mine / statistics.median(res.seconds)
-                print(f"shardforge / {name}: {ratio:.2f}x the time")
-                table["results"][name]["shardforge_time_ratio"] = ratio
+        vs_copy = f"{row['copy_time_ratio']:.2f}x" if "copy_time_ratio" in row else "-"
+        print(f"{name:<22}{row['median_s']:>10.2f}{ckpt_bytes / row['median_s'] / 1e6:>8.0f}"
+              f"{human(row['peak_rss']):>11}{row['peak_rss'] / ckpt_bytes:>10.1%}"
+              f"{human(row['tree_rss']):>11}{human(row['output_bytes']):>11}{vs_copy:>8}"
+              f"{row['median_load']:>7.2f}")  # fmt: skip
+    for line in table["ratios"]:
+        print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))
+
+
+PEERS = (*PEER_SNIPPETS, "copy")
+
+
+def summarize(
+    results: dict[str, Result], ckpt_bytes: int, n_files: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Medians, peaks and the ratios the issue's targets are stated in."""
+    cache = (
+        "cold (checkpoint files evicted with posix_fadvise(DONTNEED) before every run)"
+        if args.cache == "cold"
+        else "warm (checkpoint files read once before every run)"
+    )
+    table: dict[str, Any] = {
+        "checkpoint_bytes": ckpt_bytes,
+        "files": n_files,
+        "dtype": args.dtype,
+        "cache": cache,
+        "cores": os.cpu_count(),
+        "source": args.source or "installed package",
+        "results": {},
+        "ratios": [],
+    }
+    med = {n: statistics.median(r.seconds) for n, r in results.items() if r.seconds}
+    for name, res in results.items():
+        if not res.seconds:
+            table["results"][name] = {"failure": res.failure}
+            continue
+        row: dict[str, Any] = {
+            "median_s": med[name],
+            "runs_s": res.seconds,
+            "peak_rss": max(res.peak_rss),
+            "tree_rss": max(res.tree_rss),
+            "loads": res.load,
+            "median_load": statistics.median(res.load),
+            "output_bytes": res.out_bytes,
+        }
+        if "copy" in med and name != "copy":
+            row["copy_time_ratio"] = med[name] / med["copy"]
+        if "shardforge" in med and name != "shardforge":
+            row["shardforge_time_ratio"] = med["shardforge"] / med[name]
+        table["results"][name] = row
+    lines = table["ratios"]
+    if "shardforge" in med:
+        for name in med:
+            if name in PEERS and name != "copy":
+                lines.append(
+                    f"{name} / shardforge: {med[name] / med['shardforge']:.2f}x the time "
+                    "(above 1: shardforge is faster)"
+                )
+    for name in med:
+        if name != "copy" and "copy" in med:
+            lines.append(f"{name} / copy: {med[name] / med['copy']:.2f}x the time")
+    if "shardforge" in med:
+        for name in med:
+            if name.startswith("shardforge_") or name == "baseline":
+                lines.append(f"{name} / shardforge: {med[name] / med['shardforge']:.2f}x the time")
+    return table
 
 
 if __name__ == "__main__":

@@ -1,0 +1,94 @@
+"""Where the merge's fixed start-up goes: the phases before its first byte is written.
+
+Each repeat is a fresh process (cold imports, as a real merge starts) that times, in order:
+
+1. `import torch`;
+2. `import shardforge.merge.api` (the rest of shardforge's merge modules);
+3. reading the checkpoint: finding it, the `.metadata` through the allow-list unpickler, the
+   data files' bounds and tiling checks (`open_checkpoint`) - what a plan needs besides names;
+4. the architecture: transformers' config and model classes imported, the model built on the
+   meta device (`merge.api._architecture`);
+5. the rest of what `merge.api._prepare` does: keys mapped and checked against the
+   architecture, tied copies compared, the output plan (with the default shard size of the
+   installed transformers).
+
+Phases 4 and 5 need transformers and are what an overlap of the byte copy with start-up could
+hide (issue 12, item 1); phases 1 to 3 come before any copy can start.
+
+    python benchmarks/startup_phases.py CFG CHECKPOINT_DIR --repeats 3
+    python benchmarks/startup_phases.py .bench/llama-4GB-float32-2r/bench.yml \\
+        .bench/llama-4GB-float32-2r/out/checkpoint-1/pytorch_model_fsdp_0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+marks = {}
+import torch
+marks["import torch"] = time.perf_counter()
+from shardforge.config import load_cfg
+from shardforge.merge import api
+from shardforge.merge.request import MergeRequest
+from shardforge.formats.registry import open_checkpoint
+marks["import shardforge.merge.api"] = time.perf_counter()
+cfg = load_cfg(sys.argv[1], command="merge")
+request = MergeRequest(output_path=None, checkpoint=sys.argv[2], output_format="torch")
+inputs = api._pick_inputs(sys.argv[2], request)
+opened = open_checkpoint(inputs[0].kind, inputs[0].model_dir)
+marks["checkpoint metadata"] = time.perf_counter()
+sources = api._sources(cfg, inputs)
+config, expected = api._architecture(sources.config, cfg.trust_remote_code)
+marks["transformers + meta architecture"] = time.perf_counter()
+from shardforge.keymap.names import adapt_names
+from shardforge.merge.plan import TensorSpec, default_max_shard_size, plan_output
+named = adapt_names(inputs[0].adapter, inputs[0].model_dir, opened, config)
+keymap, by_name = api._hf_sources(inputs[0], named, expected, sources.config)
+target = api._config_dtype(config)
+specs = [TensorSpec(n, api._output_dtype(by_name[n].dtype, target), by_name[n].shape)
+         for n in expected.saved_names]
+plan_output(specs, default_max_shard_size(), expected.total_parameters)
+marks["keys, checks, plan"] = time.perf_counter()
+prev, out = t0, {}
+for k, v in marks.items():
+    out[k] = v - prev
+    prev = v
+out["total"] = prev - t0
+print(json.dumps(out))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("config")
+    parser.add_argument("checkpoint")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    runs: list[dict[str, float]] = []
+    for _ in range(args.repeats):
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, args.config, args.checkpoint],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(json.dumps(runs[-1]), file=sys.stderr)
+    print(f"{'phase':<36}{'median s':>10}  runs")
+    for phase in runs[0]:
+        values = [r[phase] for r in runs]
+        listed = ", ".join(f"{v:.2f}" for v in values)
+        print(f"{phase:<36}{statistics.median(values):>10.2f}  {listed}")
+
+
+if __name__ == "__main__":
+    main()
