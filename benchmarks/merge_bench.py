@@ -359,7 +359,13 @@ class Run:
     stderr_tail: str
 
 
-def run_one(cmd: list[str], limit_bytes: int | None, scratch: Path) -> Run:
+def run_one(cmd: list[str], limit_bytes: int | None, scratch: Path) -> tuple[float, int, int, str]:
+    """(wall seconds, peak RSS bytes, exit status, stderr tail) of one contender process."""
+    run = run_measured(cmd, limit_bytes, scratch)
+    return run.seconds, run.rss, run.code, run.stderr_tail
+
+
+def run_measured(cmd: list[str], limit_bytes: int | None, scratch: Path) -> Run:
     """Wall seconds, peak RSS, exit status and stderr tail of one contender (process tree)."""
     report = scratch / "run.json"
     launcher = [sys.executable, "-S", "-c", LAUNCHER, str(report), str(limit_bytes or 0)]
@@ -469,7 +475,7 @@ def main() -> None:
             limit = None if ours else peer_limit
             cmd = command_for(name, cfg, ckpt, out, args.baseline, args.source)
             load = os.getloadavg()[0]
-            run = run_one(cmd, limit, root)
+            run = run_measured(cmd, limit, root)
             if run.code != 0:
                 err = run.stderr_tail.strip()
                 res.failure = f"exit {run.code}: {err.splitlines()[-1] if err else ''}"
