@@ -413,6 +413,30 @@ class ShardforgeConfig(_Strict):
         3, gt=0, description="Steps whose per-phase memory fsdp_diagnostics logs."
     )
 
+    # -- packing, async saves, merge on save ------------------------------------------------------
+    async_save: bool = Field(
+        False,
+        description="Write checkpoints in the background (torch.distributed.checkpoint."
+        "async_save): the shards are copied to CPU memory, then training continues while "
+        "they are written; the checkpoint is renamed complete once written. At most one save "
+        "in flight (the next save and the end of training wait for it). Needs CPU memory for "
+        "one more copy of each rank's model and optimizer shards.",
+    )
+    merge_on_save: bool | Literal["final"] = Field(
+        False,
+        description="Merge each new checkpoint (true) or only the final one (`final`) into "
+        "output_dir/merged/checkpoint-<step> with merge-sharded-fsdp-weights (a LoRA run: the "
+        "PEFT adapter directory), in a separate low-priority process on rank 0 while training "
+        "continues. A failed merge is logged and does not stop training; the run ends when "
+        "its merges have finished.",
+    )
+    merge_on_save_max_running: int = Field(
+        1,
+        gt=0,
+        description="Most merge_on_save merges running at once; later checkpoints wait in a "
+        "queue (and are not pruned by save_total_limit until merged).",
+    )
+
     @field_validator("val_set_size")
     @classmethod
     def _fraction_or_count(cls, value: float) -> float:

@@ -7,7 +7,9 @@
       rng_state_<rank>.pt   tensors and ints only (torch.load(weights_only=True))
 
 A checkpoint is written into `checkpoint-<step>.tmp` and renamed once every rank has finished,
-so a crash mid-save leaves the previous complete checkpoint as the latest one. Before resuming,
+so a crash mid-save leaves the previous complete checkpoint as the latest one. With
+`async_save` the shards are written by background threads (`start_async_save`) and the rename
+happens once they are done (`complete_async_save`). Before resuming,
 a checkpoint is checked as the merge checks one (`checkpoint_problem`); `auto` falls back past a
 damaged one to the previous complete checkpoint.
 """
@@ -244,27 +246,145 @@ def save_checkpoint(
     torch.save(rng_state(), tmp / RNG_FILE.format(rank=rank))
     dist.barrier()
     if rank == 0:
-        _write_json(tmp / STATE_FILE, asdict(state))
-        fsync_dir(tmp)
-        if final.exists():
-            stale = output_dir / f"checkpoint-{state.step}.old"
-            shutil.rmtree(stale, ignore_errors=True)
-            final.rename(stale)
-            shutil.rmtree(stale)
-        tmp.rename(final)
-        fsync_dir(output_dir)
+        _publish(output_dir, tmp, final, state)
         prune(output_dir, save_total_limit)
         log.info("saved %s", final)
     dist.barrier()
     return final
 
 
-def prune(output_dir: Path, limit: int | None) -> list[Path]:
-    """Delete the oldest complete checkpoints beyond `limit`; return what was deleted."""
+def _publish(output_dir: Path, tmp: Path, final: Path, state: TrainerState) -> None:
+    """Rank 0, once every rank's files are in `tmp`: write trainer_state.json, fsync, and
+    rename `tmp` to `final` (replacing an older checkpoint of the same step)."""
+    _write_json(tmp / STATE_FILE, asdict(state))
+    fsync_dir(tmp)
+    if final.exists():
+        stale = output_dir / f"checkpoint-{state.step}.old"
+        shutil.rmtree(stale, ignore_errors=True)
+        final.rename(stale)
+        shutil.rmtree(stale)
+    tmp.rename(final)
+    fsync_dir(output_dir)
+
+
+# -- async saves (async_save: true) ---------------------------------------------------------------
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose files are being written in the background (`start_async_save`)."""
+
+    state: TrainerState
+    tmp: Path
+    final: Path
+    futures: list[Any]  # concurrent.futures.Future of dcp.async_save: model/, optimizer/
+    started: float
+    completed: bool = False  # rank 0 published it
+
+    def done(self) -> bool:
+        """Every background write of this rank has finished (successfully or not)."""
+        return all(f.done() for f in self.futures)
+
+    def wait(self) -> None:
+        """Block until this rank's background writes are finished; a failed write raises."""
+        for future in self.futures:
+            try:
+                future.result()
+            except Exception as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+                raise CheckpointError(
+                    f"saving {self.final.name} in the background failed ({first}); the "
+                    "previous complete checkpoint is intact"
+                ) from exc
+
+
+def save_groups() -> tuple[Any, Any]:
+    """Two gloo process groups over all ranks (every rank calls this, in the same order) for
+    the background writes of model/ and optimizer/: each `dcp.async_save` runs its collectives
+    in a thread of its own, so each needs a group of its own, apart from the training's
+    collectives on the default group (gloo also where training uses NCCL: async_save needs a
+    CPU backend)."""
+    return dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+
+
+def start_async_save(
+    output_dir: Path,
+    state: TrainerState,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    groups: tuple[Any, Any],
+    adapter_only: bool = False,
+) -> PendingSave:
+    """Begin writing checkpoint-<step>.tmp on every rank and return while it is written.
+
+    The same files as `save_checkpoint`: each rank's RNG file is written first, then the model
+    and optimizer shards are copied to CPU memory (`dcp.async_save` stages them before it
+    returns, so the next optimizer steps cannot change what is saved) and written by two
+    background threads. `complete_async_save` makes the checkpoint complete; nothing here
+    touches any earlier checkpoint, so a crash before then leaves only the `.tmp` folder.
+    """
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    rank = dist.get_rank()
+    final = output_dir / f"checkpoint-{state.step}"
+    tmp = output_dir / f"checkpoint-{state.step}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    started = time.perf_counter()
+    # before this rank joins the writes' collectives: rank 0 sees the writes finish (their
+    # last collective) only after every rank's RNG file exists
+    torch.save(rng_state(), tmp / RNG_FILE.format(rank=rank))
+    futures = [
+        dcp.async_save(
+            _model_state(model, adapter_only),
+            checkpoint_id=str(tmp / MODEL_DIR),
+            process_group=groups[0],
+        ),
+        dcp.async_save(
+            get_optimizer_state_dict(model, optimizer),
+            checkpoint_id=str(tmp / OPTIMIZER_DIR),
+            process_group=groups[1],
+        ),
+    ]
+    return PendingSave(state, tmp, final, futures, started)
+
+
+def complete_async_save(output_dir: Path, pending: PendingSave) -> Path | None:
+    """Wait for this rank's background writes; rank 0 then publishes the checkpoint (once).
+
+    Rank 0's writes finish with a collective every rank takes part in after writing its
+    shards (DCP's coordinator writes `.metadata` last), so when they are done every rank's
+    files are: rank 0 can rename on its own, without waiting for the other ranks. Returns the
+    checkpoint rank 0 just published, else None. Pruning is the caller's (`prune`)."""
+    import time
+
+    pending.wait()
+    if dist.get_rank() != 0 or pending.completed:
+        return None
+    _publish(output_dir, pending.tmp, pending.final, pending.state)
+    pending.completed = True
+    log.info(
+        "saved %s (written in the background in %.1f s)",
+        pending.final,
+        time.perf_counter() - pending.started,
+    )
+    return pending.final
+
+
+def prune(output_dir: Path, limit: int | None, keep: frozenset[Path] = frozenset()) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond `limit`; return what was deleted.
+
+    A checkpoint in `keep` (one being merged: merge_on_save) is left for a later call."""
     if limit is None:
         return []
     found = complete_checkpoints(output_dir)
-    doomed = found[: max(0, len(found) - limit)]
+    busy = {p.name for p in keep}
+    doomed = [p for p in found[: max(0, len(found) - limit)] if p.name not in busy]
     for path in doomed:
         shutil.rmtree(path)
     return doomed

@@ -58,6 +58,7 @@ from shardforge.train.runtime import (
     local_world_size,
     mesh_shape,
 )
+from shardforge.train.saving import Saver
 from shardforge.train.tracking import open_trackers
 from shardforge.train.vocab import grow_vocab_size
 
@@ -72,6 +73,7 @@ class TrainResult:
     output_dir: Path
     metrics: list[dict[str, Any]] = field(default_factory=list)
     resumed_from: Path | None = None
+    saver: Saver | None = None  # its merges (merge_on_save) outlive the process group
 
 
 def write_output_metadata(cfg: ShardforgeConfig, model_config: Any, tokenizer: Any) -> None:
@@ -143,9 +145,11 @@ def run_training(cfg: ShardforgeConfig) -> TrainResult:
         # every rank is done with its last collective before any rank tears the group down
         # (gloo can abort a rank whose peer closes its connections while it still talks)
         finish_together()
-        return result
     finally:
         dist.destroy_process_group()
+    if result.saver is not None:
+        result.saver.finish()  # merge_on_save: the run ends when its merges have
+    return result
 
 
 def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
@@ -211,6 +215,7 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
     trackers = open_trackers(cfg, out, rt.is_main, step if resume is not None else None)
     evaluator = Evaluator.of(cfg, data, rt, math.ceil(len(seqs) / global_batch), total_steps)
     memory = StepMemory.of(cfg, rt)
+    saver = result.saver = Saver(cfg, out, rt)  # async_save, save_total_limit, merge_on_save
     failed = True
     progress = _Progress(rt, total_steps, step)
     if rt.is_main:
@@ -258,6 +263,7 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
             if evaluator.due(step):  # before the save: a checkpoint's step has its evaluation
                 trackers.log(evaluator.run(model, step))
             trackers.flush()
+            saver.poll()  # a background save finished: publish it; merges
             final = step == total_steps
             if final and cfg.adapter:
                 save_adapter(out, model, cfg)  # the PEFT adapter directory in output_dir
@@ -276,16 +282,12 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
                     scheduler=scheduler_state(scheduler),
                     mesh_shape=list(mesh),
                 )
-                ckpt.save_checkpoint(
-                    out,
-                    ckpt.stamped(state),
-                    model,
-                    optimizer,
-                    cfg.save_total_limit,
-                    adapter_only=cfg.adapter is not None,
-                )
+                saver.save(ckpt.stamped(state), model, optimizer, final)
+        saver.close()  # the last checkpoint is complete before the run ends
         failed = False
     finally:
+        if failed:
+            saver.abort()
         progress.close()
         trackers.close(failed)
     result.steps = step

@@ -1,0 +1,164 @@
+"""`async_save: true`: checkpoints written in the background equal synchronous ones, and a job
+killed with SIGKILL in the middle of a background save resumes from the last complete one."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from train_helpers import ROOT, losses, run_train, train_cmd, train_env, write_config
+
+from shardforge.formats.dcp.metadata import read_metadata
+from shardforge.train import checkpointing as ckpt
+
+RTOL = 1e-6  # resumed vs uninterrupted steps, fp32 (as test_checkpointing.py)
+
+
+class Run:
+    def __init__(self, out: Path, stderr: str) -> None:
+        self.out, self.stderr = out, stderr
+
+
+def _run(root: Path, cfg: dict[str, Any]) -> Run:
+    out = root / "out"
+    proc = run_train(write_config(root / "cfg.yml", {**cfg, "output_dir": str(out)}), nproc=2)
+    return Run(out, proc.stderr)
+
+
+@pytest.fixture(scope="module")
+def sync_run(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """2 ranks, 6 steps, a (synchronous) checkpoint every 2 steps."""
+    return _run(tmp_path_factory.mktemp("sync"), base_cfg)
+
+
+@pytest.fixture(scope="module")
+def async_run(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _run(tmp_path_factory.mktemp("async"), {**base_cfg, "async_save": True})
+
+
+def _command(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # exited meanwhile
+        return ""
+
+
+def _job_processes(job: subprocess.Popen[bytes], config: Path, ranks: int) -> list[psutil.Process]:
+    """The launcher, torchrun and its `ranks` rank processes, once they all run."""
+    deadline = time.monotonic() + 240
+    while True:
+        procs = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
+        if sum(str(config) in _command(p) for p in procs) >= ranks + 2:
+            return procs
+        assert job.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.05)
+
+
+def _kill_all(job: subprocess.Popen[bytes], procs: list[psutil.Process]) -> None:
+    """SIGKILL every process of the job at once (no chance to clean up)."""
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    job.wait(timeout=30)
+    psutil.wait_procs(procs[1:], timeout=30)
+
+
+def _layout(directory: Path) -> dict[str, Any]:
+    """What a DCP folder's `.metadata` says about each tensor: dtype, shape and where each
+    chunk's bytes are (file name, offset, length)."""
+    meta = read_metadata(directory)
+    return {
+        key: (
+            entry.dtype,
+            entry.shape,
+            [(c.offsets, c.sizes, c.file.name, c.byte_offset, c.byte_length) for c in entry.chunks],
+        )
+        for key, entry in meta.tensors.items()
+    } | {"non-tensor keys": sorted(meta.non_tensor_keys)}
+
+
+def test_async_checkpoints_equal_sync_ones(sync_run: Run, async_run: Run) -> None:
+    """Same losses (bit for bit); the same complete checkpoints: identical shard files (the
+    same bytes), the same tensor layout, trainer state and torch RNG states."""
+    assert losses(async_run.out) == losses(sync_run.out)
+    names = [p.name for p in ckpt.complete_checkpoints(async_run.out)]
+    assert names == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert names == [p.name for p in ckpt.complete_checkpoints(sync_run.out)]
+    assert not list(async_run.out.glob("*.tmp"))
+    for name in names:
+        a, s = async_run.out / name, sync_run.out / name
+        assert ckpt.checkpoint_problem(a) is None
+        assert json.loads((a / "trainer_state.json").read_text()) == json.loads(
+            (s / "trainer_state.json").read_text()
+        )
+        for sub in ("model", "optimizer"):
+            files = sorted(p.name for p in (s / sub).iterdir())
+            assert sorted(p.name for p in (a / sub).iterdir()) == files
+            for f in files:
+                if f != ".metadata":  # .metadata names its own folder
+                    assert (a / sub / f).read_bytes() == (s / sub / f).read_bytes(), (name, f)
+            assert _layout(a / sub) == _layout(s / sub)
+        for rank in (0, 1):
+            rng_a = torch.load(a / f"rng_state_{rank}.pt", weights_only=True)
+            rng_s = torch.load(s / f"rng_state_{rank}.pt", weights_only=True)
+            assert torch.equal(rng_a["torch"], rng_s["torch"])  # python's is seeded per process
+    for step in (2, 4, 6):
+        assert f"saving checkpoint-{step} in the background" in async_run.stderr
+        assert f"saved {async_run.out / f'checkpoint-{step}'} (written in the background" in (
+            async_run.stderr
+        )
+
+
+def test_kill_9_during_an_async_save_resumes_from_the_last_complete_checkpoint(
+    sync_run: Run, base_cfg: dict[str, Any], tmp_path: Path
+) -> None:
+    """The job is killed with SIGKILL while checkpoint-4 is being written in the background
+    (its ranks' RNG files exist, the shards are being written); with save_total_limit 1 the
+    older checkpoint-2 is still there, and the next run resumes from it and computes what the
+    uninterrupted run did."""
+    out = tmp_path / "out"
+    cfg = {
+        **base_cfg,
+        "output_dir": str(out),
+        "async_save": True,
+        "save_total_limit": 1,
+        "resume_from_checkpoint": "auto",
+    }
+    config = write_config(tmp_path / "cfg.yml", cfg)
+    job = subprocess.Popen(
+        train_cmd(config, nproc=2),
+        cwd=ROOT,
+        env=train_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    procs = _job_processes(job, config, ranks=2)
+    saving = out / "checkpoint-4.tmp"
+    deadline = time.monotonic() + 240
+    while not all((saving / f"rng_state_{rank}.pt").exists() for rank in (0, 1)):
+        assert job.poll() is None, "training ended before the save of step 4"
+        assert time.monotonic() < deadline, "timed out waiting for the save of step 4"
+        time.sleep(0.001)
+    _kill_all(job, procs)  # kill -9 of the launcher, torchrun and every rank
+    assert job.returncode == -signal.SIGKILL
+    assert saving.is_dir() and not (out / "checkpoint-4").exists()
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
+
+    proc = run_train(config, nproc=2)
+    assert "checkpoint-2 at step 2" in proc.stderr
+    got, want = losses(out), losses(sync_run.out)
+    for s in range(3, 7):
+        assert math.isclose(got[s], want[s], rel_tol=RTOL, abs_tol=0.0), (s, got[s], want[s])
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-6"]
+    assert not saving.exists()
+    assert ckpt.checkpoint_problem(out / "checkpoint-6") is None

@@ -1,0 +1,161 @@
+"""`merge_on_save`: every checkpoint becomes a loadable model under output_dir/merged while the
+run trains as it would without it; a merge that fails never stops training."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from train_helpers import losses, read_metrics, run_train, write_config
+
+from shardforge.train import checkpointing as ckpt
+
+LORA = {
+    "adapter": "lora",
+    "lora_r": 4,
+    "lora_alpha": 8,
+    "lora_dropout": 0.0,
+    "lora_target_modules": ["q_proj", "v_proj"],
+    "learning_rate": 2.0e-2,
+}
+
+
+class Run:
+    def __init__(self, out: Path, stderr: str) -> None:
+        self.out, self.stderr = out, stderr
+
+
+def _run(root: Path, cfg: dict[str, Any]) -> Run:
+    out = root / "out"
+    proc = run_train(write_config(root / "cfg.yml", {**cfg, "output_dir": str(out)}), nproc=2)
+    return Run(out, proc.stderr)
+
+
+@pytest.fixture(scope="module")
+def plain(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """2 ranks, 6 steps, a checkpoint every 2 steps, no merging."""
+    return _run(tmp_path_factory.mktemp("plain"), base_cfg)
+
+
+@pytest.fixture(scope="module")
+def merging(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The same with merge_on_save: true and save_total_limit: 2."""
+    cfg = {**base_cfg, "merge_on_save": True, "save_total_limit": 2}
+    return _run(tmp_path_factory.mktemp("merging"), cfg)
+
+
+def _dcp_weights(base_model: str, checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's model weights read by torch's own DCP loader into a transformers model
+    (not through the merge)."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(base_model).state_dict()
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(checkpoint / "model"), no_dist=True)
+    return state
+
+
+def test_every_checkpoint_is_merged_and_the_losses_stay_the_same(
+    plain: Run, merging: Run, base_cfg: dict[str, Any]
+) -> None:
+    """merged/checkpoint-N for N = 2, 4, 6 loads with AutoModelForCausalLM and holds the
+    weights of checkpoint-N (of the run without merging: the same bytes), bit for bit; the
+    losses are those of the run without merging; when the run exits its merges are done."""
+    from transformers import AutoModelForCausalLM
+
+    assert losses(merging.out) == losses(plain.out)
+    merged_dirs = sorted(p.name for p in (merging.out / "merged").iterdir())
+    assert merged_dirs == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]  # nothing half-done
+    previous = None
+    for name in merged_dirs:
+        model = AutoModelForCausalLM.from_pretrained(merging.out / "merged" / name)
+        want = _dcp_weights(base_cfg["base_model"], plain.out / name)
+        got = model.state_dict()
+        assert got.keys() == want.keys()
+        for key, tensor in want.items():
+            assert torch.equal(got[key], tensor), (name, key)
+        assert previous is None or not torch.equal(previous, got["model.norm.weight"])
+        previous = got["model.norm.weight"]
+        assert f"merge_on_save: merged {name} into" in merging.stderr
+    # rotation waited for the merges: only the newest 2 checkpoints remain
+    assert [p.name for p in ckpt.complete_checkpoints(merging.out)] == [
+        "checkpoint-4",
+        "checkpoint-6",
+    ]
+    assert "merge_on_save: 3 checkpoint(s) merged" in merging.stderr
+
+
+def _train_here(cfg: dict[str, Any], config: Path) -> None:
+    """One rank in this process (real gloo, DCP; the merges are real subprocesses)."""
+    from shardforge.train.launch import do_train
+
+    assert do_train(write_config(config, cfg), [], "python") == 0
+
+
+def test_a_failing_merge_does_not_stop_training(
+    base_cfg: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """output_dir/merged is a file, so no merge can write its output: each failure is one
+    warning line, and training runs to its last step and saves every checkpoint."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "merged").write_text("not a directory\n")
+    cfg = {
+        **base_cfg,
+        "output_dir": str(out),
+        "micro_batch_size": 6,
+        "max_steps": 4,
+        "merge_on_save": True,
+    }
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        _train_here(cfg, tmp_path / "cfg.yml")
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2, warned
+    for step, line in zip((2, 4), warned, strict=True):
+        assert f"merge_on_save: merging checkpoint-{step} failed (exit status" in line
+        assert "training goes on" in line and "\n" not in line
+    assert "0 checkpoint(s) merged" in caplog.text and "2 failed" in caplog.text
+    assert (out / "merged").is_file()
+
+
+def test_a_lora_run_merges_its_final_checkpoint_to_an_adapter(
+    base_cfg: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """adapter: lora with merge_on_save: final: only the last checkpoint is merged, into a
+    PEFT adapter directory whose weights are the run's final adapter (and load with peft)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    cfg = {
+        **base_cfg,
+        **LORA,
+        "output_dir": str(out),
+        "micro_batch_size": 6,
+        "max_steps": 4,
+        "merge_on_save": "final",
+    }
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        _train_here(cfg, tmp_path / "cfg.yml")
+    assert sorted(p.name for p in (out / "merged").iterdir()) == ["checkpoint-4"]
+    adapter = out / "merged" / "checkpoint-4"
+    assert (adapter / "adapter_config.json").is_file()
+    got = load_file(str(adapter / "adapter_model.safetensors"))
+    want = load_file(str(out / "adapter_model.safetensors"))  # the run's own final adapter
+    assert got.keys() == want.keys() and got
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), key
+    base = AutoModelForCausalLM.from_pretrained(base_cfg["base_model"])
+    model = PeftModel.from_pretrained(base, str(adapter))
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.tensor([[5, 17, 42]])).logits).all()
+    assert "merge_on_save: merged checkpoint-4" in caplog.text
