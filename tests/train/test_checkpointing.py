@@ -373,7 +373,9 @@ def test_hsdp_trains_resumes_and_merges_like_full_shard(
         merged[name] = load_file(str(path / "model.safetensors"))
     assert merged["hsdp"].keys() == merged["reference"].keys()
     for key, tensor in merged["reference"].items():
-        torch.testing.assert_close(merged["hsdp"][key], tensor, rtol=1e-5, atol=1e-7, msg=key)
+        # the gradient reductions differ in order; AdamW's m / (sqrt(v) + eps) enlarges that
+        # rounding for weights whose gradients are near 0 (measured up to 3.7e-7 after 6 steps)
+        torch.testing.assert_close(merged["hsdp"][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def _train_here(cfg: dict[str, Any], config: Path) -> None:
