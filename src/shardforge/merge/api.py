@@ -8,6 +8,7 @@ directory, streamed with memory bounded by about one tensor.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -48,6 +49,7 @@ from shardforge.merge.companions import (
     write_tokenizer,
 )
 from shardforge.merge.lora_checkpoint import adapter_sources, has_lora, open_lora
+from shardforge.merge.overlap import EarlyCopy, early_copy, finish_plan
 from shardforge.merge.plan import (
     SAFE_WEIGHTS_NAME,
     OutputPlan,
@@ -64,7 +66,7 @@ from shardforge.merge.publish import (
     check_output_path,
     sigterm_as_interrupt,
 )
-from shardforge.merge.remove import plan_removal, remove_shards
+from shardforge.merge.remove import RemovalPlan, plan_removal, remove_shards
 from shardforge.merge.request import OUTPUT_FORMATS, Engine, MergeRequest
 from shardforge.merge.sinks.hf_dir import write_index, write_plan
 from shardforge.merge.sinks.torch_file import verify_torch_file, write_torch_file
@@ -240,8 +242,9 @@ def _architecture(config_source: str, trust_remote_code: bool) -> tuple[Any, Exp
     return config, build_expected(config, trust_remote_code)
 
 
-def _prepare(cfg: ShardforgeConfig, request: MergeRequest) -> _Prepared:
-    """Everything decided and checked before a byte is written."""
+def _locate(cfg: ShardforgeConfig, request: MergeRequest) -> tuple[list[Candidate], MergeSources]:
+    """The checkpoint(s) to read and where config and tokenizer come from (no transformers
+    needed yet)."""
     root = request.checkpoint if request.checkpoint is not None else cfg.output_dir
     inputs = _pick_inputs(root, request)
     for c in inputs:
@@ -250,7 +253,16 @@ def _prepare(cfg: ShardforgeConfig, request: MergeRequest) -> _Prepared:
     # The disk starts reading the data files while transformers imports and the architecture
     # is checked (a hint to the kernel; nothing is held in this process).
     prefetch(sorted(p for c in inputs for p in c.model_dir.iterdir() if p.is_file()))
-    sources = _sources(cfg, inputs)
+    return inputs, _sources(cfg, inputs)
+
+
+def _prepare(
+    cfg: ShardforgeConfig,
+    request: MergeRequest,
+    located: tuple[list[Candidate], MergeSources] | None = None,
+) -> _Prepared:
+    """Everything decided and checked before a byte is written."""
+    inputs, sources = located if located is not None else _locate(cfg, request)
     config, expected = _architecture(sources.config, cfg.trust_remote_code)
     opened = [_open_named(c, config) for c in inputs]
     if any(has_lora(list(named)) for named in opened):
@@ -351,11 +363,16 @@ def _stored_dtype(source: TensorSource) -> torch.dtype:
     return source.base.dtype if isinstance(source, FusedLoraSource) else source.dtype
 
 
-def _write_hf(prep: _Prepared, out: Path, opts: _Options) -> None:
+def _write_hf(prep: _Prepared, out: Path, opts: _Options, early: EarlyCopy | None = None) -> None:
     """The full Hugging Face directory: weights (+ index), config, generation config,
-    tokenizer."""
+    tokenizer. `early`: an accepted early copy holding part of the weights already."""
     with atomic_directory(out, opts.overwrite) as tmp:
-        if opts.engine == "stream":
+        if early is not None:
+            early.move_into(tmp)
+            with _progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
+                finish_plan(prep.plan, prep.by_name, tmp, early.copied, update)
+            write_index(prep.plan, tmp)
+        elif opts.engine == "stream":
             with _progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
                 write_plan(prep.plan, prep.by_name, tmp, update)
         else:
@@ -748,7 +765,50 @@ def run_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
         root = request.checkpoint if request.checkpoint is not None else config.output_dir
         found = resolve_checkpoint(root, request.step, request.state_dict_dirname)
         removal = plan_removal(found, root)
-    prep = _prepare(config, request)
+    located = _locate(config, request)
+    # the bytes start moving while transformers imports and the architecture is built; the
+    # early copy is used only if it is exactly what the merge would write, else removed
+    with sigterm_as_interrupt(), _early_copy(config, request, located) as early:
+        return _run_prepared(config, request, located, removal, early)
+
+
+def _early_copy(
+    config: ShardforgeConfig,
+    request: MergeRequest,
+    located: tuple[list[Candidate], MergeSources],
+) -> contextlib.AbstractContextManager[EarlyCopy | None]:
+    inputs, sources = located
+    out = request.output_path
+    eligible = (
+        out is not None
+        and request.output_format == "hf"
+        and request.engine == "stream"
+        and not request.dry_run
+        and len(inputs) == 1
+    )
+    if not eligible:
+        return contextlib.nullcontext(None)
+    assert out is not None
+    return early_copy(
+        inputs[0],
+        sources.config,
+        out,
+        request.overwrite,
+        _parse_dtype(request.dtype),
+        request.max_shard_size,
+    )
+
+
+def _run_prepared(
+    config: ShardforgeConfig,
+    request: MergeRequest,
+    located: tuple[list[Candidate], MergeSources],
+    removal: RemovalPlan | None,
+    early: EarlyCopy | None,
+) -> Path:
+    check = check_output_file if request.single_file else check_output_path
+    out = request.output_path
+    prep = _prepare(config, request, located)
     if out is None:
         out = _default_output(prep)
     check(out, request.overwrite, [c.model_dir for c in prep.sources.inputs])
@@ -768,7 +828,11 @@ def run_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
         report = describe_plan(prep, out, request.output_format, request.save_tokenizer, removal)
         sys.stdout.write(report + "\n")
         return out
-    check_free_space(out, prep.plan.total_bytes)
+    used = (
+        early is not None and prep.adapter_config is None and early.accept(prep.plan, prep.by_name)
+    )
+    if not used:  # (an accepted early copy has its space allocated already)
+        check_free_space(out, prep.plan.total_bytes)
     opts = _Options(
         request.engine,
         request.quiet,
@@ -781,7 +845,10 @@ def run_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
         request.overwrite,
     )
     writer = _write_adapter if prep.adapter_config is not None else FORMATS[request.output_format]
-    with sigterm_as_interrupt():
+    if used:
+        assert early is not None
+        _write_hf(prep, out, opts, early)
+    else:
         writer(prep, out, opts)
     log.info("wrote %s (%.1f MB)", out, prep.plan.total_bytes / 1e6)
     if removal is not None:  # the output is verified and published

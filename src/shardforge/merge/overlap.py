@@ -1,0 +1,409 @@
+"""Overlap: copy the checkpoint's bytes while the merge is still starting up.
+
+Before a byte can be written, the merge needs the architecture: transformers imported, the
+config read, the model built on the meta device. On a small machine that takes seconds, and the
+byte copy (which runs at disk speed) waited for it. `EarlyCopy` starts instead from what the
+checkpoint alone tells:
+
+1. on a thread, it reads the DCP metadata (the same checked reader as the merge), guesses the
+   output names (the checkpoint keys without their common wrapper prefix), the output dtype
+   (`--dtype`, else `dtype`/`torch_dtype` of the local `config.json`, else as stored) and the
+   shard size (`--max_shard_size`, else the installed transformers' default), and plans the
+   output files as the merge's planner does;
+2. it creates a hidden sibling of the output path (named after this process, so a killed merge's
+   is removed by the next one) and copies every tensor that is a file-to-file slab without a
+   cast into its planned byte range (`copy_file_range`: no bytes in this process's memory);
+3. meanwhile the merge prepares as always: architecture, every check, the real plan.
+
+Then `accept` compares: the same files, headers and byte ranges as the real plan (as soon as
+the early plan is made: a wrong guess is stopped at once), and, once the copy is done, for every
+copied tensor the same source slabs the real sources give. Only then are the files moved into
+the merge's output directory, and the merge writes what is left (casts, other chunk shapes),
+fsyncs, writes the index and companions, verifies and publishes as it always does. Any
+difference (a wrong guess) discards the copy and the merge writes everything itself; any error
+of the merge (a bad input) discards it too, so a refused merge leaves nothing behind. A guess
+never fails a merge: the thread's own errors only mean no early copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardforge.formats.dcp.chunks import ChunkReader, copy_range, pwrite_all
+from shardforge.formats.registry import DCP, open_checkpoint
+from shardforge.formats.sources import FileSlab, TensorSource
+from shardforge.io.copy import COPY_WORKERS, CopyJob, copy_jobs
+from shardforge.keymap.keys import clean_name, is_optimizer_key
+from shardforge.keymap.names import key_adapter
+from shardforge.layouts.steps import Candidate
+from shardforge.merge.lora_checkpoint import has_lora
+from shardforge.merge.plan import (
+    FILENAME_PATTERN,
+    SAFE_WEIGHTS_NAME,
+    OutputPlan,
+    PlannedFile,
+    TensorSpec,
+    _layout_file,
+)
+from shardforge.merge.publish import _fresh_temp_sibling, check_free_space, check_output_path
+from shardforge.merge.sinks.hf_dir import _preallocate
+
+log = logging.getLogger("shardforge")
+
+Progress = Callable[[int], None]
+
+# Turned off, the merge never copies early (tests compare both ways).
+ENABLED = True
+# config.json larger than this is not read by the guess (transformers reads it later anyway)
+CONFIG_JSON_LIMIT = 16 << 20
+# dtype names of config.json -> torch dtypes (floating only; anything else: no guess)
+_CONFIG_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def default_shard_size_guess() -> str | None:
+    """`save_pretrained`'s default max_shard_size, from the installed transformers' version
+    alone (importing transformers is what the overlap hides): 50GB from 5.0, else 5GB."""
+    try:
+        major = int(importlib.metadata.version("transformers").split(".")[0])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+    return "50GB" if major >= 5 else "5GB"
+
+
+def natural_key(name: str) -> list[tuple[Any, ...]]:
+    """The order transformers 5 saves tensors in (dotted parts; numbers numerically)."""
+    parts: list[tuple[Any, ...]] = []
+    for part in name.split("."):
+        if part.isdigit():
+            parts.append((0, int(part)))
+        else:
+            text = part.rstrip("0123456789")
+            digits = part[len(text) :]
+            parts.append((1, text, int(digits)) if digits else (1, text))
+    return parts
+
+
+def guess_plan(specs: list[TensorSpec], max_shard_size: int | str | None) -> OutputPlan:
+    """The plan `plan_output` makes for transformers 5 (its index is not needed here)."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    by_name = {s.name: s for s in sorted(specs, key=lambda s: natural_key(s.name))}
+    if max_shard_size is None:
+        return OutputPlan([_layout_file(SAFE_WEIGHTS_NAME, list(by_name.values()))], None)
+    split = split_state_dict_into_shards_factory(
+        by_name,
+        get_storage_size=lambda s: s.nbytes,
+        filename_pattern=FILENAME_PATTERN,
+        max_shard_size=max_shard_size,
+    )
+    files = [
+        _layout_file(fname, [by_name[n] for n in names])
+        for fname, names in split.filename_to_tensors.items()
+    ]
+    return OutputPlan(files, None)
+
+
+def _common_prefix(names: list[str]) -> str:
+    """The longest run of whole leading segments every name shares (never a whole name)."""
+    split = [n.split(".") for n in names]
+    depth = 0
+    shortest = min(len(p) for p in split)
+    while depth < shortest - 1 and len({p[depth] for p in split}) == 1:
+        depth += 1
+    return "".join(p + "." for p in split[0][:depth])
+
+
+def _read_config_json(config_source: str) -> dict[str, Any] | None:
+    path = Path(config_source) / "config.json"
+    try:
+        if not path.is_file() or path.stat().st_size > CONFIG_JSON_LIMIT:
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@dataclass(frozen=True)
+class Guess:
+    """What the early copy assumes about the output (all of it is checked in `accept`)."""
+
+    plan: OutputPlan
+    sources: dict[str, TensorSource]  # guessed output name -> source
+
+
+def _guess(
+    candidate: Candidate,
+    config_source: str,
+    dtype: torch.dtype | str | None,
+    max_shard_size: int | str | None,
+) -> Guess | None:
+    """The output plan from the checkpoint's metadata and config.json alone; None when the
+    checkpoint is not a plain one this guess covers (the merge then copies as always)."""
+    config = _read_config_json(config_source)
+    if config is None:
+        return None
+    if dtype == "config":
+        raw = config.get("dtype") or config.get("torch_dtype")
+        if raw is not None and raw not in _CONFIG_DTYPES:
+            return None
+        dtype = _CONFIG_DTYPES.get(raw) if isinstance(raw, str) else None
+    assert dtype is None or isinstance(dtype, torch.dtype)
+    tied = config.get("tie_word_embeddings")
+    if not isinstance(tied, bool):
+        return None
+    shard = max_shard_size if max_shard_size is not None else default_shard_size_guess()
+    if shard is None:
+        return None
+    opened = open_checkpoint(DCP, candidate.model_dir)
+    if key_adapter(None, opened) is not None or has_lora(list(opened)):
+        return None  # torchtitan's names, a LoRA checkpoint: not guessed
+    model = {k: n for k, n in opened.items() if not is_optimizer_key(n.path)}
+    cleaned = {clean_name(".".join(n.path)): n.source for n in model.values()}
+    if not cleaned or len(cleaned) != len(model):
+        return None
+    prefix = _common_prefix(list(cleaned))
+    sources = {name[len(prefix) :]: src for name, src in cleaned.items()}
+    if tied:
+        if "lm_head.weight" not in sources:
+            return None  # the prefix cannot be told apart from the model's own names
+        del sources["lm_head.weight"]  # stored once, under the embedding
+    specs = [
+        TensorSpec(
+            n,
+            dtype if dtype is not None and s.dtype.is_floating_point else s.dtype,
+            s.shape,
+        )
+        for n, s in sources.items()
+    ]
+    return Guess(guess_plan(specs, shard), sources)
+
+
+class EarlyCopy:
+    """The early copy of one merge: started at once on a thread; `accept` or `discard` it."""
+
+    def __init__(
+        self,
+        candidate: Candidate,
+        config_source: str,
+        out: Path,
+        overwrite: bool,
+        dtype: torch.dtype | str | None,
+        max_shard_size: int | str | None,
+    ) -> None:
+        self._args = (candidate, config_source, dtype, max_shard_size)
+        self._out, self._overwrite = out, overwrite
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.directory: Path | None = None  # the hidden directory, once created
+        self.planned: OutputPlan | None = None  # the guessed plan, as soon as it is made
+        self._decided = threading.Event()  # set once `planned` is known (or never will be)
+        self.guess: Guess | None = None  # set once every early byte is copied
+        self.copied: dict[str, list[FileSlab]] = {}  # output name -> the slabs copied
+        self.outcome = "running"
+        self._thread = threading.Thread(target=self._run, name="shardforge-early", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._copy()
+        except Exception as exc:  # a guess never fails the merge; it only copies nothing
+            self.outcome = f"gave up: {str(exc).splitlines()[0][:200] if str(exc) else exc!r}"
+            log.debug("early copy %s", self.outcome)
+        finally:
+            self._decided.set()
+
+    def _copy(self) -> None:
+        candidate, config_source, dtype, max_shard_size = self._args
+        out = self._out
+        if candidate.kind != DCP or candidate.adapter is not None or not out.parent.is_dir():
+            self.outcome = "not a plain DCP checkpoint (or no output folder yet)"
+            return
+        guess = _guess(candidate, config_source, dtype, max_shard_size)
+        if guess is None:
+            self.outcome = "not guessed"
+            return
+        self.planned = guess.plan
+        self._decided.set()  # the merge can compare plans while the bytes are copied
+        # the merge's own checks, before anything is created beside the output
+        check_output_path(out, self._overwrite, [candidate.model_dir])
+        check_free_space(out, guess.plan.total_bytes)
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self.directory = _fresh_temp_sibling(out)
+        copied: dict[str, list[FileSlab]] = {}
+        with ChunkReader() as reader:
+            for pf in guess.plan.files:
+                if self._stop.is_set():
+                    return
+                copied.update(self._copy_file(pf, guess.sources, reader))
+        self.copied = copied
+        self.guess = guess
+        self.outcome = "copied"
+
+    def _copy_file(
+        self, pf: PlannedFile, sources: Mapping[str, TensorSource], reader: ChunkReader
+    ) -> dict[str, list[FileSlab]]:
+        assert self.directory is not None
+        copied: dict[str, list[FileSlab]] = {}
+        fd = os.open(self.directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _preallocate(fd, pf.size)
+            pwrite_all(fd, memoryview(pf.header), 0)
+            jobs: list[CopyJob] = []
+            for planned in pf.tensors:
+                src = sources[planned.spec.name]
+                slabs = src.slabs(reader) if src.dtype == planned.spec.dtype else None
+                if slabs is None:
+                    continue
+                copied[planned.spec.name] = slabs
+                jobs += [
+                    CopyJob(s.path, s.src_offset, fd, planned.offset + s.dst_offset, s.nbytes)
+                    for s in slabs
+                ]
+            step = COPY_WORKERS * 4  # the stop flag is looked at between batches
+            for at in range(0, len(jobs), step):
+                if self._stop.is_set():
+                    return copied
+                copy_jobs(jobs[at : at + step], copy_range)
+        finally:
+            os.close(fd)
+        return copied
+
+    def accept(self, plan: OutputPlan, sources: Mapping[str, TensorSource]) -> bool:
+        """True when the copy wrote exactly what the merge would (then the files are the
+        merge's to finish, with `move_into`); else it is discarded. A plan that differs is
+        found as soon as the early plan is made; an equal one waits for the copy to end."""
+        self._decided.wait()
+        reason = _other_layout(plan, self.planned) if self.planned is not None else self.outcome
+        if reason is None:
+            self._thread.join()
+            reason = self._difference(plan, sources)
+        if reason is None:
+            log.debug("early copy accepted: %d tensors copied", len(self.copied))
+            self.outcome = "accepted"
+            return True
+        log.debug("early copy discarded: %s", reason)
+        self.discard()
+        self.outcome = f"discarded: {reason}"
+        return False
+
+    def _difference(self, plan: OutputPlan, sources: Mapping[str, TensorSource]) -> str | None:
+        """Why the finished copy is not what the merge writes (None: it is)."""
+        guess = self.guess
+        if guess is None or self.directory is None:
+            return self.outcome
+        reason = _other_layout(plan, guess.plan)
+        if reason is not None:
+            return reason
+        specs = {t.spec.name: t.spec for _, t in plan.tensors()}
+        with ChunkReader() as reader:
+            for name, slabs in self.copied.items():
+                src = sources.get(name)
+                if src is None or src.dtype != specs[name].dtype or src.slabs(reader) != slabs:
+                    return f"another source for {name}"
+        return None
+
+    def move_into(self, directory: Path) -> None:
+        """Move the accepted files into the merge's hidden output directory."""
+        assert self.guess is not None and self.directory is not None
+        for pf in self.guess.plan.files:
+            os.rename(self.directory / pf.name, directory / pf.name)
+        os.rmdir(self.directory)
+        self.directory = None
+
+    def discard(self) -> None:
+        """Stop the copy and remove what it wrote (safe to call at any time, more than once)."""
+        with self._lock:
+            self._stop.set()
+        self._thread.join()
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            log.debug("early copy removed (%s)", self.outcome)
+            self.directory = None
+
+
+def _other_layout(real: OutputPlan, early: OutputPlan) -> str | None:
+    """How two plans' files differ (None: same names, headers and byte ranges)."""
+    if [f.name for f in real.files] != [f.name for f in early.files]:
+        return "other output files"
+    for a, b in zip(real.files, early.files, strict=True):
+        if a.header != b.header or a.tensors != b.tensors:
+            return f"another layout of {a.name}"
+    return None
+
+
+def finish_plan(
+    plan: OutputPlan,
+    sources: Mapping[str, TensorSource],
+    directory: Path,
+    copied: Mapping[str, list[FileSlab]],
+    progress: Progress,
+) -> None:
+    """Write every tensor the early copy did not into the existing planned files; fsync them
+    (the index is the caller's, as with `write_plan`)."""
+    progress(sum(len(f.header) for f in plan.files))
+    with ChunkReader() as reader:
+        for pf in plan.files:
+            fd = os.open(directory / pf.name, os.O_WRONLY)
+            try:
+                jobs: list[CopyJob] = []
+                rest: list[tuple[int, TensorSource, torch.dtype]] = []
+                for planned in pf.tensors:
+                    name = planned.spec.name
+                    if name in copied:
+                        progress(planned.spec.nbytes)
+                        continue
+                    src = sources[name]
+                    slabs = src.slabs(reader) if src.dtype == planned.spec.dtype else None
+                    if slabs is None:
+                        rest.append((planned.offset, src, planned.spec.dtype))
+                        continue
+                    jobs += [
+                        CopyJob(s.path, s.src_offset, fd, planned.offset + s.dst_offset, s.nbytes)
+                        for s in slabs
+                    ]
+                copy_jobs(jobs, copy_range, progress)
+                for offset, src, dtype in rest:
+                    src.write_into(reader, fd, offset, dtype, progress)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+@contextlib.contextmanager
+def early_copy(
+    candidate: Candidate,
+    config_source: str,
+    out: Path,
+    overwrite: bool,
+    dtype: torch.dtype | str | None,
+    max_shard_size: int | str | None,
+) -> Iterator[EarlyCopy | None]:
+    """An `EarlyCopy` for the block, or None when turned off; whatever it wrote and was not
+    moved into the output is removed when the block ends, however it ends."""
+    if not ENABLED:
+        yield None
+        return
+    early = EarlyCopy(candidate, config_source, out, overwrite, dtype, max_shard_size)
+    try:
+        yield early
+    finally:
+        early.discard()
