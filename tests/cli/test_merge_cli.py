@@ -510,7 +510,7 @@ def test_a_mistyped_option_is_an_option_error(env: Path, typo: str, meant: str) 
 
 AXOLOTL_EXTRAS = {
     # a full Axolotl training config: none of this concerns the merge
-    "adapter": "lora",
+    "adapter": "qlora",  # read by the merge (a LoRA checkpoint's settings), refused by train
     "chat_template": "chatml",  # a name: the merged tokenizer gets the template text
     "lora_r": 16,
     "load_in_4bit": True,
@@ -536,7 +536,7 @@ def test_any_axolotl_config_drives_the_merge(env: Path, pristine: Path) -> None:
     assert (env / "out" / "model.safetensors").is_file()
     unused = [line for line in result.stderr.splitlines() if "not used by this command" in line]
     assert len(unused) == 1, result.stderr
-    assert "merge uses 3 of the config's 17 top-level keys" in unused[0]
+    assert "merge uses 5 of the config's 17 top-level keys" in unused[0]
     saved = json.loads((env / "out" / "tokenizer_config.json").read_text())
     template = saved.get("chat_template") or (env / "out" / "chat_template.jinja").read_text()
     assert "<|im_start|>" in template and template != "chatml"
@@ -545,7 +545,7 @@ def test_any_axolotl_config_drives_the_merge(env: Path, pristine: Path) -> None:
 
     checked = CliRunner().invoke(validate, [str(env / "cfg.yml"), "--for", "train"])
     assert checked.exit_code == 2
-    for key in ("adapter", "load_in_4bit", "plugins", "liger_rms_norm", "val_set_size"):
+    for key in ("adapter", "load_in_4bit", "plugins", "liger_rms_norm"):
         assert f"  - {key}: " in checked.output and "not supported" in checked.output
     assert "wandb_project" not in checked.output  # a null placeholder is fine
     merge_ok = CliRunner().invoke(validate, [str(env / "cfg.yml"), "--for", "merge"])
