@@ -7,8 +7,9 @@ the output bytes over the ranks of N nodes with the distributed merge's own spli
 (`shardforge.merge.distributed.shares`). It prints, per node count:
 
 - the bytes each node writes (largest and smallest node, and the largest over the mean);
-- what a split by whole files would give instead (greedy, largest file first, per node), which
-  is how a peer that splits conversion by file count balances;
+- what a split by whole files would give instead (greedy, largest file first, per rank), which
+  is how a peer that splits conversion by file count balances: the largest rank's bytes and the
+  ranks left without a file;
 - the expected merge time from three rates: a per-rank byte rate measured on a real machine
   (`--rank-mbps`, from `merge_bench.py`), a per-node network rate, and the shared file system's
   aggregate bandwidth (`--fs-gbps`, an assumption you state), plus a fixed start-up.
@@ -18,11 +19,10 @@ the output bytes over the ranks of N nodes with the distributed merge's own spli
 
 The time model: every output byte is read once from the checkpoint and written once (a stored
 dtype wider than the output reads more: `--stored-dtype float32` for an FSDP checkpoint of
-float32 master weights merged to bfloat16). A node moves its bytes at
-min(ranks x per-rank rate, network rate); all nodes together cannot move more than the file
-system's aggregate bandwidth; the slowest of those bounds, plus the start-up every rank pays
-(imports, metadata, the meta-device architecture: it does not shrink with more nodes), is the
-merge time.
+float32 master weights merged to bfloat16). Three bounds: the busiest rank at the per-rank rate,
+the busiest node at its network rate, and all bytes at the file system's aggregate bandwidth.
+The slowest of them, plus the start-up every rank pays (imports, metadata, the meta-device
+architecture: it does not shrink with more nodes), is the merge time.
 """
 
 from __future__ import annotations
@@ -81,16 +81,20 @@ def llama_specs(m: LlamaShape, dtype: torch.dtype) -> list[TensorSpec]:
     return [TensorSpec(name, dtype, shape) for name, shape in shapes]
 
 
-def node_bytes(plan: OutputPlan, nodes: int, ranks_per_node: int) -> list[int]:
-    """Tensor bytes each node writes under the distributed merge's split (torchrun numbers
-    ranks node by node: node k holds ranks k*R .. k*R+R-1)."""
-    world = nodes * ranks_per_node
-    out = [0] * nodes
+def rank_bytes(plan: OutputPlan, world: int) -> list[int]:
+    """Tensor bytes each rank writes under the distributed merge's split."""
+    out = [0] * world
     for rank in range(world):
         for s in shares(plan, rank, world):
             rows = s.tensor.spec.shape[0] if s.tensor.spec.shape else 1
-            out[rank // ranks_per_node] += (s.rows[1] - s.rows[0]) * (s.tensor.spec.nbytes // rows)
+            out[rank] += (s.rows[1] - s.rows[0]) * (s.tensor.spec.nbytes // rows)
     return out
+
+
+def per_node(ranks: list[int], ranks_per_node: int) -> list[int]:
+    """Sum ranks' bytes by node (torchrun numbers ranks node by node: node k holds ranks
+    k*R .. k*R+R-1)."""
+    return [sum(ranks[i : i + ranks_per_node]) for i in range(0, len(ranks), ranks_per_node)]
 
 
 def files_per_node(plan: OutputPlan, nodes: int, ranks_per_node: int) -> int:
@@ -102,9 +106,9 @@ def files_per_node(plan: OutputPlan, nodes: int, ranks_per_node: int) -> int:
     return max(len(n) for n in names)
 
 
-def by_file_split(plan: OutputPlan, nodes: int) -> list[int]:
-    """Whole files per node, greedy (largest file to the least loaded node)."""
-    load = [0] * nodes
+def by_file_split(plan: OutputPlan, world: int) -> list[int]:
+    """Whole files per rank, greedy (largest file to the least loaded rank)."""
+    load = [0] * world
     for size in sorted((f.size for f in plan.files), reverse=True):
         load[load.index(min(load))] += size
     return load
@@ -169,6 +173,7 @@ def main() -> None:
         f"{args.startup_s:.1f} s; checkpoint {stored} -> output {out_dtype} ({traffic:.1f} bytes "
         f"moved per output byte); {r} ranks per node"
     )
+    rank_rate = args.rank_mbps * 1e6
     for key in MODELS if args.model == "all" else [args.model]:
         m = MODELS[key]
         specs = llama_specs(m, out_dtype)
@@ -183,29 +188,35 @@ def main() -> None:
         )
         print(
             f"{'nodes':>5} {'ranks':>5} {'max node':>10} {'min node':>10} {'max/mean':>9} "
-            f"{'files/node':>10} {'by-file max':>12} {'by-file max/mean':>16} {'time s':>8} "
-            f"{'by-file s':>9}  bound"
+            f"{'files/node':>10} {'time s':>7}  {'bound':<12} {'by-file: max rank':>17} "
+            f"{'idle ranks':>10} {'time s':>7}  bound"
         )
+        nic_rate = args.node_gbps * 1e9 / traffic
+        fs_time = total * traffic / (args.fs_gbps * 1e9)
+
+        def seconds(
+            ranks: list[int], nic: float = nic_rate, fs: float = fs_time
+        ) -> tuple[float, str]:
+            bounds = {
+                "ranks": max(ranks) / rank_rate,
+                "node network": max(per_node(ranks, r)) / nic,
+                "file system": fs,
+            }
+            bound = max(bounds, key=lambda k: bounds[k])
+            return args.startup_s + bounds[bound], bound
+
         for n in counts:
-            per_node = node_bytes(plan, n, r)
-            assert sum(per_node) == total  # every byte exactly once
-            mean = total / n
-            files = by_file_split(plan, n)
-            node_rate = min(r * args.rank_mbps * 1e6, args.node_gbps * 1e9 / traffic)
-            fs_time = total * traffic / (args.fs_gbps * 1e9)
-
-            def seconds(max_node: int, rate: float = node_rate, fs: float = fs_time) -> float:
-                return args.startup_s + max(max_node / rate, fs)
-
-            bound = "file system" if fs_time >= max(per_node) / node_rate else (
-                "ranks" if r * args.rank_mbps * 1e6 <= args.node_gbps * 1e9 / traffic
-                else "node network"
-            )  # fmt: skip
+            ours = rank_bytes(plan, n * r)
+            nodes = per_node(ours, r)
+            assert sum(nodes) == total  # every byte exactly once
+            files = by_file_split(plan, n * r)
+            t_ours, b_ours = seconds(ours)
+            t_files, b_files = seconds(files)
             print(
-                f"{n:>5} {n * r:>5} {human(max(per_node)):>10} {human(min(per_node)):>10} "
-                f"{max(per_node) / mean:>9.4f} {files_per_node(plan, n, r):>10} "
-                f"{human(max(files)):>12} {max(files) / mean:>16.2f} "
-                f"{seconds(max(per_node)):>8.0f} {seconds(max(files)):>9.0f}  {bound}"
+                f"{n:>5} {n * r:>5} {human(max(nodes)):>10} {human(min(nodes)):>10} "
+                f"{max(nodes) / (total / n):>9.4f} {files_per_node(plan, n, r):>10} "
+                f"{t_ours:>7.0f}  {b_ours:<12} {human(max(files)):>17} "
+                f"{sum(1 for f in files if f == 0):>10} {t_files:>7.0f}  {b_files}"
             )
 
 
