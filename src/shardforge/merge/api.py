@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -48,6 +48,13 @@ from shardforge.merge.companions import (
     write_generation_config,
     write_tokenizer,
 )
+from shardforge.merge.dtypes import (
+    config_dtype,
+    main_dtype,
+    output_dtype,
+    parse_dtype,
+    progress,
+)
 from shardforge.merge.lora_checkpoint import adapter_sources, has_lora, open_lora
 from shardforge.merge.overlap import EarlyCopy, early_copy, finish_plan
 from shardforge.merge.plan import (
@@ -73,20 +80,6 @@ from shardforge.merge.sinks.torch_file import verify_torch_file, write_torch_fil
 from shardforge.merge.verify import verify_output
 
 log = logging.getLogger("shardforge")
-
-
-# --dtype spellings -> torch dtype (None: keep each tensor's stored dtype)
-DTYPES: dict[str, torch.dtype | None] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "as_saved": None,
-    "as-saved": None,
-}
 
 
 @dataclass(frozen=True)
@@ -122,47 +115,6 @@ def _sources(cfg: ShardforgeConfig, candidates: list[Candidate]) -> MergeSources
         tokenizer = cfg.base_model
     generation = list(dict.fromkeys([config, cfg.base_model]))
     return MergeSources(candidate, config, tokenizer, generation, tuple(candidates))
-
-
-def _parse_dtype(value: str | torch.dtype | None) -> torch.dtype | Literal["config"] | None:
-    if value is None:
-        return "config"
-    if isinstance(value, torch.dtype):
-        return value
-    key = value.strip().lower().removeprefix("torch.")
-    if key not in DTYPES:
-        raise MergeError(f"--dtype {value!r}: expected one of {', '.join(DTYPES)}")
-    return DTYPES[key]
-
-
-def _config_dtype(config: Any) -> torch.dtype | None:
-    raw = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(raw, str):
-        raw = DTYPES.get(raw.lower().removeprefix("torch."))
-    return raw if isinstance(raw, torch.dtype) and raw.is_floating_point else None
-
-
-def _output_dtype(saved: torch.dtype, target: torch.dtype | None) -> torch.dtype:
-    return target if target is not None and saved.is_floating_point else saved
-
-
-def _main_dtype(specs: list[TensorSpec]) -> torch.dtype | None:
-    sizes: dict[torch.dtype, int] = {}
-    for s in specs:
-        if s.dtype.is_floating_point:
-            sizes[s.dtype] = sizes.get(s.dtype, 0) + s.nbytes
-    return max(sizes, key=lambda d: sizes[d]) if sizes else None
-
-
-@contextmanager
-def _progress(total: int, desc: str, quiet: bool) -> Iterator[Callable[[int], None]]:
-    from tqdm import tqdm
-
-    disable = quiet or not sys.stderr.isatty()
-    with tqdm(
-        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=disable
-    ) as bar:
-        yield bar.update
 
 
 @dataclass(frozen=True)
@@ -277,11 +229,11 @@ def _prepare(
         log.info("averaging %d checkpoints: %s", len(inputs), ", ".join(map(_label, inputs)))
     else:
         by_name = per_input[0][1]
-    wanted = _parse_dtype(request.dtype)
-    target = _config_dtype(config) if wanted == "config" else wanted
+    wanted = parse_dtype(request.dtype)
+    target = config_dtype(config) if wanted == "config" else wanted
     assert target != "config"
     specs = [
-        TensorSpec(n, _output_dtype(by_name[n].dtype, target), by_name[n].shape)
+        TensorSpec(n, output_dtype(by_name[n].dtype, target), by_name[n].shape)
         for n in expected.saved_names
     ]
     shard = None if request.single_file else request.max_shard_size or default_max_shard_size()
@@ -295,7 +247,7 @@ def _prepare(
         isinstance(src, DcpSource) and src.entry.key == key
         for key, src in ((k, by_name[hf]) for k, hf in keymap.to_hf.items())
     )
-    return _Prepared(sources, expected, keymap, by_name, plan, _main_dtype(specs), plain)
+    return _Prepared(sources, expected, keymap, by_name, plan, main_dtype(specs), plain)
 
 
 def _prepare_lora(
@@ -326,18 +278,18 @@ def _prepare_lora(
     if not lora.holds_base:
         base = base_sources(base_directory(cfg.base_model), expected, sources.config)
     fused = fuse_sources(base, lora.names, lora.tensors, lora.settings, expected, str(model_dir))
-    wanted = _parse_dtype(request.dtype)
-    target = _config_dtype(config) if wanted == "config" else wanted
+    wanted = parse_dtype(request.dtype)
+    target = config_dtype(config) if wanted == "config" else wanted
     assert target != "config"
     empty = KeyMap({}, "", (), ())
     if request.merge_lora:
         specs = [
-            TensorSpec(n, _output_dtype(_stored_dtype(fused[n]), target), fused[n].shape)
+            TensorSpec(n, output_dtype(_stored_dtype(fused[n]), target), fused[n].shape)
             for n in expected.saved_names
         ]
         shard = None if request.single_file else request.max_shard_size or default_max_shard_size()
         plan = plan_output(specs, shard, expected.total_parameters)
-        return _Prepared(sources, expected, empty, fused, plan, _main_dtype(specs), False)
+        return _Prepared(sources, expected, empty, fused, plan, main_dtype(specs), False)
     if request.single_file:
         raise MergeError(
             f"{model_dir}: a LoRA checkpoint merges to a PEFT adapter directory (--format hf), "
@@ -347,14 +299,14 @@ def _prepare_lora(
     specs = [
         TensorSpec(
             n,
-            src.dtype if wanted is None or wanted == "config" else _output_dtype(src.dtype, wanted),
+            src.dtype if wanted is None or wanted == "config" else output_dtype(src.dtype, wanted),
             src.shape,
         )
         for n, src in by_name.items()
     ]
     plan = plan_output(specs, None, sum(math.prod(s.shape) for s in specs))
     return _Prepared(
-        sources, expected, empty, by_name, plan, _main_dtype(specs), False, lora.adapter_config
+        sources, expected, empty, by_name, plan, main_dtype(specs), False, lora.adapter_config
     )
 
 
@@ -369,11 +321,11 @@ def _write_hf(prep: _Prepared, out: Path, opts: _Options, early: EarlyCopy | Non
     with atomic_directory(out, opts.overwrite) as tmp:
         if early is not None:
             early.move_into(tmp)
-            with _progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
+            with progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
                 finish_plan(prep.plan, prep.by_name, tmp, early.copied, update)
             write_index(prep.plan, tmp)
         elif opts.engine == "stream":
-            with _progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
+            with progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
                 write_plan(prep.plan, prep.by_name, tmp, update)
         else:
             from shardforge.merge.sinks.engine import merge_with_transformers
@@ -411,7 +363,7 @@ def _write_adapter(prep: _Prepared, out: Path, opts: _Options) -> None:
     """A PEFT adapter directory: adapter_model.safetensors, adapter_config.json, tokenizer."""
     assert prep.adapter_config is not None
     with atomic_directory(out, opts.overwrite) as tmp:
-        with _progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
+        with progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
             write_plan(prep.plan, prep.by_name, tmp, update)
         if opts.verify:
             _verify(prep, tmp, opts.quiet)
@@ -430,7 +382,7 @@ def _write_adapter(prep: _Prepared, out: Path, opts: _Options) -> None:
 
 
 def _verify(prep: _Prepared, directory: Path, quiet: bool) -> None:
-    with _progress(prep.plan.total_bytes, "verifying", quiet) as update:
+    with progress(prep.plan.total_bytes, "verifying", quiet) as update:
         n = verify_output(prep.plan, prep.by_name, directory, update, prep.expected.tied)
     log.info("verified %d tensors: identical to the checkpoint", n)
 
@@ -438,7 +390,7 @@ def _verify(prep: _Prepared, directory: Path, quiet: bool) -> None:
 def _write_safetensors(prep: _Prepared, out: Path, opts: _Options) -> None:
     """One `model.safetensors`-format file at `out` (no index, config or tokenizer)."""
     with atomic_file(out, opts.overwrite) as tmp:
-        with _progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
+        with progress(prep.plan.total_bytes, "merging", opts.quiet) as update:
             write_plan(prep.plan, prep.by_name, tmp, update)
         if opts.verify:
             _verify(prep, tmp, opts.quiet)
@@ -450,7 +402,7 @@ def _write_torch(prep: _Prepared, out: Path, opts: _Options) -> None:
     specs = [t.spec for _, t in prep.plan.tensors()]
     specs = [s for n in prep.expected.saved_names for s in specs if s.name == n]
     with atomic_file(out, opts.overwrite) as tmp:
-        with _progress(sum(s.nbytes for s in specs), "merging", opts.quiet) as update:
+        with progress(sum(s.nbytes for s in specs), "merging", opts.quiet) as update:
             write_torch_file(specs, prep.by_name, tmp / out.name, update)
         if opts.verify:
             n = verify_torch_file(specs, prep.by_name, tmp / out.name, prep.expected.tied)
@@ -709,7 +661,7 @@ def merge_on_ranks(config: ShardforgeConfig, request: MergeRequest) -> Path:
                 (s.rows[1] - s.rows[0]) * (s.tensor.spec.nbytes // max(1, _rows(s.tensor)))
                 for s in mine
             )
-            with _progress(mine_bytes, "merging", opts.quiet) as update:
+            with progress(mine_bytes, "merging", opts.quiet) as update:
                 _on_every_rank(lambda: write_shares(mine, prep.by_name, directory, update))
             if opts.verify:
                 owners = owner(prep.plan, world)
@@ -794,7 +746,7 @@ def _early_copy(
         sources.config,
         out,
         request.overwrite,
-        _parse_dtype(request.dtype),
+        parse_dtype(request.dtype),
         request.max_shard_size,
     )
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +53,13 @@ from shardforge.merge.companions import (
     write_generation_config,
     write_tokenizer,
 )
+from shardforge.merge.dtypes import (
+    config_dtype,
+    main_dtype,
+    output_dtype,
+    parse_dtype,
+    progress,
+)
 from shardforge.merge.plan import OutputPlan, TensorSpec, default_max_shard_size, plan_output
 from shardforge.merge.publish import (
     atomic_directory,
@@ -75,19 +80,6 @@ ADAPTER_PICKLE = "adapter_model.bin"
 MERGED_DIRNAME = "merged"
 # the largest adapter_config.json read
 MAX_ADAPTER_CONFIG_BYTES = 1 << 20
-
-# --dtype spellings -> torch dtype (None: each tensor as the base model stores it)
-DTYPES: dict[str, torch.dtype | None] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "as_saved": None,
-    "as-saved": None,
-}
 
 
 # ----------------------------------------------------------------------------- the adapter
@@ -342,25 +334,6 @@ def unties(names: LoraNames, settings: LoraSettings, expected: ExpectedModel) ->
 # ------------------------------------------------------------------------------ the merge
 
 
-def _parse_dtype(value: str | torch.dtype | None) -> torch.dtype | str | None:
-    """ "config" for None; a dtype, or None (as stored)."""
-    if value is None:
-        return "config"
-    if isinstance(value, torch.dtype):
-        return value
-    key = value.strip().lower().removeprefix("torch.")
-    if key not in DTYPES:
-        raise MergeError(f"--dtype {value!r}: expected one of {', '.join(DTYPES)}")
-    return DTYPES[key]
-
-
-def _config_dtype(config: Any) -> torch.dtype | None:
-    raw = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(raw, str):
-        raw = DTYPES.get(raw.lower().removeprefix("torch."))
-    return raw if isinstance(raw, torch.dtype) and raw.is_floating_point else None
-
-
 def base_directory(base_model: str | None) -> Path:
     """base_model as a local directory: the path, else its snapshot in the Hugging Face cache
     (nothing is downloaded)."""
@@ -428,18 +401,6 @@ def base_sources(
     return {n: s for n, s in base.items() if n not in expected.tied}
 
 
-def _output_dtype(stored: torch.dtype, target: torch.dtype | None) -> torch.dtype:
-    return target if target is not None and stored.is_floating_point else stored
-
-
-def _main_dtype(specs: list[TensorSpec]) -> torch.dtype | None:
-    sizes: dict[torch.dtype, int] = {}
-    for s in specs:
-        if s.dtype.is_floating_point:
-            sizes[s.dtype] = sizes.get(s.dtype, 0) + s.nbytes
-    return max(sizes, key=lambda d: sizes[d]) if sizes else None
-
-
 def prepare_lora(
     cfg: ShardforgeConfig,
     lora_model_dir: str | Path | None = None,
@@ -500,11 +461,11 @@ def prepare_lora(
     by_name = fuse_sources(
         base, adapter.names, adapter.tensors, adapter.settings, expected, str(adapter_dir)
     )
-    wanted = _parse_dtype(dtype)
-    target = _config_dtype(config) if wanted == "config" else wanted
+    wanted = parse_dtype(dtype)
+    target = config_dtype(config) if wanted == "config" else wanted
     assert target is None or isinstance(target, torch.dtype)
     specs = [
-        TensorSpec(n, _output_dtype(base[n].dtype, target), by_name[n].shape)
+        TensorSpec(n, output_dtype(base[n].dtype, target), by_name[n].shape)
         for n in expected.saved_names
     ]
     shard = max_shard_size or default_max_shard_size()
@@ -522,19 +483,8 @@ def prepare_lora(
         expected,
         by_name,
         plan,
-        _main_dtype(specs),
+        main_dtype(specs),
     )
-
-
-@contextmanager
-def _progress(total: int, desc: str, quiet: bool) -> Iterator[Callable[[int], None]]:
-    from tqdm import tqdm
-
-    disable = quiet or not sys.stderr.isatty()
-    with tqdm(
-        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=disable
-    ) as bar:
-        yield bar.update
 
 
 def _check_inputs(out: Path, inputs: list[Path]) -> None:
@@ -602,7 +552,7 @@ def merge_lora(
     _check_inputs(out, [prep.adapter.directory, prep.base_dir])
     check_free_space(out, prep.plan.total_bytes)
     with sigterm_as_interrupt(), atomic_directory(out, overwrite) as tmp:
-        with _progress(prep.plan.total_bytes, "merging", quiet) as update:
+        with progress(prep.plan.total_bytes, "merging", quiet) as update:
             write_plan(prep.plan, prep.by_name, tmp, update)
         write_config(prep.expected.config, prep.dtype, tmp)
         generation = list(dict.fromkeys([prep.config_source, str(prep.base_dir)]))
@@ -617,7 +567,7 @@ def merge_lora(
                 config.chat_template_jinja,
             )
         if verify:
-            with _progress(prep.plan.total_bytes, "verifying", quiet) as update:
+            with progress(prep.plan.total_bytes, "verifying", quiet) as update:
                 n = verify_output(prep.plan, prep.by_name, tmp, update, prep.expected.tied)
             log.info("verified %d tensors: identical to the base model with the adapter fused", n)
     log.info("wrote %s (%.1f MB)", out, prep.plan.total_bytes / 1e6)
