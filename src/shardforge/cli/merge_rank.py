@@ -24,13 +24,16 @@ def main(argv: list[str]) -> None:
 
         from shardforge.io.dist import finish_together
         from shardforge.merge.api import merge_on_ranks
-        from shardforge.merge.launch import ERROR_FILE_ENV, read_request
+        from shardforge.merge.launch import DONE_FILE_ENV, ERROR_FILE_ENV, read_request
 
         config, request = read_request(Path(args[0]))
         dist.init_process_group("gloo")
         try:
             merge_on_ranks(config, request)
             finish_together()
+            done = os.environ.get(DONE_FILE_ENV)
+            if done and dist.get_rank() == 0:  # published: the launcher reports success
+                Path(done).touch()
         except ShardforgeError as exc:
             path = os.environ.get(ERROR_FILE_ENV)
             if path:  # the first rank to fail leaves the message for the launcher

@@ -25,6 +25,8 @@ log = logging.getLogger("shardforge")
 
 # set for the ranks: where the first rank that fails on a user error writes it
 ERROR_FILE_ENV = "SHARDFORGE_RANK_ERROR_FILE"
+# rank 0 creates this file once every rank has finished and the output is published
+DONE_FILE_ENV = "SHARDFORGE_MERGE_DONE_FILE"
 
 
 def torchrun_command(request: MergeRequest, request_file: Path) -> list[str]:
@@ -72,7 +74,16 @@ def launch_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         cmd = torchrun_command(request, request_file)
         log.info("launching: %s", " ".join(cmd))
+        env[DONE_FILE_ENV] = str(Path(tmp) / "published")
         status = subprocess.call(cmd, env=env)
+        if status != 0 and Path(env[DONE_FILE_ENV]).is_file():
+            # every rank finished and rank 0 published; a rank died in torch's teardown after
+            log.warning(
+                "warning: a merge rank exited with an error after the output was published "
+                "(torchrun exit status %d); the output is complete",
+                status,
+            )
+            status = 0
         if status != 0 and error_file.is_file():
             code, message = error_file.read_text(encoding="utf-8").split("\n", 1)
             error = ShardforgeError(message)
