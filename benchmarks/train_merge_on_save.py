@@ -122,27 +122,18 @@ def run_once(root: Path, variant: str, args: argparse.Namespace) -> dict[str, An
     if proc.returncode != 0:
         sys.exit(f"{variant}: train failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     rows = step_times(out / "metrics.jsonl")
-    merged = (
-        sorted(p.name for p in (out / "merged").glob("checkpoint-*"))
-        if (out / "merged").is_dir()
-        else []
-    )
+    merged = sorted(p.name for p in (out / "merged").glob("checkpoint-*"))
     saves = set(range(args.save_steps, args.max_steps + 1, args.save_steps))
-    after_save = [
-        s
-        for step, s, _ in rows
-        if step > args.skip and any(0 < step - k <= args.window for k in saves)
-    ]
-    other = [
-        s
-        for step, s, _ in rows
-        if step > args.skip and not any(0 < step - k <= args.window for k in saves)
-    ]
+
+    def after_save(step: int) -> bool:
+        return any(0 < step - k <= args.window for k in saves)
+
+    kept = [(step, s) for step, s, _ in rows if step > args.skip]
     shutil.rmtree(out, ignore_errors=True)
     return {
-        "steps": [s for step, s, _ in rows if step > args.skip],
-        "after_save": after_save,
-        "other": other,
+        "steps": [s for _, s in kept],
+        "after_save": [s for step, s in kept if after_save(step)],
+        "other": [s for step, s in kept if not after_save(step)],
         "final_loss": rows[-1][2],
         "wall": wall,
         "load": load,

@@ -74,9 +74,10 @@ def launch_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         cmd = torchrun_command(request, request_file)
         log.info("launching: %s", " ".join(cmd))
-        env[DONE_FILE_ENV] = str(Path(tmp) / "published")
+        done_file = Path(tmp) / "published"
+        env[DONE_FILE_ENV] = str(done_file)
         status = subprocess.call(cmd, env=env)
-        if status != 0 and Path(env[DONE_FILE_ENV]).is_file():
+        if status != 0 and done_file.is_file():
             # every rank finished and rank 0 published; a rank died in torch's teardown after
             log.warning(
                 "warning: a merge rank exited with an error after the output was published "
