@@ -98,3 +98,40 @@ def test_python_dash_m_shardforge() -> None:
         check=True,
     )
     assert __version__ in out.stdout
+
+
+EXIT_SCRIPT = """
+import atexit, sys, threading, time
+from shardforge.cli.main import exit_now
+atexit.register(lambda: print("exit handler ran", file=sys.stderr))
+sys.stdout.write("buffered, no newline")
+if sys.argv[1] == "thread":  # a non-daemon thread still working: a normal exit waits for it
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+exit_now(int(sys.argv[2]))
+"""
+
+
+def test_exit_now_flushes_runs_exit_handlers_and_keeps_the_status() -> None:
+    for mode, code in (("plain", 0), ("plain", 3), ("thread", 0)):
+        out = subprocess.run(
+            [sys.executable, "-c", EXIT_SCRIPT, mode, str(code)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert out.returncode == code, (mode, out.stderr)
+        assert out.stdout.startswith("buffered, no newline"), mode
+        assert "exit handler ran" in out.stderr, mode
+        assert ("thread done" in out.stdout) == (mode == "thread")
+
+
+def test_console_entry_point_reports_errors_with_their_status(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "shardforge", "validate", str(tmp_path / "missing.yml")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode != 0
+    assert out.stderr.startswith("error:"), out.stderr
+    assert "missing.yml" in out.stderr

@@ -19,8 +19,7 @@ def _files(tmp_path: Path, n: int, size: int) -> list[Path]:
     return out
 
 
-@pytest.mark.parametrize("workers", [1, 4])
-def test_copy_jobs_place_every_range(tmp_path: Path, workers: int) -> None:
+def test_copy_jobs_place_every_range(tmp_path: Path) -> None:
     srcs = _files(tmp_path, 3, 1 << 16)
     # interleave ranges of the three files into one output, in reverse order of the sources
     jobs_spec = [(srcs[i % 3], (i // 3) * 4096, 4096) for i in range(48)]
@@ -32,7 +31,7 @@ def test_copy_jobs_place_every_range(tmp_path: Path, workers: int) -> None:
         jobs = [
             CopyJob(path, off, fd, (47 - i) * 4096, n) for i, (path, off, n) in enumerate(jobs_spec)
         ]
-        copy_jobs(jobs, copy_range, seen.append, workers=workers)
+        copy_jobs(jobs, copy_range, seen.append)
     finally:
         os.close(fd)
     data = dst.read_bytes()
@@ -46,11 +45,30 @@ def test_copy_jobs_raise_the_first_error(tmp_path: Path) -> None:
     (src,) = _files(tmp_path, 1, 4096)
     fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        jobs = [CopyJob(src, 0, fd, 0, 4096), CopyJob(tmp_path / "missing.bin", 0, fd, 0, 10)]
-        with pytest.raises(CheckpointError, match=r"missing\.bin: cannot read"):
-            copy_jobs(jobs, copy_range, workers=4)
+        jobs = [CopyJob(tmp_path / "z-missing.bin", 0, fd, 4096, 10), CopyJob(src, 0, fd, 0, 4096)]
+        seen: list[int] = []
+        with pytest.raises(CheckpointError, match=r"z-missing\.bin: cannot read"):
+            copy_jobs(jobs, copy_range, seen.append)
+        assert seen == [4096]  # src.bin comes first in read order
     finally:
         os.close(fd)
+
+
+def test_copy_jobs_read_each_file_front_to_back_and_stop_when_asked(tmp_path: Path) -> None:
+    a, b = _files(tmp_path, 2, 4 * 4096)
+    # the output wants b's blocks backwards, then a's: the copies read each file in order
+    jobs = [CopyJob(b, (3 - i) * 4096, -1, i * 4096, 4096) for i in range(4)]
+    jobs += [CopyJob(a, (3 - i) * 4096, -1, (4 + i) * 4096, 4096) for i in range(4)]
+    calls: list[tuple[str, int]] = []
+
+    def record(src: int, dst: int, src_off: int, dst_off: int, n: int) -> None:
+        calls.append((os.readlink(f"/proc/self/fd/{src}"), src_off))
+
+    assert copy_jobs(jobs, record)
+    assert calls == [(str(p), k * 4096) for p in (a, b) for k in range(4)]
+    calls.clear()
+    assert not copy_jobs(jobs, record, stop=lambda: len(calls) == 3)
+    assert len(calls) == 3
 
 
 def test_prefetch_respects_its_budget(tmp_path: Path) -> None:

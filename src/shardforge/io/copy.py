@@ -4,22 +4,23 @@
   (`posix_fadvise(WILLNEED)`, asynchronous, no memory held by this process) while the merge is
   still importing transformers and checking the architecture. Bounded by a budget so that a
   checkpoint larger than RAM does not evict its own first bytes.
-- `copy_jobs`: run many `copy_file_range` copies on a few threads. The copies happen in the
-  kernel with the GIL released, so several requests are in flight at once, which is what a
-  virtual or NVMe disk needs to reach its throughput. No tensor bytes pass through Python.
+- `copy_jobs`: run many `copy_file_range` copies, one after the other. The copies happen in the
+  kernel (the GIL released: the merge goes on importing and checking meanwhile); the kernel's
+  read-ahead and write-back keep the disk busy. No tensor bytes pass through Python. One
+  thread per output file, on purpose: several threads writing one file contend for its inode
+  lock, and on a 2-core machine a 4-thread copy of 4 GB burned 21 s of kernel CPU (against 3 s)
+  and starved the import it was meant to overlap (benchmarks/README.md, "byte-path profile").
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardforge.io.files import open_regular
 
-COPY_WORKERS = 4
 # Never prefetch more than this share of the memory the kernel reports as available.
 PREFETCH_SHARE_OF_AVAILABLE = 0.5
 
@@ -81,29 +82,27 @@ def _run(job: CopyJob, copy: Callable[[int, int, int, int, int], None]) -> None:
         os.close(fd)
 
 
+def read_order(job: CopyJob) -> tuple[str, int]:
+    """Jobs run in the order of their source bytes: each data file is read front to back, as
+    `cp` reads it, whatever order the output wants its tensors in (the kernel's read-ahead
+    works on sequential reads; the writes land in the page cache, where order does not
+    matter)."""
+    return str(job.src), job.src_offset
+
+
 def copy_jobs(
     jobs: Sequence[CopyJob],
     copy: Callable[[int, int, int, int, int], None],
     progress: Callable[[int], None] | None = None,
-    workers: int = COPY_WORKERS,
-) -> None:
-    """Run `copy(src_fd, dst_fd, src_offset, dst_offset, nbytes)` for every job on `workers`
-    threads; progress is reported in job order; the first error is raised once the copies
-    already running have finished."""
-    if workers <= 1 or len(jobs) <= 1:
-        for job in jobs:
-            _run(job, copy)
-            if progress is not None:
-                progress(job.nbytes)
-        return
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardforge-copy") as pool:
-        futures = [pool.submit(_run, j, copy) for j in jobs]
-        try:
-            for job, fut in zip(jobs, futures, strict=True):
-                fut.result()
-                if progress is not None:
-                    progress(job.nbytes)
-        except BaseException:
-            for fut in futures:
-                fut.cancel()
-            raise
+    stop: Callable[[], bool] | None = None,
+) -> bool:
+    """Run `copy(src_fd, dst_fd, src_offset, dst_offset, nbytes)` for every job, in
+    `read_order`, reporting each job's bytes to `progress` once it is done. `stop` is asked
+    before every job: True ends the copy early, and then this returns False."""
+    for job in sorted(jobs, key=read_order):
+        if stop is not None and stop():
+            return False
+        _run(job, copy)
+        if progress is not None:
+            progress(job.nbytes)
+    return True

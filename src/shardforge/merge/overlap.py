@@ -44,7 +44,7 @@ import torch
 from shardforge.formats.dcp.chunks import ChunkReader, copy_range, pwrite_all
 from shardforge.formats.registry import DCP, open_checkpoint
 from shardforge.formats.sources import FileSlab, TensorSource
-from shardforge.io.copy import COPY_WORKERS, CopyJob, copy_jobs
+from shardforge.io.copy import CopyJob, copy_jobs
 from shardforge.keymap.keys import clean_name, is_optimizer_key
 from shardforge.keymap.names import key_adapter
 from shardforge.layouts.steps import Candidate
@@ -251,16 +251,19 @@ class EarlyCopy:
         copied: dict[str, list[FileSlab]] = {}
         with ChunkReader() as reader:
             for pf in guess.plan.files:
-                if self._stop.is_set():
-                    return
-                copied.update(self._copy_file(pf, guess.sources, reader))
+                done = self._copy_file(pf, guess.sources, reader)
+                if done is None:
+                    return  # discarded meanwhile
+                copied.update(done)
         self.copied = copied
         self.guess = guess
         self.outcome = "copied"
 
     def _copy_file(
         self, pf: PlannedFile, sources: Mapping[str, TensorSource], reader: ChunkReader
-    ) -> dict[str, list[FileSlab]]:
+    ) -> dict[str, list[FileSlab]] | None:
+        """Copy what `pf` can take file to file; the slabs copied per tensor, None when the
+        copy was discarded before it ended."""
         assert self.directory is not None
         copied: dict[str, list[FileSlab]] = {}
         fd = os.open(self.directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -278,11 +281,8 @@ class EarlyCopy:
                     CopyJob(s.path, s.src_offset, fd, planned.offset + s.dst_offset, s.nbytes)
                     for s in slabs
                 ]
-            step = COPY_WORKERS * 4  # the stop flag is looked at between batches
-            for at in range(0, len(jobs), step):
-                if self._stop.is_set():
-                    return copied
-                copy_jobs(jobs[at : at + step], copy_range)
+            if not copy_jobs(jobs, copy_range, stop=self._stop.is_set):
+                return None
         finally:
             os.close(fd)
         return copied
