@@ -27,7 +27,9 @@ and to the copy.
 
 `--cache cold` evicts the checkpoint's files from the page cache before every run
 (posix_fadvise DONTNEED after an fsync, no root needed; not a system-wide drop_caches);
-`--cache warm` reads them once first.
+`--cache warm` reads them once first. Before every run the disk is let settle (`sync`, then
+until nothing has been in flight for 1 s): the previous contender's write-back and the trims of
+its removed output are not charged to the next one.
 """
 
 from __future__ import annotations
@@ -391,6 +393,38 @@ def evict(files: list[Path]) -> None:
             os.close(fd)
 
 
+def disk_stat(path: Path) -> list[int] | None:
+    """The block device counters (/sys/dev/block/M:m/stat) of the disk holding `path`."""
+    dev = os.stat(path).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    try:
+        return [int(x) for x in stat.read_text().split()]
+    except (OSError, ValueError):
+        return None
+
+
+def settle(path: Path, quiet_s: float = 1.0, limit_s: float = 60.0) -> float:
+    """Wait until the disk holding `path` has been idle for `quiet_s` (nothing in flight, no
+    request finished): the previous run's write-back, and the discards of its removed output
+    (a filesystem mounted with `discard` trims them after the run), must not be charged to the
+    next contender. Returns the seconds waited."""
+    os.sync()
+    start = time.monotonic()
+    last, since = disk_stat(path), time.monotonic()
+    if last is None:
+        return 0.0
+    while time.monotonic() - start < limit_s:
+        time.sleep(0.1)
+        now = disk_stat(path)
+        assert now is not None
+        busy = now[8] != 0 or now[:8] + now[11:15] != last[:8] + last[11:15]
+        if busy:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return time.monotonic() - start
+
+
 def warm(files: list[Path]) -> None:
     for p in files:
         with p.open("rb") as f:
@@ -471,6 +505,7 @@ def main() -> None:
             out = root / f"merged-{name}"
             shutil.rmtree(out, ignore_errors=True)
             (evict if args.cache == "cold" else warm)(files)
+            settle(root)
             ours = shardforge_options(name) is not None or name in ("baseline", "copy")
             limit = None if ours else peer_limit
             cmd = command_for(name, cfg, ckpt, out, args.baseline, args.source)

@@ -5,24 +5,25 @@ config read, the model built on the meta device. On a small machine that takes s
 byte copy (which runs at disk speed) waited for it. `EarlyCopy` starts instead from what the
 checkpoint alone tells:
 
-1. on a thread, it reads the DCP metadata (the same checked reader as the merge), guesses the
-   output names (the checkpoint keys without their common wrapper prefix), the output dtype
-   (`--dtype`, else `dtype`/`torch_dtype` of the local `config.json`, else as stored) and the
-   shard size (`--max_shard_size`, else the installed transformers' default), and plans the
-   output files as the merge's planner does;
-2. it creates a hidden sibling of the output path (named after this process, so a killed merge's
-   is removed by the next one) and copies every tensor that is a file-to-file slab without a
-   cast into its planned byte range (`copy_file_range`: no bytes in this process's memory);
+1. at once, before transformers is imported, it reads the DCP metadata (the same checked
+   reader as the merge), guesses the output names (the checkpoint keys without their common
+   wrapper prefix), the output dtype (`--dtype`, else `dtype`/`torch_dtype` of the local
+   `config.json`, else as stored) and the shard size (`--max_shard_size`, else the installed
+   transformers' default), and plans the output files as the merge's planner does;
+2. on a thread, it creates a hidden sibling of the output path (named after this process, so a
+   killed merge's is removed by the next one) and copies every tensor that is a file-to-file
+   slab without a cast into its planned byte range (`copy_file_range`, each data file read
+   front to back: no bytes in this process's memory);
 3. meanwhile the merge prepares as always: architecture, every check, the real plan.
 
-Then `accept` compares: the same files, headers and byte ranges as the real plan (as soon as
-the early plan is made: a wrong guess is stopped at once), and, once the copy is done, for every
+Then `accept` compares: the same files, headers and byte ranges as the real plan (a wrong
+guess is stopped at once), and, once the copy is done, for every
 copied tensor the same source slabs the real sources give. Only then are the files moved into
 the merge's output directory, and the merge writes what is left (casts, other chunk shapes),
 fsyncs, writes the index and companions, verifies and publishes as it always does. Any
 difference (a wrong guess) discards the copy and the merge writes everything itself; any error
 of the merge (a bad input) discards it too, so a refused merge leaves nothing behind. A guess
-never fails a merge: the thread's own errors only mean no early copy.
+never fails a merge: its own errors only mean no early copy.
 """
 
 from __future__ import annotations
@@ -196,7 +197,8 @@ def _guess(
 
 
 class EarlyCopy:
-    """The early copy of one merge: started at once on a thread; `accept` or `discard` it."""
+    """The early copy of one merge: planned at once, copied on a thread; `accept` or
+    `discard` it."""
 
     def __init__(
         self,
@@ -212,37 +214,52 @@ class EarlyCopy:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.directory: Path | None = None  # the hidden directory, once created
-        self.planned: OutputPlan | None = None  # the guessed plan, as soon as it is made
-        self._decided = threading.Event()  # set once `planned` is known (or never will be)
+        self.planned: OutputPlan | None = None  # the guessed plan (None: no early copy)
         self.guess: Guess | None = None  # set once every early byte is copied
         self.copied: dict[str, list[FileSlab]] = {}  # output name -> the slabs copied
         self.outcome = "running"
-        self._thread = threading.Thread(target=self._run, name="shardforge-early", daemon=True)
+        # The plan is made here, on the merge's thread, before transformers is imported: it
+        # takes tens of milliseconds alone, and about a second on a thread that competes with
+        # the imports for the GIL (the copy itself runs in the kernel, the GIL released).
+        guess = self._plan()
+        self._thread = threading.Thread(
+            target=self._run, args=(guess,), name="shardforge-early", daemon=True
+        )
         self._thread.start()
 
-    def _run(self) -> None:
-        try:
-            self._copy()
-        except Exception as exc:  # a guess never fails the merge; it only copies nothing
-            self.outcome = f"gave up: {str(exc).splitlines()[0][:200] if str(exc) else exc!r}"
-            log.debug("early copy %s", self.outcome)
-        finally:
-            self._decided.set()
+    def _gave_up(self, exc: Exception) -> None:
+        # a guess never fails the merge; it only copies nothing
+        self.outcome = f"gave up: {str(exc).splitlines()[0][:200] if str(exc) else exc!r}"
+        log.debug("early copy %s", self.outcome)
 
-    def _copy(self) -> None:
+    def _plan(self) -> Guess | None:
         candidate, config_source, dtype, max_shard_size = self._args
-        out = self._out
-        if candidate.kind != DCP or candidate.adapter is not None or not out.parent.is_dir():
+        if candidate.kind != DCP or candidate.adapter is not None or not self._out.parent.is_dir():
             self.outcome = "not a plain DCP checkpoint (or no output folder yet)"
-            return
-        guess = _guess(candidate, config_source, dtype, max_shard_size)
+            return None
+        try:
+            guess = _guess(candidate, config_source, dtype, max_shard_size)
+        except Exception as exc:
+            self._gave_up(exc)
+            return None
         if guess is None:
             self.outcome = "not guessed"
-            return
+            return None
         self.planned = guess.plan
-        self._decided.set()  # the merge can compare plans while the bytes are copied
+        return guess
+
+    def _run(self, guess: Guess | None) -> None:
+        if guess is None:
+            return
+        try:
+            self._copy(guess)
+        except Exception as exc:
+            self._gave_up(exc)
+
+    def _copy(self, guess: Guess) -> None:
+        out = self._out
         # the merge's own checks, before anything is created beside the output
-        check_output_path(out, self._overwrite, [candidate.model_dir])
+        check_output_path(out, self._overwrite, [self._args[0].model_dir])
         check_free_space(out, guess.plan.total_bytes)
         with self._lock:
             if self._stop.is_set():
@@ -290,8 +307,7 @@ class EarlyCopy:
     def accept(self, plan: OutputPlan, sources: Mapping[str, TensorSource]) -> bool:
         """True when the copy wrote exactly what the merge would (then the files are the
         merge's to finish, with `move_into`); else it is discarded. A plan that differs is
-        found as soon as the early plan is made; an equal one waits for the copy to end."""
-        self._decided.wait()
+        found at once; an equal one waits for the copy to end."""
         reason = _other_layout(plan, self.planned) if self.planned is not None else self.outcome
         if reason is None:
             self._thread.join()
