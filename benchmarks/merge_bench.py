@@ -29,7 +29,8 @@ and to the copy.
 (posix_fadvise DONTNEED after an fsync, no root needed; not a system-wide drop_caches);
 `--cache warm` reads them once first. Before every run the disk is let settle (`sync`, then
 until nothing has been in flight for 1 s): the previous contender's write-back and the trims of
-its removed output are not charged to the next one.
+its removed output are not charged to the next one; then it rests `--pause` seconds (a shared
+virtual disk throttles after a burst of I/O: each contender starts from the same rest).
 """
 
 from __future__ import annotations
@@ -449,6 +450,13 @@ def main() -> None:
         help="comma-separated; shardforge_Nranks for any N",
     )
     parser.add_argument("--cache", choices=["cold", "warm"], default="cold")
+    parser.add_argument(
+        "--pause",
+        type=float,
+        default=5.0,
+        help="seconds of rest for the disk before every run, after it settled (a shared "
+        "virtual disk throttles after a burst; every contender starts from the same rest)",
+    )
     parser.add_argument("--workdir", default=".bench", help="where the checkpoint and outputs go")
     parser.add_argument(
         "--peer-mem-limit", default="", help="address-space cap for peers, e.g. 20GB"
@@ -506,6 +514,7 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
             (evict if args.cache == "cold" else warm)(files)
             settle(root)
+            time.sleep(args.pause)
             ours = shardforge_options(name) is not None or name in ("baseline", "copy")
             limit = None if ours else peer_limit
             cmd = command_for(name, cfg, ckpt, out, args.baseline, args.source)
@@ -533,7 +542,7 @@ def main() -> None:
     table = report()
     print(f"\ncheckpoint: {human(ckpt_bytes)} {args.dtype}, {len(files) - 1} files, "
           f"{args.ranks} ranks; cache: {table['cache']}; repeats: {args.repeats}; "
-          f"{os.cpu_count()} cores")  # fmt: skip
+          f"{os.cpu_count()} cores; disk settled + {args.pause:g} s rest before every run")  # fmt: skip
     print(f"{'contender':<22}{'median s':>10}{'best s':>8}{'MB/s':>8}{'peak RSS':>11}{'RSS/ckpt':>10}"
           f"{'tree RSS':>11}{'output':>11}{'/copy':>8}{'load':>7}")  # fmt: skip
     for name, row in table["results"].items():
@@ -569,6 +578,7 @@ def summarize(
         "dtype": args.dtype,
         "cache": cache,
         "cores": os.cpu_count(),
+        "pause_s": args.pause,
         "source": args.source or "installed package",
         "results": {},
         "ratios": [],
