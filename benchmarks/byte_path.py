@@ -7,6 +7,11 @@ run) and the disk settled and rested before every run (as `merge_bench.py`). Eac
 an fsync of the outputs. Printed per strategy: wall seconds and this process's CPU seconds (user
 and kernel, every thread; the kernel's write-back threads are not counted), medians.
 
+In the merge the copy overlaps the start-up (transformers imported, the model built on the meta
+device), and both want the CPU. `--with-startup` starts that start-up in a child process at the
+same moment as every copy and reports its seconds too (column `start-up s`): a copy strategy
+that takes CPU from it delays the merge even when the copy alone is as fast.
+
 A strategy is `threads x order`:
 
 - threads: how many threads run the jobs of one output file at once (the merge used 4 until
@@ -14,8 +19,11 @@ A strategy is `threads x order`:
 - order: `plan` (the output's tensor order, as the merge copied before) or `source` (sorted by
   data file and offset: each data file read front to back, as the merge copies now).
 
+`none` copies nothing: with `--with-startup`, the start-up's time on its own.
+
     python benchmarks/byte_path.py .bench/llama-4GB-float32-2r/bench.yml \\
-        .bench/llama-4GB-float32-2r/out/checkpoint-1/pytorch_model_fsdp_0 --repeats 3
+        .bench/llama-4GB-float32-2r/out/checkpoint-1/pytorch_model_fsdp_0 --repeats 3 \\
+        --with-startup
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,9 +43,21 @@ from merge_bench import evict, settle
 
 STRATEGIES = ("4x plan", "1x plan", "4x source", "1x source")
 
+# what the merge does while its early copy runs (merge.api._architecture)
+STARTUP = r"""
+import sys, time
+t0 = time.perf_counter()
+from shardforge.merge import api
+api._architecture(sys.argv[1], False)
+print(time.perf_counter() - t0)
+"""
 
-def plan_jobs(cfg_path: str, ckpt: str) -> tuple[list[tuple[str, int, list[tuple]]], list[Path]]:
-    """[(output file name, size, [(src path, src offset, dst offset, nbytes), ...])], data files."""
+
+def plan_jobs(
+    cfg_path: str, ckpt: str
+) -> tuple[list[tuple[str, int, list[tuple]]], list[Path], str]:
+    """[(output file name, size, [(src path, src offset, dst offset, nbytes), ...])], the data
+    files, the model config's folder."""
     from shardforge.config import load_cfg
     from shardforge.formats.dcp.chunks import ChunkReader
     from shardforge.layouts.steps import resolve_checkpoint
@@ -61,7 +82,7 @@ def plan_jobs(cfg_path: str, ckpt: str) -> tuple[list[tuple[str, int, list[tuple
                 ]
             files.append((pf.name, pf.size, jobs))
     data = sorted(p for p in candidate.model_dir.iterdir() if p.is_file())
-    return files, data
+    return files, data, str(cfg.base_model)
 
 
 def copy_one(src: str, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
@@ -77,6 +98,8 @@ def copy_one(src: str, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
 
 
 def run(strategy: str, files: list[tuple[str, int, list[tuple]]], out_dir: Path) -> float:
+    if strategy == "none":  # no copy: the start-up alone (with --with-startup)
+        return 0.0
     threads_text, order = strategy.split("x ")
     threads = int(threads_text)
     start = time.perf_counter()
@@ -106,14 +129,20 @@ def main() -> None:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--pause", type=float, default=5.0, help="rest before every run (s)")
     parser.add_argument("--workdir", default=None, help="where the scratch outputs go")
+    parser.add_argument(
+        "--with-startup",
+        action="store_true",
+        help="run the merge's start-up (transformers, meta-device model) beside every copy",
+    )
     args = parser.parse_args()
     strategies = [s.strip() for s in args.strategies.split(",")]
-    files, data = plan_jobs(args.config, args.checkpoint)
+    files, data, config_source = plan_jobs(args.config, args.checkpoint)
     total = sum(n for _, _, jobs in files for *_, n in jobs)
     jobs = sum(len(j) for _, _, j in files)
     print(f"{len(files)} output file(s), {jobs} copy jobs, {total / 1e9:.2f} GB", file=sys.stderr)
     wall: dict[str, list[float]] = {s: [] for s in strategies}
     cpu: dict[str, list[float]] = {s: [] for s in strategies}
+    startup: dict[str, list[float]] = {s: [] for s in strategies}
     workdir = Path(args.workdir or Path(args.checkpoint).parent)
     for rep in range(args.repeats):
         order = strategies[rep % len(strategies) :] + strategies[: rep % len(strategies)]
@@ -122,20 +151,32 @@ def main() -> None:
                 evict(data)
                 settle(workdir)
                 time.sleep(args.pause)
+                child = None
+                if args.with_startup:
+                    cmd = [sys.executable, "-c", STARTUP, config_source]
+                    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
                 before = os.times()
                 seconds = run(s, files, Path(tmp))
                 after = os.times()
+                if child is not None:
+                    out, _ = child.communicate()
+                    if child.returncode != 0:
+                        raise SystemExit(f"the start-up child failed (exit {child.returncode})")
+                    startup[s].append(float(out.strip().splitlines()[-1]))
             used = (after.user - before.user) + (after.system - before.system)
             wall[s].append(seconds)
             cpu[s].append(used)
-            print(f"  run {rep + 1} {s}: {seconds:.2f} s, CPU {used:.2f} s", file=sys.stderr)
+            extra = f", start-up beside it {startup[s][-1]:.2f} s" if startup[s] else ""
+            print(f"  run {rep + 1} {s}: {seconds:.2f} s, CPU {used:.2f} s{extra}", file=sys.stderr)
     print(f"\n{total / 1e9:.2f} GB, cold cache, disk settled + {args.pause:g} s rest; medians of "
           f"{args.repeats}; {os.cpu_count()} cores")  # fmt: skip
-    print(f"{'strategy':<12}{'wall s':>8}{'GB/s':>7}{'CPU s':>8}  runs (wall s)")
+    print(f"{'strategy':<12}{'wall s':>8}{'GB/s':>7}{'CPU s':>8}{'start-up s':>12}  runs (wall s)")
     for s in strategies:
         w = statistics.median(wall[s])
         runs = ", ".join(f"{x:.2f}" for x in wall[s])
-        print(f"{s:<12}{w:>8.2f}{total / w / 1e9:>7.2f}{statistics.median(cpu[s]):>8.2f}  {runs}")
+        up = f"{statistics.median(startup[s]):.2f}" if startup[s] else "-"
+        rate = f"{total / w / 1e9:>7.2f}" if w else f"{'-':>7}"
+        print(f"{s:<12}{w:>8.2f}{rate}{statistics.median(cpu[s]):>8.2f}{up:>12}  {runs}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import pytest
 
 from shardforge.errors import CheckpointError
 from shardforge.formats.dcp.chunks import copy_range
-from shardforge.io.copy import CopyJob, copy_jobs, prefetch
+from shardforge.io.copy import CopyJob, copy_jobs, copy_threads, prefetch
 
 
 def _files(tmp_path: Path, n: int, size: int) -> list[Path]:
@@ -19,7 +19,8 @@ def _files(tmp_path: Path, n: int, size: int) -> list[Path]:
     return out
 
 
-def test_copy_jobs_place_every_range(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [1, 4])
+def test_copy_jobs_place_every_range(tmp_path: Path, threads: int) -> None:
     srcs = _files(tmp_path, 3, 1 << 16)
     # interleave ranges of the three files into one output, in reverse order of the sources
     jobs_spec = [(srcs[i % 3], (i // 3) * 4096, 4096) for i in range(48)]
@@ -31,7 +32,7 @@ def test_copy_jobs_place_every_range(tmp_path: Path) -> None:
         jobs = [
             CopyJob(path, off, fd, (47 - i) * 4096, n) for i, (path, off, n) in enumerate(jobs_spec)
         ]
-        copy_jobs(jobs, copy_range, seen.append)
+        copy_jobs(jobs, copy_range, seen.append, threads=threads)
     finally:
         os.close(fd)
     data = dst.read_bytes()
@@ -41,14 +42,15 @@ def test_copy_jobs_place_every_range(tmp_path: Path) -> None:
     assert seen == [4096] * 48
 
 
-def test_copy_jobs_raise_the_first_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [1, 4])
+def test_copy_jobs_raise_the_first_error(tmp_path: Path, threads: int) -> None:
     (src,) = _files(tmp_path, 1, 4096)
     fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         jobs = [CopyJob(tmp_path / "z-missing.bin", 0, fd, 4096, 10), CopyJob(src, 0, fd, 0, 4096)]
         seen: list[int] = []
         with pytest.raises(CheckpointError, match=r"z-missing\.bin: cannot read"):
-            copy_jobs(jobs, copy_range, seen.append)
+            copy_jobs(jobs, copy_range, seen.append, threads=threads)
         assert seen == [4096]  # src.bin comes first in read order
     finally:
         os.close(fd)
@@ -64,11 +66,22 @@ def test_copy_jobs_read_each_file_front_to_back_and_stop_when_asked(tmp_path: Pa
     def record(src: int, dst: int, src_off: int, dst_off: int, n: int) -> None:
         calls.append((os.readlink(f"/proc/self/fd/{src}"), src_off))
 
-    assert copy_jobs(jobs, record)
+    assert copy_jobs(jobs, record, threads=1)
     assert calls == [(str(p), k * 4096) for p in (a, b) for k in range(4)]
     calls.clear()
-    assert not copy_jobs(jobs, record, stop=lambda: len(calls) == 3)
+    assert not copy_jobs(jobs, record, stop=lambda: len(calls) == 3, threads=1)
     assert len(calls) == 3
+    calls.clear()
+    seen: list[int] = []
+    assert not copy_jobs(jobs, record, seen.append, stop=lambda: len(calls) >= 3, threads=4)
+    assert 3 <= len(calls) < 8  # the jobs not started when asked to stop never run
+    assert len(seen) == len(calls)
+
+
+def test_copy_threads_leave_a_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cores, threads in ((1, 1), (2, 1), (3, 2), (16, 4)):
+        monkeypatch.setattr(os, "cpu_count", lambda n=cores: n)
+        assert copy_threads() == threads
 
 
 def test_prefetch_respects_its_budget(tmp_path: Path) -> None:

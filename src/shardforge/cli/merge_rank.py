@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from shardforge.cli._common import run_guarded, setup_logging, split_debug
+from shardforge.cli.main import exit_now
 from shardforge.errors import ShardforgeError
 
 
@@ -28,12 +29,14 @@ def main(argv: list[str]) -> None:
 
         config, request = read_request(Path(args[0]))
         dist.init_process_group("gloo")
+        finished = False
         try:
             merge_on_ranks(config, request)
             finish_together()
             done = os.environ.get(DONE_FILE_ENV)
             if done and dist.get_rank() == 0:  # published: the launcher reports success
                 Path(done).touch()
+            finished = True
         except ShardforgeError as exc:
             path = os.environ.get(ERROR_FILE_ENV)
             if path:  # the first rank to fail leaves the message for the launcher
@@ -42,9 +45,14 @@ def main(argv: list[str]) -> None:
                 raise SystemExit(exc.exit_code) from None
             raise
         finally:
-            dist.destroy_process_group()
+            if not finished:
+                dist.destroy_process_group()
 
     run_guarded(merge, debug)
+    # Every rank finished together and the output is published: leave without gloo's
+    # teardown, which once aborted a rank after a complete merge ("terminate called without
+    # an active exception"), and without the interpreter's.
+    exit_now(0)
 
 
 if __name__ == "__main__":

@@ -4,23 +4,25 @@
   (`posix_fadvise(WILLNEED)`, asynchronous, no memory held by this process) while the merge is
   still importing transformers and checking the architecture. Bounded by a budget so that a
   checkpoint larger than RAM does not evict its own first bytes.
-- `copy_jobs`: run many `copy_file_range` copies, one after the other. The copies happen in the
-  kernel (the GIL released: the merge goes on importing and checking meanwhile); the kernel's
-  read-ahead and write-back keep the disk busy. No tensor bytes pass through Python. One
-  thread per output file, on purpose: several threads writing one file contend for its inode
-  lock, and on a 2-core machine a 4-thread copy of 4 GB burned 21 s of kernel CPU (against 3 s)
-  and starved the import it was meant to overlap (benchmarks/README.md, "byte-path profile").
+- `copy_jobs`: run many `copy_file_range` copies in the order of their source bytes (each data
+  file read front to back, as `cp` reads it), on up to 4 threads. The copies happen in the
+  kernel, the GIL released, so the merge goes on importing and checking meanwhile; no tensor
+  bytes pass through Python. The threads leave one core to that start-up: the copy takes kernel
+  CPU, and on a 2-core machine 4 threads slowed the overlapped start-up more than they sped
+  up the copy (benchmarks/README.md, "The byte-path profile"), so there it runs on 1.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardforge.io.files import open_regular
 
+MAX_COPY_THREADS = 4
 # Never prefetch more than this share of the memory the kernel reports as available.
 PREFETCH_SHARE_OF_AVAILABLE = 0.5
 
@@ -90,19 +92,51 @@ def read_order(job: CopyJob) -> tuple[str, int]:
     return str(job.src), job.src_offset
 
 
+def copy_threads() -> int:
+    """Copies in flight at once: up to `MAX_COPY_THREADS`, one core left to the rest of the
+    merge (1 on a 2-core machine)."""
+    return max(1, min(MAX_COPY_THREADS, (os.cpu_count() or 1) - 1))
+
+
 def copy_jobs(
     jobs: Sequence[CopyJob],
     copy: Callable[[int, int, int, int, int], None],
     progress: Callable[[int], None] | None = None,
     stop: Callable[[], bool] | None = None,
+    threads: int | None = None,
 ) -> bool:
-    """Run `copy(src_fd, dst_fd, src_offset, dst_offset, nbytes)` for every job, in
-    `read_order`, reporting each job's bytes to `progress` once it is done. `stop` is asked
-    before every job: True ends the copy early, and then this returns False."""
-    for job in sorted(jobs, key=read_order):
+    """Run `copy(src_fd, dst_fd, src_offset, dst_offset, nbytes)` for every job, started in
+    `read_order` on `threads` threads (default `copy_threads()`), reporting each job's bytes to
+    `progress` once it is done (in that order). `stop` is asked before every job: True skips
+    the jobs not started yet, and then this returns False. The first error is raised once the
+    copies already running have finished."""
+    ordered = sorted(jobs, key=read_order)
+    n = copy_threads() if threads is None else threads
+
+    def one(job: CopyJob) -> bool:
         if stop is not None and stop():
             return False
         _run(job, copy)
-        if progress is not None:
-            progress(job.nbytes)
-    return True
+        return True
+
+    if n <= 1 or len(ordered) <= 1:
+        for job in ordered:
+            if not one(job):
+                return False
+            if progress is not None:
+                progress(job.nbytes)
+        return True
+    done = True
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="shardforge-copy") as pool:
+        futures = [pool.submit(one, job) for job in ordered]
+        try:
+            for job, fut in zip(ordered, futures, strict=True):
+                if not fut.result():
+                    done = False
+                elif progress is not None:
+                    progress(job.nbytes)
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise
+    return done
