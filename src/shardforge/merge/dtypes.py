@@ -37,8 +37,14 @@ def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | Literal["confi
     return DTYPES[key]
 
 
+# the model config's attributes naming its dtype, in the order they are read
+CONFIG_DTYPE_KEYS = ("dtype", "torch_dtype")
+
+
 def config_dtype(config: Any) -> torch.dtype | None:
-    raw = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    """The model config's floating dtype (`dtype`, else `torch_dtype`), None when it names
+    none or a non-floating one."""
+    raw = next((v for k in CONFIG_DTYPE_KEYS if (v := getattr(config, k, None))), None)
     if isinstance(raw, str):
         raw = DTYPES.get(raw.lower().removeprefix("torch."))
     return raw if isinstance(raw, torch.dtype) and raw.is_floating_point else None

@@ -38,6 +38,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from shardforge.io.copy import CopyJob, copy_jobs
 from shardforge.keymap.keys import clean_name, is_optimizer_key
 from shardforge.keymap.names import key_adapter
 from shardforge.layouts.steps import Candidate
+from shardforge.merge.dtypes import CONFIG_DTYPE_KEYS, config_dtype
 from shardforge.merge.lora_checkpoint import has_lora
 from shardforge.merge.plan import (
     FILENAME_PATTERN,
@@ -69,12 +71,6 @@ Progress = Callable[[int], None]
 ENABLED = True
 # config.json larger than this is not read by the guess (transformers reads it later anyway)
 CONFIG_JSON_LIMIT = 16 << 20
-# dtype names of config.json -> torch dtypes (floating only; anything else: no guess)
-_CONFIG_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 
 
 def default_shard_size_guess() -> str | None:
@@ -160,11 +156,8 @@ def _guess(
     config = _read_config_json(config_source)
     if config is None:
         return None
-    if dtype == "config":
-        raw = config.get("dtype") or config.get("torch_dtype")
-        if raw is not None and raw not in _CONFIG_DTYPES:
-            return None
-        dtype = _CONFIG_DTYPES.get(raw) if isinstance(raw, str) else None
+    if dtype == "config":  # read as the merge reads it (a wrong guess is caught in `accept`)
+        dtype = config_dtype(SimpleNamespace(**{k: config.get(k) for k in CONFIG_DTYPE_KEYS}))
     assert dtype is None or isinstance(dtype, torch.dtype)
     tied = config.get("tie_word_embeddings")
     if not isinstance(tied, bool):
