@@ -78,9 +78,15 @@ def test_copy_jobs_read_each_file_front_to_back_and_stop_when_asked(tmp_path: Pa
     assert len(seen) == len(calls)
 
 
-def test_copy_threads_leave_a_core(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_copy_threads_leave_a_core_and_keep_to_the_thread_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     for cores, threads in ((1, 1), (2, 1), (3, 2), (16, 4)):
         monkeypatch.setattr(os, "cpu_count", lambda n=cores: n)
+        assert copy_threads() == threads
+    for share, threads in (("1", 1), ("2", 2), ("8", 4), ("0", 1), ("many", 4)):
+        monkeypatch.setenv("OMP_NUM_THREADS", share)
         assert copy_threads() == threads
 
 

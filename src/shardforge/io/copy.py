@@ -94,8 +94,13 @@ def read_order(job: CopyJob) -> tuple[str, int]:
 
 def copy_threads() -> int:
     """Copies in flight at once: up to `MAX_COPY_THREADS`, one core left to the rest of the
-    merge (1 on a 2-core machine)."""
-    return max(1, min(MAX_COPY_THREADS, (os.cpu_count() or 1) - 1))
+    merge (1 on a 2-core machine), and no more than `OMP_NUM_THREADS` where that is set (a
+    merge rank's share of the cores; 1 for the merge that runs beside training)."""
+    try:
+        share = int(os.environ.get("OMP_NUM_THREADS", MAX_COPY_THREADS))
+    except ValueError:
+        share = MAX_COPY_THREADS
+    return max(1, min(MAX_COPY_THREADS, share, (os.cpu_count() or 1) - 1))
 
 
 def copy_jobs(
