@@ -9,7 +9,7 @@
   kernel, the GIL released, so the merge goes on importing and checking meanwhile; no tensor
   bytes pass through Python. The threads leave one core to that start-up: the copy takes kernel
   CPU, and on a 2-core machine 4 threads slowed the overlapped start-up more than they sped
-  up the copy (benchmarks/README.md, "The byte-path profile"), so there it runs on 1.
+  up the copy (benchmarks/README.md, "Session F: the byte-path profile"), so there it runs on 1.
 """
 
 from __future__ import annotations
