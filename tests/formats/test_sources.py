@@ -110,10 +110,12 @@ def test_casts_go_through_memory_in_parallel_blocks(
         fd = os.open(tmp_path / "rows", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, t.numel() * 2)
-            src.write_rows(reader, fd, 0, torch.bfloat16, (100, 250), lambda n: None)
+            done: list[int] = []
+            src.write_rows(reader, fd, 0, torch.bfloat16, (100, 250), done.append)
             data = bytearray(os.pread(fd, t.numel() * 2, 0))
         finally:
             os.close(fd)
         rows = torch.frombuffer(data, dtype=torch.bfloat16).reshape(t.shape)
         assert torch.equal(rows[100:250], t[100:250].bfloat16())
         assert not rows[:100].any() and not rows[250:].any()
+        assert sum(done) == 150 * 7 * 2 and len(done) > 1  # in blocks, every byte reported

@@ -35,7 +35,7 @@ from shardforge.formats.dcp.chunks import (
     tensor_bytes,
 )
 from shardforge.formats.dcp.metadata import Chunk, TensorEntry
-from shardforge.formats.dcp.records import RawChunk, read_chunk
+from shardforge.formats.dcp.records import RawChunk
 from shardforge.io.files import read_exact_into
 
 Progress = Callable[[int], None]
@@ -273,22 +273,9 @@ class DcpSource:
         progress: Progress,
     ) -> None:
         """Chunk by chunk: a slab along dim 0 lands in its own byte range (copied file to file
-        without a cast, else read and converted alone); other chunk shapes assemble the tensor."""
-        shape = self.shape
-        chunks = [c for c in self.entry.chunks if c.numel]
-        if all(_is_slab(c, shape) for c in chunks):
-            row = math.prod(shape[1:]) * out_dtype.itemsize
-            for c in chunks:
-                dst = offset + (c.offsets[0] * row if shape else 0)
-                fd, raw = reader.locate(c)
-                if raw is not None and raw.contiguous and raw.dtype == out_dtype:
-                    copy_range(fd, out_fd, raw.data_offset, dst, raw.nbytes)
-                    progress(c.numel * out_dtype.itemsize)
-                elif raw is not None and raw.contiguous and c.sizes:
-                    cast_slab(fd, raw, out_fd, dst, out_dtype, progress)
-                else:
-                    pwrite_all(out_fd, tensor_bytes(read_chunk(c, fd, raw).to(out_dtype)), dst)
-                    progress(c.numel * out_dtype.itemsize)
+        without a cast, else converted in blocks); other chunk shapes assemble the tensor."""
+        if self.shape and self._slabs_only():
+            self._write_slab_rows(reader, out_fd, offset, out_dtype, (0, self.shape[0]), progress)
             return
         full = reader.read_full(self.entry).to(out_dtype)
         pwrite_all(out_fd, tensor_bytes(full), offset)
@@ -305,25 +292,42 @@ class DcpSource:
     ) -> None:
         """Only the rows' bytes of the slab chunks they cross are read (or copied file to file
         without a cast); other chunk shapes go through the whole tensor."""
-        shape = self.shape
-        chunks = [c for c in self.entry.chunks if c.numel]
-        if not shape or not all(_is_slab(c, shape) for c in chunks):
+        if not self.shape or not self._slabs_only():
             _write_rows_whole(self, reader, out_fd, offset, out_dtype, rows, progress)
             return
-        row = _row_bytes(shape, out_dtype)
-        for c in chunks:
+        self._write_slab_rows(reader, out_fd, offset, out_dtype, rows, progress)
+
+    def _slabs_only(self) -> bool:
+        return all(_is_slab(c, self.shape) for c in self.entry.chunks if c.numel)
+
+    def _write_slab_rows(
+        self,
+        reader: ChunkReader,
+        out_fd: int,
+        offset: int,
+        out_dtype: torch.dtype,
+        rows: tuple[int, int],
+        progress: Progress,
+    ) -> None:
+        """Rows [start, stop) of a tensor stored as slabs along dim 0, at their byte range:
+        copied file to file without a cast, converted in blocks (`cast_slab`) with one, read
+        through the record otherwise (a stored layout that is not contiguous)."""
+        row = _row_bytes(self.shape, out_dtype)
+        for c in self.entry.chunks:
             lo, hi = max(rows[0], c.offsets[0]), min(rows[1], c.offsets[0] + c.sizes[0])
-            if lo >= hi:
+            if not c.numel or lo >= hi:
                 continue
-            dst = offset + lo * row
+            first, last, dst = lo - c.offsets[0], hi - c.offsets[0], offset + lo * row
             fd, raw = reader.locate(c)
             if raw is not None and raw.contiguous and raw.dtype == out_dtype:
-                start = raw.data_offset + (lo - c.offsets[0]) * row
-                copy_range(fd, out_fd, start, dst, (hi - lo) * row)
+                copy_range(fd, out_fd, raw.data_offset + first * row, dst, (hi - lo) * row)
+                progress((hi - lo) * row)
+            elif raw is not None and raw.contiguous:
+                cast_slab(fd, raw, out_fd, dst, out_dtype, progress, rows=(first, last))
             else:
-                part = reader.read_rows(c, lo - c.offsets[0], hi - c.offsets[0]).to(out_dtype)
+                part = reader.read_rows(c, first, last).to(out_dtype)
                 pwrite_all(out_fd, tensor_bytes(part.contiguous()), dst)
-            progress((hi - lo) * row)
+                progress((hi - lo) * row)
 
     def blocks(
         self, reader: ChunkReader, dtype: torch.dtype, block_bytes: int
@@ -355,27 +359,28 @@ def cast_slab(
     out_dtype: torch.dtype,
     progress: Progress,
     block_bytes: int | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> None:
-    """A contiguous stored chunk, cast to `out_dtype`, at byte `dst` of `out_fd`: row blocks
-    read, converted and written by `CAST_THREADS` threads (reads, the conversion and writes
-    release the GIL). Memory: one block per thread."""
-    rows = raw.size[0]
+    """Rows [start, stop) (default: all) of a contiguous stored chunk, cast to `out_dtype`, at
+    byte `dst` of `out_fd`: row blocks read, converted and written by `CAST_THREADS` threads
+    (reads, the conversion and writes release the GIL). Memory: one block per thread."""
+    first, last = rows if rows is not None else (0, raw.size[0])
     row_in = max(1, math.prod(raw.size[1:]) * raw.dtype.itemsize)
     row_out = math.prod(raw.size[1:]) * out_dtype.itemsize
     step = max(1, (block_bytes or CAST_BLOCK) // row_in)
     label = str(raw.file)
 
     def one(start: int) -> int:
-        stop = min(rows, start + step)
+        stop = min(last, start + step)
         buf = bytearray((stop - start) * row_in)
         if buf:
             read_exact_into(fd, buf, raw.data_offset + start * row_in, label)
         block = torch.frombuffer(buf, dtype=raw.dtype) if buf else torch.empty(0, dtype=raw.dtype)
         data = tensor_bytes(block.to(out_dtype))
-        pwrite_all(out_fd, data, dst + start * row_out)
+        pwrite_all(out_fd, data, dst + (start - first) * row_out)
         return data.nbytes
 
-    for written in _pool().map(one, range(0, rows, step)):
+    for written in _pool().map(one, range(first, last, step)):
         progress(written)
 
 
