@@ -102,26 +102,37 @@ def test_python_dash_m_shardforge() -> None:
 
 EXIT_SCRIPT = """
 import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
 from shardforge.cli.main import exit_now
+
+class Noisy:  # a module teardown would finalize it
+    def __del__(self):
+        print("torn down", file=sys.stderr)
+
+keep = Noisy()
 atexit.register(lambda: print("exit handler ran", file=sys.stderr))
 sys.stdout.write("buffered, no newline")
 if sys.argv[1] == "thread":  # a non-daemon thread still working: a normal exit waits for it
     threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+if sys.argv[1] == "pool":  # an idle pool (non-daemon workers) left open, as the cast pool is
+    ThreadPoolExecutor(2).submit(print, "pool ran").result()
 exit_now(int(sys.argv[2]))
 """
 
 
 def test_exit_now_flushes_runs_exit_handlers_and_keeps_the_status() -> None:
-    for mode, code in (("plain", 0), ("plain", 3), ("thread", 0)):
+    for mode, code in (("plain", 0), ("plain", 3), ("thread", 0), ("pool", 0)):
         out = subprocess.run(
             [sys.executable, "-c", EXIT_SCRIPT, mode, str(code)],
             capture_output=True,
             text=True,
             check=False,
+            timeout=120,
         )
         assert out.returncode == code, (mode, out.stderr)
         assert out.stdout.startswith("buffered, no newline"), mode
         assert "exit handler ran" in out.stderr, mode
+        assert "torn down" not in out.stderr, mode  # the modules were not torn down
         assert ("thread done" in out.stdout) == (mode == "thread")
 
 
