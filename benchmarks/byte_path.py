@@ -86,13 +86,12 @@ def plan_jobs(
 
 
 def copy_one(src: str, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
+    """One job, with the merge's own file-to-file copy (`copy_range`)."""
+    from shardforge.formats.dcp.chunks import copy_range
+
     fd = os.open(src, os.O_RDONLY)
     try:
-        while n:
-            k = os.copy_file_range(fd, dst_fd, min(n, 64 << 20), src_off, dst_off)
-            if k == 0:
-                raise OSError(f"{src}: short copy")
-            src_off, dst_off, n = src_off + k, dst_off + k, n - k
+        copy_range(fd, dst_fd, src_off, dst_off, n)
     finally:
         os.close(fd)
 

@@ -215,10 +215,12 @@ class EarlyCopy:
         # takes tens of milliseconds alone, and about a second on a thread that competes with
         # the imports for the GIL (the copy itself runs in the kernel, the GIL released).
         guess = self._plan()
-        self._thread = threading.Thread(
-            target=self._run, args=(guess,), name="shardforge-early", daemon=True
-        )
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # the copy's (none without a plan)
+        if guess is not None:
+            self._thread = threading.Thread(
+                target=self._run, args=(guess,), name="shardforge-early", daemon=True
+            )
+            self._thread.start()
 
     def _gave_up(self, exc: Exception) -> None:
         # a guess never fails the merge; it only copies nothing
@@ -241,9 +243,7 @@ class EarlyCopy:
         self.planned = guess.plan
         return guess
 
-    def _run(self, guess: Guess | None) -> None:
-        if guess is None:
-            return
+    def _run(self, guess: Guess) -> None:
         try:
             self._copy(guess)
         except Exception as exc:
@@ -303,6 +303,7 @@ class EarlyCopy:
         found at once; an equal one waits for the copy to end."""
         reason = _other_layout(plan, self.planned) if self.planned is not None else self.outcome
         if reason is None:
+            assert self._thread is not None  # a plan was made, so its copy was started
             self._thread.join()
             reason = self._difference(plan, sources)
         if reason is None:
@@ -342,7 +343,8 @@ class EarlyCopy:
         """Stop the copy and remove what it wrote (safe to call at any time, more than once)."""
         with self._lock:
             self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             log.debug("early copy removed (%s)", self.outcome)
