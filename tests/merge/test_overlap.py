@@ -10,6 +10,7 @@ the output path and the checkpoint unchanged, however far the early copy got.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -292,3 +293,92 @@ def test_sigterm_while_starting_up_leaves_nothing(built: Built, tmp_path: Path) 
         assert not out.exists() and not _leftovers(out), err
         return
     pytest.fail("the merge always finished before it could be stopped")
+
+
+# A merge run as the command line runs it: the head start entered before torch is imported.
+HEAD_START_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+from shardforge.config import load_cfg
+from shardforge.merge import overlap
+cfg = load_cfg(sys.argv[1], command="merge")
+out = Path(sys.argv[2])
+report = {}
+with overlap.head_start(cfg, out, {"quiet": True}):
+    early = overlap._HEAD_START[0] if overlap._HEAD_START else None
+    report["torch imported"] = "torch" in sys.modules
+    if early is not None and early.planned is not None:
+        report["dtypes"] = sorted({type(t.spec.dtype).__name__ for _, t in early.planned.tensors()})
+    from shardforge.merge.api import merge_fsdp_weights
+    try:
+        merge_fsdp_weights(cfg, out, quiet=True)
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    report["outcome"] = early.outcome if early is not None else None
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize("case", ["qwen2", "llama", "malicious metadata", "architecture mismatch"])
+def test_the_head_start_copies_before_torch_is_imported(
+    built: Built, case: str, tmp_path: Path
+) -> None:
+    """In a fresh interpreter, as `shardforge merge-sharded-fsdp-weights` runs: the checkpoint's
+    metadata is read and the copy started with no torch imported (its dtypes are `DtypeName`s),
+    the merge takes the copy over and writes save_pretrained's bytes; a bad input is refused
+    with nothing left beside the output and the checkpoint unchanged (the hostile pickle is
+    refused by the head start's reader too: nothing runs)."""
+    model = "qwen2" if case == "qwen2" else "llama"
+    run = _copy_checkpoint(built, tmp_path) if model == "llama" else (
+        built.root / "ckpt" / "qwen2" / "hf-trainer")  # fmt: skip
+    if case == "malicious metadata":
+        _malicious_metadata(run)
+    base = built.other if case == "architecture mismatch" else built.bases[model]
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(yaml.safe_dump(_cfg(base, run)))
+    before = tree_hash(run)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", HEAD_START_SCRIPT, str(cfg), str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["torch imported"] is False
+    assert tree_hash(run) == before
+    assert not _leftovers(out)
+    if case in ("qwen2", "llama"):
+        assert report["dtypes"] == ["DtypeName"] and "error" not in report, report
+        assert report["outcome"] == "accepted", report
+        assert (out / "model.safetensors").read_bytes() == (base / "model.safetensors").read_bytes()
+    elif case == "malicious metadata":
+        assert "refused to load" in report["error"], report
+        assert report["outcome"].startswith("gave up: ") and "refused" in report["outcome"]
+        assert not Path("/tmp/shardforge-overlap-pwned").exists()
+        assert not out.exists()
+    else:
+        assert "does not match the architecture" in report["error"], report
+        assert report["outcome"].startswith("copied"), report  # it got all the way
+        assert not out.exists()
+
+
+def test_a_head_start_for_another_merge_is_not_used(
+    built: Built, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The head start was started for a cast, the merge asks for none: it starts its own
+    early copy, and the head start's directory is removed."""
+    cfg = overlap.ShardforgeConfig.model_validate(
+        _cfg(built.bases["llama"], built.root / "ckpt" / "llama" / "hf-trainer")
+    )
+    out = tmp_path / "out"
+    with overlap.head_start(cfg, out, {"dtype": "bfloat16", "quiet": True}):
+        started = overlap._HEAD_START[0]
+        assert started.key[-2] == "bfloat16"
+        with caplog.at_level(logging.DEBUG, logger="shardforge"):
+            merge_fsdp_weights(cfg, out, quiet=True)
+        assert started.directory is None and not overlap._HEAD_START
+    assert any(o.startswith("early copy accepted: ") for o in _outcomes(caplog))
+    assert not _leftovers(out)
+    assert (out / "model.safetensors").read_bytes() == (
+        built.bases["llama"] / "model.safetensors"
+    ).read_bytes()

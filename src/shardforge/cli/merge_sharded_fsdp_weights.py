@@ -82,16 +82,23 @@ def do_merge_sharded_fsdp_weights(
     override_args: list[str] | None = None,
     **options: Any,
 ) -> Path:
-    """Load `config` (plus overrides) and run `merge_fsdp_weights` with `options`."""
+    """Load `config` (plus overrides) and run `merge_fsdp_weights` with `options`.
+
+    The merge's byte copy gets a head start: it begins before torch is imported (torch and
+    transformers take seconds to load), and the merge takes it over only when it is exactly
+    what the merge would write (`shardforge.merge.overlap`)."""
     from shardforge.config import load_cfg, parse_override_args
-    from shardforge.merge.api import merge_fsdp_weights
+    from shardforge.merge.overlap import head_start
 
     for key in ("average_steps", "steps"):
         if key in options:
             options[key] = parse_steps(options[key], f"--{key}")
     overrides = parse_override_args(override_args or [])
     cfg = load_cfg(config, command="merge", **overrides)
-    return merge_fsdp_weights(cfg, output_path, **options)
+    with head_start(cfg, output_path, options):
+        from shardforge.merge.api import merge_fsdp_weights
+
+        return merge_fsdp_weights(cfg, output_path, **options)
 
 
 @click.command(

@@ -17,13 +17,11 @@ from pathlib import Path
 import torch
 
 from shardforge.errors import CheckpointError
+from shardforge.formats.kinds import DCP, RANK_FILES
 from shardforge.formats.sources import DcpSource, RankFileSource, TensorSource
 
 log = logging.getLogger("shardforge")
 
-# the kinds of model folder (what a layout's Candidate says it holds)
-DCP = "dcp"
-RANK_FILES = "rank-files"
 # verl writes this beside its rank files: {"FSDP_version": 2, "world_size": W}
 FSDP_CONFIG = "fsdp_config.json"
 

@@ -29,8 +29,10 @@ import torch
 from shardforge.errors import MergeError
 from shardforge.formats.dcp.chunks import (
     ChunkReader,
+    FileSlab,
     chunk_slices,
     copy_range,
+    entry_slabs,
     pwrite_all,
     tensor_bytes,
 )
@@ -40,16 +42,6 @@ from shardforge.io.files import read_exact_into
 
 Progress = Callable[[int], None]
 Index = tuple[slice, ...]
-
-
-@dataclass(frozen=True)
-class FileSlab:
-    """`nbytes` bytes at `src_offset` of `path` are the tensor's bytes from `dst_offset` on."""
-
-    path: Path
-    src_offset: int
-    nbytes: int
-    dst_offset: int
 
 
 @dataclass(frozen=True)
@@ -238,20 +230,7 @@ class DcpSource:
         return self.entry.path
 
     def slabs(self, reader: ChunkReader) -> list[FileSlab] | None:
-        shape = self.shape
-        row = math.prod(shape[1:]) * self.dtype.itemsize
-        out = []
-        for c in self.entry.chunks:
-            if not c.numel:
-                continue
-            if shape and (any(c.offsets[1:]) or c.sizes[1:] != shape[1:]):
-                return None
-            _, raw = reader.locate(c)
-            if raw is None or not raw.contiguous or raw.dtype != self.dtype:
-                return None
-            dst = c.offsets[0] * row if shape else 0
-            out.append(FileSlab(c.file, raw.data_offset, raw.nbytes, dst))
-        return out
+        return entry_slabs(self.entry, reader)
 
     def read(self, reader: ChunkReader) -> torch.Tensor:
         return reader.read_full(self.entry)

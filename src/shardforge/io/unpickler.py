@@ -47,13 +47,14 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from shardforge.errors import CheckpointError
-from shardforge.io.dtypes import DTYPES, STORAGE_DTYPES
+from shardforge.io.dtypes import STORAGE_DTYPES, DtypeName, is_dtype, lookup_dtype
 from shardforge.io.files import open_regular
+
+if TYPE_CHECKING:
+    import torch
 
 # limits shared by every profile
 MAX_MARKS = 10_000  # open MARKs (nested tuples, lists, dicts under construction)
@@ -275,8 +276,10 @@ class SafeUnpickler(pickle._Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         profile = self.profile
-        if module == "torch" and name in DTYPES:  # torch.float32, ...: in every profile
-            return DTYPES[name]
+        if module == "torch":  # torch.float32, ...: in every profile
+            dtype = lookup_dtype(name)
+            if dtype is not None:
+                return dtype
         target = profile.globals.get((module, name), _MISSING)
         if target is not _MISSING:
             return target
@@ -495,7 +498,7 @@ def _describe(obj: Any) -> str:
     """What `obj` is, for a message: "function (torch.Size)", "dtype (torch.float32)", ..."""
     if isinstance(obj, _Opaque):
         return sanitize(obj.name)
-    name = str(obj) if isinstance(obj, torch.dtype) else _GLOBAL_NAMES.get(id(obj))
+    name = str(obj) if is_dtype(obj) else _GLOBAL_NAMES.get(id(obj))
     if isinstance(obj, type):
         kind = "class"
     elif callable(obj):
@@ -517,7 +520,7 @@ def _key(key: Any) -> Any:
     return key
 
 
-_LEAVES = frozenset({str, int, float, bool, bytes, type(None), torch.dtype})
+_LEAVES = frozenset({str, int, float, bool, bytes, type(None), DtypeName})
 
 
 def _children(obj: Any) -> Iterable[Any] | None:
@@ -702,8 +705,18 @@ def load_metadata_pickle(path: str | Path, as_torch: bool = False) -> Any:
     return to_torch_metadata(raw, str(p)) if as_torch else raw
 
 
-_MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.preserve_format)
-_LAYOUTS = {f"torch.{n}": v for n in dir(torch) if isinstance(v := getattr(torch, n), torch.layout)}
+@functools.cache
+def _memory_formats() -> tuple[Any, ...]:
+    import torch
+
+    return (torch.contiguous_format, torch.channels_last, torch.preserve_format)
+
+
+@functools.cache
+def _layouts() -> dict[str, Any]:
+    import torch
+
+    return {f"torch.{n}": v for n in dir(torch) if isinstance(v := getattr(torch, n), torch.layout)}
 
 
 def to_torch_metadata(raw: Any, source: str) -> Any:
@@ -751,6 +764,7 @@ def _plain_data(value: Any) -> Any:
 
 
 def _torch_properties(props: Any) -> Any:
+    import torch
     from torch.distributed.checkpoint.metadata import TensorProperties as TorchProperties
 
     if not isinstance(props, TensorProperties):
@@ -759,22 +773,23 @@ def _torch_properties(props: Any) -> Any:
     if not isinstance(dtype, torch.dtype):
         raise _Problem("a tensor entry has no dtype")
     layout = props.get("layout", "torch.strided")
-    layout = _LAYOUTS.get(layout) if isinstance(layout, str) else None
+    layout = _layouts().get(layout) if isinstance(layout, str) else None
     if layout is None:
         raise _Problem("a tensor entry has an unknown layout")
     fmt = props.get("memory_format", 0)
-    if type(fmt) is not int or not 0 <= fmt < len(_MEMORY_FORMATS):
+    if type(fmt) is not int or not 0 <= fmt < len(_memory_formats()):
         raise _Problem("a tensor entry has an unknown memory format")
     return TorchProperties(
         dtype=dtype,
         layout=layout,
         requires_grad=bool(props.get("requires_grad", False)),
-        memory_format=_MEMORY_FORMATS[fmt],
+        memory_format=_memory_formats()[fmt],
         pin_memory=bool(props.get("pin_memory", False)),
     )
 
 
 def _torch_metadata(raw: Any) -> Any:
+    import torch
     from torch.distributed.checkpoint import metadata as m
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -875,7 +890,7 @@ class StorageRef:
 
 @dataclass(frozen=True)
 class _StorageType:
-    dtype: torch.dtype
+    dtype: str  # its name (`lookup_dtype`)
 
 
 _STORAGE_TYPES = {("torch", name): _StorageType(dtype) for name, dtype in STORAGE_DTYPES.items()}
@@ -894,7 +909,7 @@ def _storage_ref(pid: Any) -> Any:
         raise _Problem(f"has a malformed storage key {sanitize(key)!r}")
     if type(numel) is not int or numel < 0:
         raise _Problem(f"has a malformed size for storage {key!r}")
-    return StorageRef(key, stype.dtype, numel)
+    return StorageRef(key, lookup_dtype(stype.dtype), numel)
 
 
 # -- torch.save tensor records (DCP chunks) ------------------------------------------------------
@@ -1109,7 +1124,7 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> DTens
     if not isinstance(args, tuple) or len(args) < 3:
         raise _Problem("has a DTensor record with unexpected arguments")
     dtype, size = args[1], args[2]
-    if not isinstance(dtype, torch.dtype):
+    if not is_dtype(dtype):
         raise _Problem("has a DTensor record without a dtype")
     attrs: dict[str, Any] = {}
     for part in state if isinstance(state, tuple) else (state,):

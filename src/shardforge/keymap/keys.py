@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shardforge.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
@@ -102,6 +103,8 @@ def stored_once(names: Iterable[str], tied: Mapping[str, str]) -> list[str]:
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal dtype, shape and bits (NaNs and signed zeros compare exactly)."""
+    import torch
+
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(
@@ -156,3 +159,14 @@ def _declared_ties(model: Any, config: Any) -> dict[str, str]:
         source = next(n for n, p in model.named_parameters() if p is emb.weight)
         return {str(k): source for k in keys}
     return {}
+
+
+TORCHTITAN = "torchtitan"
+# first keys that only a torchtitan checkpoint has (HF names are `model.embed_tokens...`)
+TITAN_MARKERS: tuple[str, ...] = ("tok_embeddings.weight", "layers.0.attention")
+
+
+def looks_like_torchtitan(keys: list[str]) -> bool:
+    """True when the keys use torchtitan's names (`tok_embeddings.weight`, `layers.0.attention`)."""
+    names = [clean_name(k).removeprefix("model.") for k in keys]
+    return any(n.startswith(TITAN_MARKERS) for n in names)

@@ -592,3 +592,12 @@ __all__ = [
     "split_adapter_names",
     "split_model_names",
 ]
+
+
+# a LoRA factor segment in a tensor name: what makes a checkpoint a LoRA checkpoint
+_FACTOR = re.compile(r"(^|\.)lora_(A|B|embedding_A|embedding_B)(\.|$)")
+
+
+def has_lora(names: list[str]) -> bool:
+    """The checkpoint holds LoRA factors (it is LoRA training's, not a full model's)."""
+    return any(_FACTOR.search(n) for n in names)

@@ -16,19 +16,9 @@ import torch
 
 from shardforge.formats.registry import NamedSource
 from shardforge.formats.sources import TransformedSource
-from shardforge.keymap.keys import clean_name
+from shardforge.keymap.keys import TORCHTITAN, looks_like_torchtitan
 
 log = logging.getLogger("shardforge")
-
-TORCHTITAN = "torchtitan"
-# first keys that only a torchtitan checkpoint has (HF names are `model.embed_tokens...`)
-TITAN_MARKERS: tuple[str, ...] = ("tok_embeddings.weight", "layers.0.attention")
-
-
-def looks_like_torchtitan(keys: list[str]) -> bool:
-    """True when the keys use torchtitan's names (`tok_embeddings.weight`, `layers.0.attention`)."""
-    names = [clean_name(k).removeprefix("model.") for k in keys]
-    return any(n.startswith(TITAN_MARKERS) for n in names)
 
 
 def key_adapter(hint: str | None, named: dict[str, NamedSource]) -> str | None:

@@ -14,9 +14,8 @@ from pathlib import Path, PurePath
 
 from shardforge.errors import CheckpointError
 from shardforge.formats.dcp.metadata import METADATA_FILE
-from shardforge.formats.registry import DCP, RANK_FILES
-from shardforge.keymap.keys import is_optimizer_key
-from shardforge.keymap.names import TORCHTITAN
+from shardforge.formats.kinds import DCP, RANK_FILES
+from shardforge.keymap.keys import TORCHTITAN, is_optimizer_key
 
 log = logging.getLogger("shardforge")
 

@@ -30,11 +30,10 @@ from shardforge.errors import MergeError, ShardforgeError
 from shardforge.formats.dcp.chunks import ChunkReader
 from shardforge.formats.registry import DCP, NamedSource, open_checkpoint
 from shardforge.formats.sources import DcpSource, FusedLoraSource, TensorSource, average
-from shardforge.io.copy import prefetch
 from shardforge.keymap.keys import KeyMap, check_tied_copies, is_optimizer_key, map_keys
+from shardforge.keymap.lora import has_lora
 from shardforge.keymap.names import adapt_names
 from shardforge.layouts.steps import (
-    LAST,
     Candidate,
     check_model_keys,
     list_checkpoints,
@@ -43,20 +42,21 @@ from shardforge.layouts.steps import (
 from shardforge.merge.check import ExpectedModel, build_expected, check_against
 from shardforge.merge.check import load_config as load_model_config
 from shardforge.merge.companions import (
-    has_tokenizer,
     write_config,
     write_generation_config,
     write_tokenizer,
 )
 from shardforge.merge.dtypes import (
     config_dtype,
+    dtype_choice_name,
     main_dtype,
     output_dtype,
     parse_dtype,
     progress,
 )
-from shardforge.merge.lora_checkpoint import adapter_sources, has_lora, open_lora
-from shardforge.merge.overlap import EarlyCopy, early_copy, finish_plan
+from shardforge.merge.locate import Located, MergeSources, label, locate
+from shardforge.merge.lora_checkpoint import adapter_sources, open_lora
+from shardforge.merge.overlap import EarlyCopy, early_copy, eligible, finish_plan
 from shardforge.merge.plan import (
     SAFE_WEIGHTS_NAME,
     OutputPlan,
@@ -83,41 +83,6 @@ log = logging.getLogger("shardforge")
 
 
 @dataclass(frozen=True)
-class MergeSources:
-    """Where the merge reads each part from (`inputs`: several when averaging)."""
-
-    checkpoint: Candidate
-    config: str
-    tokenizer: str
-    generation: list[str]
-    inputs: tuple[Candidate, ...] = ()
-
-
-def _sources(cfg: ShardforgeConfig, candidates: list[Candidate]) -> MergeSources:
-    """Config and tokenizer: base_model_config / tokenizer_config, else the run's output_dir,
-    else the checkpoint's own `huggingface/` folder (verl), else base_model."""
-    candidate = candidates[-1]
-    out_dir = Path(cfg.output_dir)
-    hf_dir = str(candidate.hf_dir) if candidate.hf_dir is not None else None
-    if cfg.base_model_config:
-        config = cfg.base_model_config
-    elif (out_dir / "config.json").is_file():
-        config = str(out_dir)
-    else:
-        config = hf_dir or cfg.base_model
-    if cfg.tokenizer_config:
-        tokenizer = cfg.tokenizer_config
-    elif has_tokenizer(out_dir):
-        tokenizer = str(out_dir)
-    elif candidate.hf_dir is not None and has_tokenizer(candidate.hf_dir):
-        tokenizer = str(candidate.hf_dir)
-    else:
-        tokenizer = cfg.base_model
-    generation = list(dict.fromkeys([config, cfg.base_model]))
-    return MergeSources(candidate, config, tokenizer, generation, tuple(candidates))
-
-
-@dataclass(frozen=True)
 class _Prepared:
     sources: MergeSources
     expected: ExpectedModel
@@ -127,35 +92,6 @@ class _Prepared:
     dtype: torch.dtype | None
     plain_dcp: bool  # one DCP checkpoint with HF names (what --engine transformers reads)
     adapter_config: dict[str, Any] | None = None  # a PEFT adapter directory is written
-
-
-def _label(c: Candidate) -> str:
-    return f"step {c.step}" if 0 <= c.step < LAST else str(c.model_dir)
-
-
-def _pick_inputs(root: str | Path, request: MergeRequest) -> list[Candidate]:
-    """The checkpoint to merge, or the checkpoints to average (oldest first)."""
-    step, state_dict_dirname = request.step, request.state_dict_dirname
-    average_last, average_steps = request.average_last, request.average_steps
-    if not request.averaging:
-        return [resolve_checkpoint(root, step, state_dict_dirname)]
-    found = list_checkpoints(root, state_dict_dirname)
-    have = [c.step for c in found]
-    if average_last is not None:
-        if average_last > len(found):
-            raise MergeError(
-                f"--average_last {average_last}: {root} has only {len(found)} complete "
-                f"checkpoint(s) (steps {have or 'none'})"
-            )
-        return found[-average_last:]
-    by_step = {c.step: c for c in found}
-    missing = [s for s in average_steps if s not in by_step]
-    if missing:
-        raise MergeError(
-            f"--average_steps: {root} has no complete checkpoint for step(s) "
-            f"{', '.join(map(str, missing))}; steps found: {have or 'none'}"
-        )
-    return [by_step[s] for s in average_steps]
 
 
 def _open_named(candidate: Candidate, config: Any) -> dict[str, NamedSource]:
@@ -194,27 +130,13 @@ def _architecture(config_source: str, trust_remote_code: bool) -> tuple[Any, Exp
     return config, build_expected(config, trust_remote_code)
 
 
-def _locate(cfg: ShardforgeConfig, request: MergeRequest) -> tuple[list[Candidate], MergeSources]:
-    """The checkpoint(s) to read and where config and tokenizer come from (no transformers
-    needed yet)."""
-    root = request.checkpoint if request.checkpoint is not None else cfg.output_dir
-    inputs = _pick_inputs(root, request)
-    for c in inputs:
-        where = f" (step {c.step})" if 0 <= c.step < LAST else ""
-        log.info("checkpoint: %s [%s layout, %s]%s", c.model_dir, c.layout, c.kind, where)
-    # The disk starts reading the data files while transformers imports and the architecture
-    # is checked (a hint to the kernel; nothing is held in this process).
-    prefetch(sorted(p for c in inputs for p in c.model_dir.iterdir() if p.is_file()))
-    return inputs, _sources(cfg, inputs)
-
-
 def _prepare(
     cfg: ShardforgeConfig,
     request: MergeRequest,
-    located: tuple[list[Candidate], MergeSources] | None = None,
+    located: Located | None = None,
 ) -> _Prepared:
     """Everything decided and checked before a byte is written."""
-    inputs, sources = located if located is not None else _locate(cfg, request)
+    inputs, sources = located if located is not None else locate(cfg, request)
     config, expected = _architecture(sources.config, cfg.trust_remote_code)
     opened = [_open_named(c, config) for c in inputs]
     if any(has_lora(list(named)) for named in opened):
@@ -225,8 +147,8 @@ def _prepare(
     ]
     keymap = per_input[-1][0]
     if len(inputs) > 1:
-        by_name = average([p[1] for p in per_input], [_label(c) for c in inputs])
-        log.info("averaging %d checkpoints: %s", len(inputs), ", ".join(map(_label, inputs)))
+        by_name = average([p[1] for p in per_input], [label(c) for c in inputs])
+        log.info("averaging %d checkpoints: %s", len(inputs), ", ".join(map(label, inputs)))
     else:
         by_name = per_input[0][1]
     wanted = parse_dtype(request.dtype)
@@ -717,7 +639,7 @@ def run_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
         root = request.checkpoint if request.checkpoint is not None else config.output_dir
         found = resolve_checkpoint(root, request.step, request.state_dict_dirname)
         removal = plan_removal(found, root)
-    located = _locate(config, request)
+    located = locate(config, request)
     # the bytes start moving while transformers imports and the architecture is built; the
     # early copy is used only if it is exactly what the merge would write, else removed
     with sigterm_as_interrupt(), _early_copy(config, request, located) as early:
@@ -727,26 +649,18 @@ def run_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
 def _early_copy(
     config: ShardforgeConfig,
     request: MergeRequest,
-    located: tuple[list[Candidate], MergeSources],
+    located: Located,
 ) -> contextlib.AbstractContextManager[EarlyCopy | None]:
     inputs, sources = located
     out = request.output_path
-    eligible = (
-        out is not None
-        and request.output_format == "hf"
-        and request.engine == "stream"
-        and not request.dry_run
-        and len(inputs) == 1
-    )
-    if not eligible:
+    if out is None or not eligible(request, inputs):
         return contextlib.nullcontext(None)
-    assert out is not None
     return early_copy(
         inputs[0],
         sources.config,
         out,
         request.overwrite,
-        parse_dtype(request.dtype),
+        dtype_choice_name(request.dtype),
         request.max_shard_size,
     )
 
@@ -754,7 +668,7 @@ def _early_copy(
 def _run_prepared(
     config: ShardforgeConfig,
     request: MergeRequest,
-    located: tuple[list[Candidate], MergeSources],
+    located: Located,
     removal: RemovalPlan | None,
     early: EarlyCopy | None,
 ) -> Path:

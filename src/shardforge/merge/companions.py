@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from shardforge.errors import MergeError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("shardforge")
 

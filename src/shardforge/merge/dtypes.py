@@ -5,49 +5,84 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from shardforge.errors import MergeError
+from shardforge.io.dtypes import DTYPE_NAMES, dtype_name, is_dtype
 from shardforge.merge.plan import TensorSpec
 
-# --dtype spellings -> torch dtype (None: keep each tensor's stored dtype)
-DTYPES: dict[str, torch.dtype | None] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+if TYPE_CHECKING:
+    import torch
+
+# --dtype spellings -> the dtype's name (None: keep each tensor's stored dtype)
+DTYPES: dict[str, str | None] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
     "as_saved": None,
     "as-saved": None,
 }
 
 
-def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | Literal["config"] | None:
+def parse_dtype_name(value: str | None) -> str | Literal["config"] | None:
+    """`--dtype` as a dtype name (torch-free: the merge's head start reads it before torch)."""
     if value is None:
         return "config"
-    if isinstance(value, torch.dtype):
-        return value
     key = value.strip().lower().removeprefix("torch.")
     if key not in DTYPES:
         raise MergeError(f"--dtype {value!r}: expected one of {', '.join(DTYPES)}")
     return DTYPES[key]
 
 
+def dtype_choice_name(value: str | torch.dtype | None) -> str | Literal["config"] | None:
+    """`--dtype` (or a torch dtype given from Python) as a dtype name, "config" or None."""
+    if value is not None and not isinstance(value, str):
+        return dtype_name(value)
+    return parse_dtype_name(value)
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | Literal["config"] | None:
+    if value is not None and not isinstance(value, str):
+        return value  # a torch dtype, from Python
+    name = parse_dtype_name(value)
+    if name is None:
+        return None
+    return "config" if name == "config" else _torch_dtype(name)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    value = getattr(torch, name)
+    assert isinstance(value, torch.dtype)
+    return value
+
+
 # the model config's attributes naming its dtype, in the order they are read
 CONFIG_DTYPE_KEYS = ("dtype", "torch_dtype")
+
+
+def config_dtype_name(config: Any) -> str | None:
+    """The name of the model config's floating dtype (`dtype`, else `torch_dtype`), None when
+    it names none or a non-floating one (torch-free: a config.json's strings suffice)."""
+    raw = next((v for k in CONFIG_DTYPE_KEYS if (v := getattr(config, k, None))), None)
+    if isinstance(raw, str):
+        return DTYPES.get(raw.lower().removeprefix("torch."))
+    if not is_dtype(raw):
+        return None
+    known = DTYPE_NAMES.get(dtype_name(raw))
+    return known[0] if known is not None and known[2] else None
 
 
 def config_dtype(config: Any) -> torch.dtype | None:
     """The model config's floating dtype (`dtype`, else `torch_dtype`), None when it names
     none or a non-floating one."""
-    raw = next((v for k in CONFIG_DTYPE_KEYS if (v := getattr(config, k, None))), None)
-    if isinstance(raw, str):
-        raw = DTYPES.get(raw.lower().removeprefix("torch."))
-    return raw if isinstance(raw, torch.dtype) and raw.is_floating_point else None
+    name = config_dtype_name(config)
+    return None if name is None else _torch_dtype(name)
 
 
 def output_dtype(saved: torch.dtype, target: torch.dtype | None) -> torch.dtype:

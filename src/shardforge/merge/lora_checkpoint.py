@@ -19,7 +19,6 @@ Either way the adapter is checked against the meta-device architecture first
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,17 +30,15 @@ from shardforge.errors import CheckpointError, MergeError
 from shardforge.formats.sources import TensorSource
 from shardforge.io.files import open_regular
 from shardforge.keymap.keys import clean_name
-from shardforge.keymap.lora import PEFT_PREFIX, LoraNames, LoraSettings, split_model_names
+from shardforge.keymap.lora import (
+    PEFT_PREFIX,
+    LoraNames,
+    LoraSettings,
+    split_model_names,
+)
 from shardforge.merge.check import ExpectedModel
 
-# a LoRA factor segment in a tensor name: what makes a checkpoint a LoRA checkpoint
-_FACTOR = re.compile(r"(^|\.)lora_(A|B|embedding_A|embedding_B)(\.|$)")
 MAX_ADAPTER_CONFIG = 1 << 20
-
-
-def has_lora(names: list[str]) -> bool:
-    """The checkpoint holds LoRA factors (it is LoRA training's, not a full model's)."""
-    return any(_FACTOR.search(n) for n in names)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,10 @@ config read, the model built on the meta device. On a small machine that takes s
 byte copy (which runs at disk speed) waited for it. `EarlyCopy` starts instead from what the
 checkpoint alone tells:
 
-1. at once, before transformers is imported, it reads the DCP metadata (the same checked
-   reader as the merge), guesses the output names (the checkpoint keys without their common
+1. at once, before torch is imported when the merge runs from the command line (`head_start`;
+   every module it uses is torch-free, and a dtype read then is a `DtypeName`), else before
+   transformers is imported, it reads the DCP metadata (the same checked reader as the
+   merge), guesses the output names (the checkpoint keys without their common
    wrapper prefix), the output dtype (`--dtype`, else `dtype`/`torch_dtype` of the local
    `config.json`, else as stored) and the shard size (`--max_shard_size`, else the installed
    transformers' default), and plans the output files as the merge's planner does;
@@ -35,23 +37,30 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from shardforge.formats.dcp.chunks import ChunkReader, copy_range, pwrite_all
-from shardforge.formats.registry import DCP, open_checkpoint
-from shardforge.formats.sources import FileSlab, TensorSource
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.formats.dcp.chunks import (
+    ChunkReader,
+    FileSlab,
+    copy_range,
+    entry_slabs,
+    pwrite_all,
+)
+from shardforge.formats.dcp.metadata import TensorEntry, read_metadata
+from shardforge.formats.kinds import DCP
 from shardforge.io.copy import CopyJob, copy_jobs
-from shardforge.keymap.keys import clean_name, is_optimizer_key
-from shardforge.keymap.names import key_adapter
+from shardforge.io.dtypes import DTYPE_NAMES, dtype_name, lookup_dtype
+from shardforge.io.fs import preallocate
+from shardforge.keymap.keys import clean_name, is_optimizer_key, looks_like_torchtitan
+from shardforge.keymap.lora import has_lora
 from shardforge.layouts.steps import Candidate
-from shardforge.merge.dtypes import CONFIG_DTYPE_KEYS, config_dtype
-from shardforge.merge.lora_checkpoint import has_lora
+from shardforge.merge.dtypes import CONFIG_DTYPE_KEYS, config_dtype_name, dtype_choice_name
+from shardforge.merge.locate import merge_sources, pick_inputs
 from shardforge.merge.plan import (
     FILENAME_PATTERN,
     SAFE_WEIGHTS_NAME,
@@ -60,8 +69,18 @@ from shardforge.merge.plan import (
     TensorSpec,
     _layout_file,
 )
-from shardforge.merge.publish import _fresh_temp_sibling, check_free_space, check_output_path
-from shardforge.merge.sinks.hf_dir import _preallocate
+from shardforge.merge.publish import (
+    _fresh_temp_sibling,
+    check_free_space,
+    check_output_path,
+    sigterm_as_interrupt,
+)
+from shardforge.merge.request import OPTION_NAMES, MergeRequest
+
+if TYPE_CHECKING:
+    import torch
+
+    from shardforge.formats.sources import TensorSource
 
 log = logging.getLogger("shardforge")
 
@@ -142,13 +161,16 @@ class Guess:
     """What the early copy assumes about the output (all of it is checked in `accept`)."""
 
     plan: OutputPlan
-    sources: dict[str, TensorSource]  # guessed output name -> source
+    entries: dict[str, TensorEntry]  # guessed output name -> the checkpoint's tensor
+
+
+DtypeChoice = str | None  # a dtype name, "config" (the config's dtype) or None (as stored)
 
 
 def _guess(
     candidate: Candidate,
     config_source: str,
-    dtype: torch.dtype | str | None,
+    dtype: DtypeChoice,
     max_shard_size: int | str | None,
 ) -> Guess | None:
     """The output plan from the checkpoint's metadata and config.json alone; None when the
@@ -157,36 +179,58 @@ def _guess(
     if config is None:
         return None
     if dtype == "config":  # read as the merge reads it (a wrong guess is caught in `accept`)
-        dtype = config_dtype(SimpleNamespace(**{k: config.get(k) for k in CONFIG_DTYPE_KEYS}))
-    assert dtype is None or isinstance(dtype, torch.dtype)
+        dtype = config_dtype_name(SimpleNamespace(**{k: config.get(k) for k in CONFIG_DTYPE_KEYS}))
+    target = lookup_dtype(dtype) if dtype is not None else None
     tied = config.get("tie_word_embeddings")
-    if not isinstance(tied, bool):
+    if not isinstance(tied, bool) or (dtype is not None and target is None):
         return None
     shard = max_shard_size if max_shard_size is not None else default_shard_size_guess()
     if shard is None:
         return None
-    opened = open_checkpoint(DCP, candidate.model_dir)
-    if key_adapter(None, opened) is not None or has_lora(list(opened)):
+    tensors = read_metadata(candidate.model_dir).tensors
+    if looks_like_torchtitan([".".join(e.path) for e in tensors.values()]) or has_lora(
+        list(tensors)
+    ):
         return None  # torchtitan's names, a LoRA checkpoint: not guessed
-    model = {k: n for k, n in opened.items() if not is_optimizer_key(n.path)}
-    cleaned = {clean_name(".".join(n.path)): n.source for n in model.values()}
+    model = [e for e in tensors.values() if not is_optimizer_key(e.path)]
+    cleaned = {clean_name(".".join(e.path)): e for e in model}
     if not cleaned or len(cleaned) != len(model):
         return None
     prefix = _common_prefix(list(cleaned))
-    sources = {name[len(prefix) :]: src for name, src in cleaned.items()}
+    entries = {name[len(prefix) :]: e for name, e in cleaned.items()}
     if tied:
-        if "lm_head.weight" not in sources:
+        if "lm_head.weight" not in entries:
             return None  # the prefix cannot be told apart from the model's own names
-        del sources["lm_head.weight"]  # stored once, under the embedding
+        del entries["lm_head.weight"]  # stored once, under the embedding
     specs = [
-        TensorSpec(
-            n,
-            dtype if dtype is not None and s.dtype.is_floating_point else s.dtype,
-            s.shape,
-        )
-        for n, s in sources.items()
+        TensorSpec(n, target if target is not None and _floating(e.dtype) else e.dtype, e.shape)
+        for n, e in entries.items()
     ]
-    return Guess(guess_plan(specs, shard), sources)
+    return Guess(guess_plan(specs, shard), entries)
+
+
+def _floating(dtype: Any) -> bool:
+    known = DTYPE_NAMES.get(dtype_name(dtype))
+    return known is not None and known[2]
+
+
+def _key(
+    candidate: Candidate,
+    config_source: str,
+    out: Path,
+    overwrite: bool,
+    dtype: DtypeChoice,
+    max_shard_size: int | str | None,
+) -> tuple[Any, ...]:
+    return (
+        candidate.kind,
+        candidate.model_dir,
+        config_source,
+        out,
+        overwrite,
+        dtype,
+        max_shard_size,
+    )
 
 
 class EarlyCopy:
@@ -199,10 +243,12 @@ class EarlyCopy:
         config_source: str,
         out: Path,
         overwrite: bool,
-        dtype: torch.dtype | str | None,
+        dtype: DtypeChoice,
         max_shard_size: int | str | None,
     ) -> None:
         self._args = (candidate, config_source, dtype, max_shard_size)
+        # what `early_copy` compares before it takes over a head start
+        self.key = _key(candidate, config_source, out, overwrite, dtype, max_shard_size)
         self._out, self._overwrite = out, overwrite
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -261,7 +307,7 @@ class EarlyCopy:
         copied: dict[str, list[FileSlab]] = {}
         with ChunkReader() as reader:
             for pf in guess.plan.files:
-                done = self._copy_file(pf, guess.sources, reader)
+                done = self._copy_file(pf, guess.entries, reader)
                 if done is None:
                     return  # discarded meanwhile
                 copied.update(done)
@@ -270,7 +316,7 @@ class EarlyCopy:
         self.outcome = "copied"
 
     def _copy_file(
-        self, pf: PlannedFile, sources: Mapping[str, TensorSource], reader: ChunkReader
+        self, pf: PlannedFile, entries: Mapping[str, TensorEntry], reader: ChunkReader
     ) -> dict[str, list[FileSlab]] | None:
         """Copy what `pf` can take file to file; the slabs copied per tensor, None when the
         copy was discarded before it ended."""
@@ -278,12 +324,13 @@ class EarlyCopy:
         copied: dict[str, list[FileSlab]] = {}
         fd = os.open(self.directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _preallocate(fd, pf.size)
+            preallocate(fd, pf.size)
             pwrite_all(fd, memoryview(pf.header), 0)
             jobs: list[CopyJob] = []
             for planned in pf.tensors:
-                src = sources[planned.spec.name]
-                slabs = src.slabs(reader) if src.dtype == planned.spec.dtype else None
+                entry = entries[planned.spec.name]
+                same = dtype_name(entry.dtype) == dtype_name(planned.spec.dtype)
+                slabs = entry_slabs(entry, reader) if same else None
                 if slabs is None:
                     continue
                 copied[planned.spec.name] = slabs
@@ -352,11 +399,14 @@ class EarlyCopy:
 
 
 def _other_layout(real: OutputPlan, early: OutputPlan) -> str | None:
-    """How two plans' files differ (None: same names, headers and byte ranges)."""
+    """How two plans' files differ (None: same names, headers and byte ranges). The header
+    holds every tensor's name, dtype, shape and byte range; the early plan's dtypes may be
+    `DtypeName`s, so tensors are compared by name and offset beside it."""
     if [f.name for f in real.files] != [f.name for f in early.files]:
         return "other output files"
     for a, b in zip(real.files, early.files, strict=True):
-        if a.header != b.header or a.tensors != b.tensors:
+        places = [(t.spec.name, t.offset) for t in a.tensors]
+        if a.header != b.header or places != [(t.spec.name, t.offset) for t in b.tensors]:
             return f"another layout of {a.name}"
     return None
 
@@ -399,22 +449,110 @@ def finish_plan(
                 os.close(fd)
 
 
+def eligible(request: MergeRequest, inputs: Sequence[Candidate]) -> bool:
+    """Whether the merge of `request` may copy early: one checkpoint into a Hugging Face
+    directory, streamed and written (not a dry run)."""
+    return (
+        request.output_path is not None
+        and request.output_format == "hf"
+        and request.engine == "stream"
+        and not request.dry_run
+        and len(inputs) == 1
+    )
+
+
+# the head start waiting for its merge to take it over (`early_copy`); at most one
+_HEAD_START: list[EarlyCopy] = []
+
+
+def _take_head_start(key: tuple[Any, ...]) -> EarlyCopy | None:
+    """The waiting head start when it was started for the same merge, else None (a head start
+    for another merge is discarded)."""
+    if not _HEAD_START:
+        return None
+    early = _HEAD_START.pop()
+    if early.key == key:
+        return early
+    early.discard()
+    return None
+
+
 @contextlib.contextmanager
 def early_copy(
     candidate: Candidate,
     config_source: str,
     out: Path,
     overwrite: bool,
-    dtype: torch.dtype | str | None,
+    dtype: DtypeChoice,
     max_shard_size: int | str | None,
 ) -> Iterator[EarlyCopy | None]:
-    """An `EarlyCopy` for the block, or None when turned off; whatever it wrote and was not
-    moved into the output is removed when the block ends, however it ends."""
+    """An `EarlyCopy` for the block (the head start's, when it was started for this merge), or
+    None when turned off; whatever it wrote and was not moved into the output is removed when
+    the block ends, however it ends."""
+    early = _take_head_start(_key(candidate, config_source, out, overwrite, dtype, max_shard_size))
     if not ENABLED:
+        if early is not None:
+            early.discard()
         yield None
         return
-    early = EarlyCopy(candidate, config_source, out, overwrite, dtype, max_shard_size)
+    if early is None:
+        early = EarlyCopy(candidate, config_source, out, overwrite, dtype, max_shard_size)
     try:
         yield early
     finally:
         early.discard()
+
+
+def _head_start_copy(
+    cfg: ShardforgeConfig, output_path: str | Path | None, options: Mapping[str, Any]
+) -> EarlyCopy | None:
+    """The early copy of the merge `options` ask for, started; None when it would not copy
+    early or anything is amiss (the merge itself then finds and reports it)."""
+    try:
+        values = {k: v for k, v in options.items() if k in OPTION_NAMES and k != "output_path"}
+        for key in ("average_steps", "steps"):
+            values[key] = tuple(values.get(key) or ())
+        out = Path(output_path) if output_path is not None else None
+        request = MergeRequest(output_path=out, **values)
+        if request.per_step or request.distributed:
+            return None
+        root = request.checkpoint if request.checkpoint is not None else cfg.output_dir
+        inputs = pick_inputs(root, request)
+        if not eligible(request, inputs) or request.output_path is None:
+            return None
+        config_source = merge_sources(cfg, inputs).config
+        dtype = dtype_choice_name(request.dtype)
+    except Exception as exc:
+        log.debug("no head start: %s", str(exc).splitlines()[0][:200] if str(exc) else exc)
+        return None
+    return EarlyCopy(
+        inputs[0],
+        config_source,
+        request.output_path,
+        request.overwrite,
+        dtype,
+        request.max_shard_size,
+    )
+
+
+@contextlib.contextmanager
+def head_start(
+    cfg: ShardforgeConfig, output_path: str | Path | None, options: Mapping[str, Any]
+) -> Iterator[None]:
+    """The command line's head start, entered before torch is imported: the checkpoint is
+    located and the early copy started at once, so bytes move while torch, transformers and
+    the architecture load. The merge run inside the block takes it over (`early_copy`, when
+    it was started for that same merge); whatever was not taken is removed when the block
+    ends, however it ends."""
+    early: EarlyCopy | None = None
+    with sigterm_as_interrupt():  # a SIGTERM from here on still removes the copy
+        try:
+            early = _head_start_copy(cfg, output_path, options) if ENABLED else None
+            if early is not None:
+                _HEAD_START[:] = [early]
+            yield
+        finally:
+            if early is not None:
+                if early in _HEAD_START:
+                    _HEAD_START.remove(early)
+                early.discard()

@@ -11,33 +11,37 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from shardforge.io.dtypes import dtype_name
+
+if TYPE_CHECKING:
+    import torch
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 FILENAME_PATTERN = "model{suffix}.safetensors"
 FILE_METADATA = {"format": "pt"}
 
-# torch dtype -> (safetensors name, rank in the safetensors Dtype enum; higher is laid out first)
-SAFETENSORS_DTYPES: dict[torch.dtype, tuple[str, int]] = {
-    torch.bool: ("BOOL", 0),
-    torch.uint8: ("U8", 4),
-    torch.int8: ("I8", 5),
-    torch.float8_e5m2: ("F8_E5M2", 6),
-    torch.float8_e4m3fn: ("F8_E4M3", 7),
-    torch.int16: ("I16", 9),
-    torch.uint16: ("U16", 10),
-    torch.float16: ("F16", 11),
-    torch.bfloat16: ("BF16", 12),
-    torch.int32: ("I32", 13),
-    torch.uint32: ("U32", 14),
-    torch.float32: ("F32", 15),
-    torch.complex64: ("C64", 16),
-    torch.float64: ("F64", 17),
-    torch.int64: ("I64", 18),
-    torch.uint64: ("U64", 19),
+# torch dtype name (`io.dtypes.dtype_name`) -> (safetensors name, rank in the safetensors
+# Dtype enum; higher is laid out first)
+SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
+    "bool": ("BOOL", 0),
+    "uint8": ("U8", 4),
+    "int8": ("I8", 5),
+    "float8_e5m2": ("F8_E5M2", 6),
+    "float8_e4m3fn": ("F8_E4M3", 7),
+    "int16": ("I16", 9),
+    "uint16": ("U16", 10),
+    "float16": ("F16", 11),
+    "bfloat16": ("BF16", 12),
+    "int32": ("I32", 13),
+    "uint32": ("U32", 14),
+    "float32": ("F32", 15),
+    "complex64": ("C64", 16),
+    "float64": ("F64", 17),
+    "int64": ("I64", 18),
+    "uint64": ("U64", 19),
 }
 
 
@@ -54,7 +58,7 @@ def default_max_shard_size() -> str:
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype  # a `DtypeName` in the head start's guess (merge.overlap)
     shape: tuple[int, ...]
 
     @property
@@ -93,7 +97,7 @@ class OutputPlan:
 
 
 def _layout_file(name: str, specs: list[TensorSpec]) -> PlannedFile:
-    order = sorted(specs, key=lambda s: (-SAFETENSORS_DTYPES[s.dtype][1], s.name))
+    order = sorted(specs, key=lambda s: (-SAFETENSORS_DTYPES[dtype_name(s.dtype)][1], s.name))
     offsets: dict[str, tuple[int, int]] = {}
     pos = 0
     for s in order:
@@ -102,7 +106,7 @@ def _layout_file(name: str, specs: list[TensorSpec]) -> PlannedFile:
     header: dict[str, Any] = {"__metadata__": FILE_METADATA}
     for s in order:  # the header lists tensors in data order, as safetensors writes it
         header[s.name] = {
-            "dtype": SAFETENSORS_DTYPES[s.dtype][0],
+            "dtype": SAFETENSORS_DTYPES[dtype_name(s.dtype)][0],
             "shape": list(s.shape),
             "data_offsets": list(offsets[s.name]),
         }
@@ -131,7 +135,7 @@ def plan_output(
     plans one file whatever its size (the single-file formats)."""
     from huggingface_hub import split_state_dict_into_shards_factory
 
-    unknown = sorted({str(s.dtype) for s in specs if s.dtype not in SAFETENSORS_DTYPES})
+    unknown = sorted({str(s.dtype) for s in specs if dtype_name(s.dtype) not in SAFETENSORS_DTYPES})
     if unknown:
         from shardforge.errors import MergeError
 

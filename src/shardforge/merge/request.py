@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from shardforge.errors import MergeError
+
+if TYPE_CHECKING:
+    import torch
 
 Engine = Literal["stream", "transformers"]
 ENGINES: tuple[str, ...] = ("stream", "transformers")

@@ -45,6 +45,7 @@ from shardforge.formats.sources import (
     StoredTensor,
     TensorSource,
 )
+from shardforge.io.dtypes import dtype_name
 from shardforge.merge.plan import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
@@ -136,8 +137,9 @@ def _compare_output(
     with safe_open(str(path), framework="pt") as f:
         sl = f.get_slice(name)
         dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
-    if dtype != SAFETENSORS_DTYPES[expected.dtype][0]:
-        raise _fail(shown, path, f"is {dtype}, not {SAFETENSORS_DTYPES[expected.dtype][0]}")
+    want = SAFETENSORS_DTYPES[dtype_name(expected.dtype)][0]
+    if dtype != want:
+        raise _fail(shown, path, f"is {dtype}, not {want}")
     if shape != tuple(expected.shape):
         raise _fail(shown, path, f"has shape {list(shape)}, not {list(expected.shape)}")
     if not shape:

@@ -13,9 +13,9 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from shardforge.errors import CheckpointError
 from shardforge.formats.dcp.metadata import Chunk, TensorEntry
@@ -28,10 +28,23 @@ from shardforge.formats.dcp.records import (
 )
 from shardforge.io.files import open_regular, read_exact_into
 
+if TYPE_CHECKING:
+    import torch
+
 COPY_BLOCK = 64 << 20
 MAX_OPEN_FILES = 64
 
 Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class FileSlab:
+    """`nbytes` bytes at `src_offset` of `path` are the tensor's bytes from `dst_offset` on."""
+
+    path: Path
+    src_offset: int
+    nbytes: int
+    dst_offset: int
 
 
 class ChunkReader:
@@ -73,6 +86,8 @@ class ChunkReader:
     def read_rows(self, chunk: Chunk, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) (along dim 0) of a chunk; only those bytes are read when the
         chunk is stored contiguously."""
+        import torch
+
         fd, raw = self.locate(chunk)
         if raw is None or not raw.contiguous or not chunk.sizes:
             return read_chunk(chunk, fd, raw)[start:stop]
@@ -85,6 +100,8 @@ class ChunkReader:
 
     def read_full(self, entry: TensorEntry) -> torch.Tensor:
         """The whole tensor, assembled from its chunks."""
+        import torch
+
         if len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.shape:
             return self.read(entry.chunks[0])
         full = torch.empty(entry.shape, dtype=entry.dtype)
@@ -105,6 +122,25 @@ class ChunkReader:
         self.close()
 
 
+def entry_slabs(entry: TensorEntry, reader: ChunkReader) -> list[FileSlab] | None:
+    """The tensor's bytes as file ranges, when every stored chunk is a contiguous slab along
+    dim 0 in the entry's dtype (each then copies file to file); else None."""
+    shape = entry.shape
+    row = math.prod(shape[1:]) * entry.dtype.itemsize
+    out = []
+    for c in entry.chunks:
+        if not c.numel:
+            continue
+        if shape and (any(c.offsets[1:]) or c.sizes[1:] != shape[1:]):
+            return None
+        _, raw = reader.locate(c)
+        if raw is None or not raw.contiguous or raw.dtype != entry.dtype:
+            return None
+        dst = c.offsets[0] * row if shape else 0
+        out.append(FileSlab(c.file, raw.data_offset, raw.nbytes, dst))
+    return out
+
+
 def check_records(tensors: Iterable[TensorEntry]) -> None:
     """Every chunk record of `tensors` located and checked against its `.metadata` entry
     (zip structure inside its byte range, tensor view inside its storage, shape) without
@@ -121,6 +157,8 @@ def chunk_slices(c: Chunk) -> tuple[slice, ...]:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes in C order (little-endian on the supported platforms)."""
+    import torch
+
     flat = t.contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 

@@ -7,11 +7,10 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from shardforge.errors import CheckpointError
+from shardforge.io.dtypes import is_dtype
 from shardforge.io.files import inside, open_regular
 from shardforge.io.unpickler import (
     BytesStorageMetadata,
@@ -19,6 +18,9 @@ from shardforge.io.unpickler import (
     TensorStorageMetadata,
     load_metadata_pickle,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 METADATA_FILE = ".metadata"
 TORCH_ZIP_MAGIC = b"PK\x03\x04"
@@ -45,7 +47,7 @@ class TensorEntry:
 
     key: str
     path: tuple[str, ...]
-    dtype: torch.dtype
+    dtype: torch.dtype  # a `DtypeName` when read before torch is imported (io.dtypes)
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
 
@@ -265,8 +267,8 @@ def _parse(raw: Any, d: Path, meta_path: Path) -> tuple[dict[str, TensorEntry], 
         _check_tiling(key, shape, chunks, meta_path)
         path = planner.get(key)
         path_t = tuple(str(p) for p in path) if isinstance(path, tuple | list) else (key,)
-        dtype = getattr(item.properties, "dtype", None)
-        if not isinstance(dtype, torch.dtype):
+        dtype: Any = getattr(item.properties, "dtype", None)
+        if not is_dtype(dtype):
             raise CheckpointError(f"{meta_path}: no dtype recorded for {key!r}")
         tensors[key] = TensorEntry(key, path_t, dtype, shape, tuple(chunks))
     return tensors, non_tensor

@@ -16,8 +16,7 @@ import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from shardforge.errors import CheckpointError
 from shardforge.formats.dcp.metadata import Chunk
@@ -38,6 +37,9 @@ from shardforge.io.zip_record import (
     read_zip_record,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 # a chunk record's data.pkl describes one tensor in a few hundred bytes
 MAX_RECORD_PICKLE = 1 << 20
 
@@ -48,7 +50,7 @@ class RawChunk:
 
     file: Path
     data_offset: int  # absolute file offset of the chunk's first element
-    dtype: torch.dtype
+    dtype: torch.dtype  # a `DtypeName` when read before torch is imported (io.dtypes)
     size: tuple[int, ...]
     stride: tuple[int, ...]
     storage_numel: int  # elements of the storage from `data_offset` on
@@ -157,6 +159,8 @@ def locate(chunk: Chunk, fd: int) -> RawChunk | None:
 
 def read_chunk(chunk: Chunk, fd: int, raw: RawChunk | None) -> torch.Tensor:
     """Load one chunk as a tensor (only this chunk's bytes are read)."""
+    import torch
+
     label = str(chunk.file)
     if raw is not None:
         if raw.contiguous:

@@ -9,7 +9,6 @@ about one tensor, whatever the model size.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -18,18 +17,10 @@ from pathlib import Path
 from shardforge.formats.dcp.chunks import ChunkReader, copy_range, pwrite_all
 from shardforge.formats.sources import TensorSource
 from shardforge.io.copy import CopyJob, copy_jobs
+from shardforge.io.fs import preallocate
 from shardforge.merge.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan
 
 Progress = Callable[[int], None]
-
-
-def _preallocate(fd: int, size: int) -> None:
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise
-        os.ftruncate(fd, size)
 
 
 def write_plan(
@@ -43,7 +34,7 @@ def write_plan(
         for pf in plan.files:
             fd = os.open(directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                _preallocate(fd, pf.size)
+                preallocate(fd, pf.size)
                 pwrite_all(fd, memoryview(pf.header), 0)
                 progress(len(pf.header))
                 jobs: list[CopyJob] = []

@@ -1,0 +1,102 @@
+"""Locate: the checkpoint(s) a merge reads and where its config and tokenizer come from.
+
+Torch-free (finding files and reading folder names only), so that the merge's head start
+(`merge.overlap`) can run it before torch is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import MergeError
+from shardforge.io.copy import prefetch
+from shardforge.layouts.steps import LAST, Candidate, list_checkpoints, resolve_checkpoint
+from shardforge.merge.companions import has_tokenizer
+from shardforge.merge.request import MergeRequest
+
+log = logging.getLogger("shardforge")
+
+
+@dataclass(frozen=True)
+class MergeSources:
+    """Where the merge reads each part from (`inputs`: several when averaging)."""
+
+    checkpoint: Candidate
+    config: str
+    tokenizer: str
+    generation: list[str]
+    inputs: tuple[Candidate, ...] = ()
+
+
+# what `locate` finds: the checkpoint(s), oldest first, and the sources of the rest
+Located = tuple[list[Candidate], MergeSources]
+
+
+def merge_sources(cfg: ShardforgeConfig, candidates: list[Candidate]) -> MergeSources:
+    """Config and tokenizer: base_model_config / tokenizer_config, else the run's output_dir,
+    else the checkpoint's own `huggingface/` folder (verl), else base_model."""
+    candidate = candidates[-1]
+    out_dir = Path(cfg.output_dir)
+    hf_dir = str(candidate.hf_dir) if candidate.hf_dir is not None else None
+    if cfg.base_model_config:
+        config = cfg.base_model_config
+    elif (out_dir / "config.json").is_file():
+        config = str(out_dir)
+    else:
+        config = hf_dir or cfg.base_model
+    if cfg.tokenizer_config:
+        tokenizer = cfg.tokenizer_config
+    elif has_tokenizer(out_dir):
+        tokenizer = str(out_dir)
+    elif candidate.hf_dir is not None and has_tokenizer(candidate.hf_dir):
+        tokenizer = str(candidate.hf_dir)
+    else:
+        tokenizer = cfg.base_model
+    generation = list(dict.fromkeys([config, cfg.base_model]))
+    return MergeSources(candidate, config, tokenizer, generation, tuple(candidates))
+
+
+def label(c: Candidate) -> str:
+    return f"step {c.step}" if 0 <= c.step < LAST else str(c.model_dir)
+
+
+def pick_inputs(root: str | Path, request: MergeRequest) -> list[Candidate]:
+    """The checkpoint to merge, or the checkpoints to average (oldest first)."""
+    step, state_dict_dirname = request.step, request.state_dict_dirname
+    average_last, average_steps = request.average_last, request.average_steps
+    if not request.averaging:
+        return [resolve_checkpoint(root, step, state_dict_dirname)]
+    found = list_checkpoints(root, state_dict_dirname)
+    have = [c.step for c in found]
+    if average_last is not None:
+        if average_last > len(found):
+            raise MergeError(
+                f"--average_last {average_last}: {root} has only {len(found)} complete "
+                f"checkpoint(s) (steps {have or 'none'})"
+            )
+        return found[-average_last:]
+    by_step = {c.step: c for c in found}
+    missing = [s for s in average_steps if s not in by_step]
+    if missing:
+        raise MergeError(
+            f"--average_steps: {root} has no complete checkpoint for step(s) "
+            f"{', '.join(map(str, missing))}; steps found: {have or 'none'}"
+        )
+    return [by_step[s] for s in average_steps]
+
+
+def locate(cfg: ShardforgeConfig, request: MergeRequest) -> Located:
+    """The checkpoint(s) to read and where config and tokenizer come from (no transformers
+    needed yet)."""
+    root = request.checkpoint if request.checkpoint is not None else cfg.output_dir
+    inputs = pick_inputs(root, request)
+    for c in inputs:
+        where = f" (step {c.step})" if 0 <= c.step < LAST else ""
+        log.info("checkpoint: %s [%s layout, %s]%s", c.model_dir, c.layout, c.kind, where)
+    # The disk starts reading the data files while transformers imports and the architecture
+    # is checked (a hint to the kernel; nothing is held in this process).
+    prefetch(sorted(p for c in inputs for p in c.model_dir.iterdir() if p.is_file()))
+    return inputs, merge_sources(cfg, inputs)
