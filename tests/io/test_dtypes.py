@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from shardforge.io.dtypes import (
@@ -57,3 +58,24 @@ def test_before_torch_is_imported_a_name_is_a_dtype_name() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["DtypeName", "torch.float16", "2", "True", "float16", "None"]
     assert DtypeName("float16", 2, True) == DtypeName("float16", 2, True)
+
+
+def test_while_torch_is_still_importing_a_name_is_a_dtype_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The head start's copy thread may parse a record while the main thread imports torch:
+    until that import has finished, names resolve to `DtypeName`s (torch's attributes may not
+    exist yet)."""
+    import importlib.machinery
+    import types
+
+    half_done = types.ModuleType("torch")
+    half_done.__spec__ = importlib.machinery.ModuleSpec("torch", None)
+    half_done.__spec__._initializing = True  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", half_done)
+    assert lookup_dtype("float32") == DtypeName("float32", 4, True)
+    assert is_dtype(DtypeName("float32", 4, True))
+    half_done.__spec__._initializing = False  # type: ignore[attr-defined]
+    half_done.dtype = torch.dtype  # type: ignore[attr-defined]
+    half_done.float32 = torch.float32  # type: ignore[attr-defined]
+    assert lookup_dtype("float32") is torch.float32

@@ -102,27 +102,35 @@ class DtypeName:
         return f"torch.{self.name}"
 
 
+def _torch() -> Any:
+    """The torch module once its import has finished, else None (the head start's copy thread
+    parses records while the main thread is still importing torch)."""
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(getattr(torch, "__spec__", None), "_initializing", False):
+        return None
+    return torch
+
+
 def lookup_dtype(name: str) -> Any:
     """The dtype a pickle names ``torch.<name>``: torch's object when torch is imported (None
-    when this torch has no such dtype), else a `DtypeName` (None for a name not in the table)."""
+    when this torch has no such dtype), else a `DtypeName` (None for a name not in the table).
+    Code that may run on both sides of the import compares dtypes by `dtype_name`."""
     known = DTYPE_NAMES.get(name)
     if known is None:
         return None
-    torch = sys.modules.get("torch")
-    torch_dtype = getattr(torch, "dtype", None) if torch is not None else None
-    if isinstance(torch_dtype, type):
-        value = getattr(torch, name, None)
-        return value if isinstance(value, torch_dtype) else None
-    return DtypeName(*known)
+    torch = _torch()
+    if torch is None:
+        return DtypeName(*known)
+    value = getattr(torch, name, None)
+    return value if isinstance(value, torch.dtype) else None
 
 
 def is_dtype(value: Any) -> bool:
     """True for torch's dtype objects and for `DtypeName`s."""
     if isinstance(value, DtypeName):
         return True
-    torch = sys.modules.get("torch")
-    torch_dtype = getattr(torch, "dtype", None) if torch is not None else None
-    return isinstance(torch_dtype, type) and isinstance(value, torch_dtype)
+    torch = _torch()
+    return torch is not None and isinstance(value, torch.dtype)
 
 
 def dtype_name(dtype: Any) -> str:

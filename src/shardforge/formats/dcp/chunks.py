@@ -26,6 +26,7 @@ from shardforge.formats.dcp.records import (
     parse_record,
     read_chunk,
 )
+from shardforge.io.dtypes import dtype_name
 from shardforge.io.files import open_regular, read_exact_into
 
 if TYPE_CHECKING:
@@ -124,7 +125,8 @@ class ChunkReader:
 
 def entry_slabs(entry: TensorEntry, reader: ChunkReader) -> list[FileSlab] | None:
     """The tensor's bytes as file ranges, when every stored chunk is a contiguous slab along
-    dim 0 in the entry's dtype (each then copies file to file); else None."""
+    dim 0 in the entry's dtype (each then copies file to file); else None. Dtypes compare by
+    name: the head start's records may be read on either side of `import torch`."""
     shape = entry.shape
     row = math.prod(shape[1:]) * entry.dtype.itemsize
     out = []
@@ -134,7 +136,7 @@ def entry_slabs(entry: TensorEntry, reader: ChunkReader) -> list[FileSlab] | Non
         if shape and (any(c.offsets[1:]) or c.sizes[1:] != shape[1:]):
             return None
         _, raw = reader.locate(c)
-        if raw is None or not raw.contiguous or raw.dtype != entry.dtype:
+        if raw is None or not raw.contiguous or dtype_name(raw.dtype) != dtype_name(entry.dtype):
             return None
         dst = c.offsets[0] * row if shape else 0
         out.append(FileSlab(c.file, raw.data_offset, raw.nbytes, dst))
