@@ -37,14 +37,15 @@ marks["import torch"] = time.perf_counter()
 from shardforge.config import load_cfg
 from shardforge.merge import api
 from shardforge.merge.request import MergeRequest
+from shardforge.merge.locate import merge_sources, pick_inputs
 from shardforge.formats.registry import open_checkpoint
 marks["import shardforge.merge.api"] = time.perf_counter()
 cfg = load_cfg(sys.argv[1], command="merge")
 request = MergeRequest(output_path=None, checkpoint=sys.argv[2], output_format="torch")
-inputs = api._pick_inputs(sys.argv[2], request)
+inputs = pick_inputs(sys.argv[2], request)
 opened = open_checkpoint(inputs[0].kind, inputs[0].model_dir)
 marks["checkpoint metadata"] = time.perf_counter()
-sources = api._sources(cfg, inputs)
+sources = merge_sources(cfg, inputs)
 config, expected = api._architecture(sources.config, cfg.trust_remote_code)
 marks["transformers + meta architecture"] = time.perf_counter()
 from shardforge.keymap.names import adapt_names

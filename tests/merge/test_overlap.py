@@ -373,7 +373,7 @@ def test_a_head_start_for_another_merge_is_not_used(
     out = tmp_path / "out"
     with overlap.head_start(cfg, out, {"dtype": "bfloat16", "quiet": True}):
         started = overlap._HEAD_START[0]
-        assert started.key[-2] == "bfloat16"
+        assert started.target.dtype == "bfloat16"
         with caplog.at_level(logging.DEBUG, logger="shardforge"):
             merge_fsdp_weights(cfg, out, quiet=True)
         assert started.directory is None and not overlap._HEAD_START

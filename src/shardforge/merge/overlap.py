@@ -26,6 +26,10 @@ fsyncs, writes the index and companions, verifies and publishes as it always doe
 difference (a wrong guess) discards the copy and the merge writes everything itself; any error
 of the merge (a bad input) discards it too, so a refused merge leaves nothing behind. A guess
 never fails a merge: its own errors only mean no early copy.
+
+The head start's thread parses the data files' records while the main thread imports torch:
+a dtype read before that import has finished is a `DtypeName`, one read after it torch's own,
+so everything here compares dtypes by name (`io.dtypes.dtype_name`).
 """
 
 from __future__ import annotations
@@ -214,42 +218,25 @@ def _floating(dtype: Any) -> bool:
     return known is not None and known[2]
 
 
-def _key(
-    candidate: Candidate,
-    config_source: str,
-    out: Path,
-    overwrite: bool,
-    dtype: DtypeChoice,
-    max_shard_size: int | str | None,
-) -> tuple[Any, ...]:
-    return (
-        candidate.kind,
-        candidate.model_dir,
-        config_source,
-        out,
-        overwrite,
-        dtype,
-        max_shard_size,
-    )
+@dataclass(frozen=True)
+class CopyTarget:
+    """What one early copy is for: a head start is taken over only by the merge of an equal
+    target."""
+
+    candidate: Candidate
+    config_source: str
+    out: Path
+    overwrite: bool
+    dtype: DtypeChoice
+    max_shard_size: int | str | None
 
 
 class EarlyCopy:
     """The early copy of one merge: planned at once, copied on a thread; `accept` or
     `discard` it."""
 
-    def __init__(
-        self,
-        candidate: Candidate,
-        config_source: str,
-        out: Path,
-        overwrite: bool,
-        dtype: DtypeChoice,
-        max_shard_size: int | str | None,
-    ) -> None:
-        self._args = (candidate, config_source, dtype, max_shard_size)
-        # what `early_copy` compares before it takes over a head start
-        self.key = _key(candidate, config_source, out, overwrite, dtype, max_shard_size)
-        self._out, self._overwrite = out, overwrite
+    def __init__(self, target: CopyTarget) -> None:
+        self.target = target
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.directory: Path | None = None  # the hidden directory, once created
@@ -274,12 +261,13 @@ class EarlyCopy:
         log.debug("early copy %s", self.outcome)
 
     def _plan(self) -> Guess | None:
-        candidate, config_source, dtype, max_shard_size = self._args
-        if candidate.kind != DCP or candidate.adapter is not None or not self._out.parent.is_dir():
+        t = self.target
+        candidate = t.candidate
+        if candidate.kind != DCP or candidate.adapter is not None or not t.out.parent.is_dir():
             self.outcome = "not a plain DCP checkpoint (or no output folder yet)"
             return None
         try:
-            guess = _guess(candidate, config_source, dtype, max_shard_size)
+            guess = _guess(candidate, t.config_source, t.dtype, t.max_shard_size)
         except Exception as exc:
             self._gave_up(exc)
             return None
@@ -296,9 +284,9 @@ class EarlyCopy:
             self._gave_up(exc)
 
     def _copy(self, guess: Guess) -> None:
-        out = self._out
+        out = self.target.out
         # the merge's own checks, before anything is created beside the output
-        check_output_path(out, self._overwrite, [self._args[0].model_dir])
+        check_output_path(out, self.target.overwrite, [self.target.candidate.model_dir])
         check_free_space(out, guess.plan.total_bytes)
         with self._lock:
             if self._stop.is_set():
@@ -465,13 +453,13 @@ def eligible(request: MergeRequest, inputs: Sequence[Candidate]) -> bool:
 _HEAD_START: list[EarlyCopy] = []
 
 
-def _take_head_start(key: tuple[Any, ...]) -> EarlyCopy | None:
+def _take_head_start(target: CopyTarget) -> EarlyCopy | None:
     """The waiting head start when it was started for the same merge, else None (a head start
     for another merge is discarded)."""
     if not _HEAD_START:
         return None
     early = _HEAD_START.pop()
-    if early.key == key:
+    if early.target == target:
         return early
     early.discard()
     return None
@@ -489,14 +477,15 @@ def early_copy(
     """An `EarlyCopy` for the block (the head start's, when it was started for this merge), or
     None when turned off; whatever it wrote and was not moved into the output is removed when
     the block ends, however it ends."""
-    early = _take_head_start(_key(candidate, config_source, out, overwrite, dtype, max_shard_size))
+    target = CopyTarget(candidate, config_source, out, overwrite, dtype, max_shard_size)
+    early = _take_head_start(target)
     if not ENABLED:
         if early is not None:
             early.discard()
         yield None
         return
     if early is None:
-        early = EarlyCopy(candidate, config_source, out, overwrite, dtype, max_shard_size)
+        early = EarlyCopy(target)
     try:
         yield early
     finally:
@@ -526,12 +515,14 @@ def _head_start_copy(
         log.debug("no head start: %s", str(exc).splitlines()[0][:200] if str(exc) else exc)
         return None
     return EarlyCopy(
-        inputs[0],
-        config_source,
-        request.output_path,
-        request.overwrite,
-        dtype,
-        request.max_shard_size,
+        CopyTarget(
+            inputs[0],
+            config_source,
+            request.output_path,
+            request.overwrite,
+            dtype,
+            request.max_shard_size,
+        )
     )
 
 
