@@ -257,6 +257,11 @@ def test_dtype_cast_while_streaming(built: Built, tmp_path: Path) -> None:
     )
     assert_same_model(built.bases["llama-fp32"], merged, dtype=torch.bfloat16)
     assert json.loads((merged / "config.json").read_text())["dtype"] == "bfloat16"
+    # the next merge in this process (the architecture is cached) keeps the stored dtype: the
+    # cast set the dtype on a copy of the config, not on the cached one
+    plain = merge_fsdp_weights(_cfg(built, "llama-fp32", out_dir), tmp_path / "p", quiet=True)
+    assert json.loads((plain / "config.json").read_text())["dtype"] == "float32"
+    assert filecmp.cmp(built.bases["llama-fp32"] / "model.safetensors", plain / "model.safetensors")
 
 
 def test_sharded_output_matches_save_pretrained(built: Built, tmp_path: Path) -> None:

@@ -377,7 +377,8 @@ def test_a_head_start_for_another_merge_is_not_used(
         with caplog.at_level(logging.DEBUG, logger="shardforge"):
             merge_fsdp_weights(cfg, out, quiet=True)
         assert started.directory is None and not overlap._HEAD_START
-    assert any(o.startswith("early copy accepted: ") for o in _outcomes(caplog))
+    outcomes = _outcomes(caplog)
+    assert any(o.startswith("early copy accepted: ") for o in outcomes), outcomes
     assert not _leftovers(out)
     assert (out / "model.safetensors").read_bytes() == (
         built.bases["llama"] / "model.safetensors"

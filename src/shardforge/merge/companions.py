@@ -3,6 +3,7 @@ config.json (dtype updated), generation_config.json, tokenizer with its chat tem
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,8 +23,10 @@ def has_tokenizer(directory: Path) -> bool:
 
 
 def write_config(config: Any, dtype: torch.dtype | None, out: Path) -> None:
-    """Save `config` with its dtype set to the output dtype."""
+    """Save `config` with its dtype set to the output dtype (a copy is changed: the caller's
+    config is shared by later merges in this process, `merge.api._architecture`)."""
     if dtype is not None:
+        config = copy.deepcopy(config)
         if hasattr(config, "dtype"):
             config.dtype = dtype
         else:  # transformers 4.x
