@@ -90,6 +90,23 @@ def test_average_lists_every_difference(tmp_path: Path) -> None:
     assert "w: torch.float32 [2, 2] in step 1 vs torch.float16 [2, 2] in step 2" in msg
 
 
+def test_a_cast_thread_reuses_its_buffers() -> None:
+    """Each cast thread keeps one input and one output buffer and takes views of them (fresh
+    blocks were kept by the allocator and grew the RSS); they grow only for a larger block."""
+    from shardforge.formats.sources import _Scratch
+
+    scratch = _Scratch()
+    inp, out = scratch.take(100, 50)
+    first_in, first_out = scratch.inp, scratch.out.data_ptr()
+    assert (len(inp), out.numel()) == (100, 50)
+    inp, out = scratch.take(80, 40)
+    assert scratch.inp is first_in and scratch.out.data_ptr() == first_out == out.data_ptr()
+    assert (len(inp), out.numel()) == (80, 40)
+    scratch.take(200, 10)
+    assert len(scratch.inp) == 200 and scratch.inp is not first_in
+    assert scratch.out.data_ptr() == first_out
+
+
 def test_casts_go_through_memory_in_parallel_blocks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -318,9 +319,31 @@ class DcpSource:
 
 
 # a cast goes through memory in blocks of about this many input bytes, several at a time
-CAST_BLOCK = 16 << 20
+CAST_BLOCK = 4 << 20
 CAST_THREADS = max(1, min(4, os.cpu_count() or 1))
 _cast_pool: ThreadPoolExecutor | None = None
+
+
+class _Scratch(threading.local):
+    """Each cast thread's input and output buffers, kept and reused block after block.
+
+    Allocating fresh blocks (16 MB then) instead cost the cast merge about 230 MB of RSS at 4 GB:
+    once glibc has freed a block that large, it raises its mmap threshold and keeps later
+    blocks in each thread's arena. Reused, a thread holds one block of each."""
+
+    def __init__(self) -> None:
+        self.inp = bytearray()
+        self.out = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, n_in: int, n_out: int) -> tuple[memoryview, torch.Tensor]:
+        if len(self.inp) < n_in:
+            self.inp = bytearray(n_in)
+        if self.out.numel() < n_out:
+            self.out = torch.empty(n_out, dtype=torch.uint8)
+        return memoryview(self.inp)[:n_in], self.out[:n_out]
+
+
+_scratch = _Scratch()
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -342,7 +365,8 @@ def cast_slab(
 ) -> None:
     """Rows [start, stop) (default: all) of a contiguous stored chunk, cast to `out_dtype`, at
     byte `dst` of `out_fd`: row blocks read, converted and written by `CAST_THREADS` threads
-    (reads, the conversion and writes release the GIL). Memory: one block per thread."""
+    (reads, the conversion and writes release the GIL). Memory: one block per thread, reused
+    (`_Scratch`)."""
     first, last = rows if rows is not None else (0, raw.size[0])
     row_in = max(1, math.prod(raw.size[1:]) * raw.dtype.itemsize)
     row_out = math.prod(raw.size[1:]) * out_dtype.itemsize
@@ -350,14 +374,14 @@ def cast_slab(
     label = str(raw.file)
 
     def one(start: int) -> int:
-        stop = min(last, start + step)
-        buf = bytearray((stop - start) * row_in)
-        if buf:
-            read_exact_into(fd, buf, raw.data_offset + start * row_in, label)
-        block = torch.frombuffer(buf, dtype=raw.dtype) if buf else torch.empty(0, dtype=raw.dtype)
-        data = tensor_bytes(block.to(out_dtype))
-        pwrite_all(out_fd, data, dst + (start - first) * row_out)
-        return data.nbytes
+        n = min(last, start + step) - start
+        inp, out = _scratch.take(n * row_in, n * row_out)
+        if not out.numel():
+            return 0
+        read_exact_into(fd, inp, raw.data_offset + start * row_in, label)
+        out.view(out_dtype).copy_(torch.frombuffer(inp, dtype=raw.dtype))
+        pwrite_all(out_fd, tensor_bytes(out), dst + (start - first) * row_out)
+        return out.numel()
 
     for written in _pool().map(one, range(first, last, step)):
         progress(written)
