@@ -52,8 +52,9 @@ from shardforge.keymap.names import adapt_names
 from shardforge.merge.plan import TensorSpec, default_max_shard_size, plan_output
 named = adapt_names(inputs[0].adapter, inputs[0].model_dir, opened, config)
 keymap, by_name = api._hf_sources(inputs[0], named, expected, sources.config)
-target = api._config_dtype(config)
-specs = [TensorSpec(n, api._output_dtype(by_name[n].dtype, target), by_name[n].shape)
+from shardforge.merge.dtypes import config_dtype, output_dtype
+target = config_dtype(config)
+specs = [TensorSpec(n, output_dtype(by_name[n].dtype, target), by_name[n].shape)
          for n in expected.saved_names]
 plan_output(specs, default_max_shard_size(), expected.total_parameters)
 marks["keys, checks, plan"] = time.perf_counter()
