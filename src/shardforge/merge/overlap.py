@@ -65,14 +65,7 @@ from shardforge.keymap.lora import has_lora
 from shardforge.layouts.steps import Candidate
 from shardforge.merge.dtypes import CONFIG_DTYPE_KEYS, config_dtype_name, dtype_choice_name
 from shardforge.merge.locate import merge_sources, pick_inputs
-from shardforge.merge.plan import (
-    FILENAME_PATTERN,
-    SAFE_WEIGHTS_NAME,
-    OutputPlan,
-    PlannedFile,
-    TensorSpec,
-    _layout_file,
-)
+from shardforge.merge.plan import OutputPlan, PlannedFile, TensorSpec, layout_files
 from shardforge.merge.publish import (
     _fresh_temp_sibling,
     check_free_space,
@@ -121,22 +114,8 @@ def natural_key(name: str) -> list[tuple[Any, ...]]:
 
 def guess_plan(specs: list[TensorSpec], max_shard_size: int | str | None) -> OutputPlan:
     """The plan `plan_output` makes for transformers 5 (its index is not needed here)."""
-    from huggingface_hub import split_state_dict_into_shards_factory
-
-    by_name = {s.name: s for s in sorted(specs, key=lambda s: natural_key(s.name))}
-    if max_shard_size is None:
-        return OutputPlan([_layout_file(SAFE_WEIGHTS_NAME, list(by_name.values()))], None)
-    split = split_state_dict_into_shards_factory(
-        by_name,
-        get_storage_size=lambda s: s.nbytes,
-        filename_pattern=FILENAME_PATTERN,
-        max_shard_size=max_shard_size,
-    )
-    files = [
-        _layout_file(fname, [by_name[n] for n in names])
-        for fname, names in split.filename_to_tensors.items()
-    ]
-    return OutputPlan(files, None)
+    ordered = {s.name: s for s in sorted(specs, key=lambda s: natural_key(s.name))}
+    return OutputPlan(layout_files(ordered, max_shard_size)[0], None)
 
 
 def _common_prefix(names: list[str]) -> str:

@@ -128,34 +128,43 @@ def save_order(names: list[str]) -> list[str]:
     return sorted(names, key=dot_natural_key)
 
 
+def layout_files(
+    ordered: dict[str, TensorSpec], max_shard_size: int | str | None
+) -> tuple[list[PlannedFile], Any]:
+    """The files holding `ordered` (name -> spec, in save order), split as `save_pretrained`
+    splits them (huggingface_hub's greedy split; None: one file), with the split (None when
+    unsplit)."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    if max_shard_size is None:
+        return [_layout_file(SAFE_WEIGHTS_NAME, list(ordered.values()))], None
+    split = split_state_dict_into_shards_factory(
+        ordered,
+        get_storage_size=lambda s: s.nbytes,
+        filename_pattern=FILENAME_PATTERN,
+        max_shard_size=max_shard_size,
+    )
+    files = [
+        _layout_file(fname, [ordered[n] for n in names])
+        for fname, names in split.filename_to_tensors.items()
+    ]
+    return files, split
+
+
 def plan_output(
     specs: list[TensorSpec], max_shard_size: int | str | None, total_parameters: int
 ) -> OutputPlan:
     """Assign every tensor its file and byte range, in `save_order`; `max_shard_size` None
     plans one file whatever its size (the single-file formats)."""
-    from huggingface_hub import split_state_dict_into_shards_factory
-
     unknown = sorted({str(s.dtype) for s in specs if dtype_name(s.dtype) not in SAFETENSORS_DTYPES})
     if unknown:
         from shardforge.errors import MergeError
 
         raise MergeError(f"dtypes {unknown} cannot be stored in safetensors")
     by_name = {s.name: s for s in specs}
-    by_name = {n: by_name[n] for n in save_order(list(by_name))}
-    if max_shard_size is None:
-        return OutputPlan([_layout_file(SAFE_WEIGHTS_NAME, list(by_name.values()))], None)
-    split = split_state_dict_into_shards_factory(
-        by_name,
-        get_storage_size=lambda s: s.nbytes,
-        filename_pattern=FILENAME_PATTERN,
-        max_shard_size=max_shard_size,
-    )
-    files = [
-        _layout_file(fname, [by_name[n] for n in names])
-        for fname, names in split.filename_to_tensors.items()
-    ]
+    files, split = layout_files({n: by_name[n] for n in save_order(list(by_name))}, max_shard_size)
     index = None
-    if split.is_sharded:
+    if split is not None and split.is_sharded:
         index = {
             "metadata": {"total_parameters": total_parameters, **split.metadata},
             "weight_map": split.tensor_to_filename,
