@@ -269,6 +269,29 @@ def test_the_early_copy_alone_then_discarded_leaves_nothing(built: Built, tmp_pa
     assert not _leftovers(out) and not out.exists()
 
 
+def test_an_early_copy_discarded_before_its_thread_runs(
+    built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planned but not started (an interrupt came first), or started with its thread never
+    running (an interrupt inside `Thread.start`): `discard` returns at once, or after its
+    bounded wait, and nothing is left."""
+    run = built.root / "ckpt" / "llama" / "hf-trainer"
+    out = tmp_path / "out"
+    target = overlap.CopyTarget(
+        resolve_checkpoint(run, None, None), str(built.bases["llama"]), out, False, "config", None
+    )
+    early = overlap.EarlyCopy(target)
+    assert early.planned is not None and not early.started
+    early.discard()
+    monkeypatch.setattr(overlap, "START_WAIT_S", 0.05)
+    never = overlap.EarlyCopy(target)
+    never.started = True  # as if `Thread.start` was interrupted before the thread existed
+    t0 = time.monotonic()
+    never.discard()
+    assert time.monotonic() - t0 < 5
+    assert not _leftovers(out) and not out.exists()
+
+
 def test_sigterm_while_starting_up_leaves_nothing(built: Built, tmp_path: Path) -> None:
     """SIGTERM once the early copy's hidden directory exists (the merge is still importing
     transformers): the command stops, nothing is left beside the output path."""

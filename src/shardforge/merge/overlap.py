@@ -85,6 +85,8 @@ Progress = Callable[[int], None]
 
 # Turned off, the merge never copies early (tests compare both ways).
 ENABLED = True
+# how long `discard` waits for a copy thread whose start was interrupted to begin
+START_WAIT_S = 5.0
 # config.json larger than this is not read by the guess (transformers reads it later anyway)
 CONFIG_JSON_LIMIT = 16 << 20
 
@@ -223,6 +225,8 @@ class EarlyCopy:
         self.guess: Guess | None = None  # set once every early byte is copied
         self.copied: dict[str, list[FileSlab]] = {}  # output name -> the slabs copied
         self.outcome = "running"
+        self.started = False  # `start` was called
+        self._began = threading.Event()  # the copy's thread runs
         # The plan is made here, on the merge's thread, before transformers is imported: it
         # takes tens of milliseconds alone, and about a second on a thread that competes with
         # the imports for the GIL (the copy itself runs in the kernel, the GIL released).
@@ -232,6 +236,13 @@ class EarlyCopy:
             self._thread = threading.Thread(
                 target=self._run, args=(guess,), name="shardforge-early", daemon=True
             )
+
+    def start(self) -> None:
+        """Start the copy (when there is a plan). Apart from `__init__`, so that whoever holds
+        this copy already holds it when the thread runs: an interrupt (SIGTERM) arriving while
+        the thread starts still finds it to `discard`."""
+        if self._thread is not None:
+            self.started = True
             self._thread.start()
 
     def _gave_up(self, exc: Exception) -> None:
@@ -257,6 +268,7 @@ class EarlyCopy:
         return guess
 
     def _run(self, guess: Guess) -> None:
+        self._began.set()
         try:
             self._copy(guess)
         except Exception as exc:
@@ -356,9 +368,13 @@ class EarlyCopy:
     def discard(self) -> None:
         """Stop the copy and remove what it wrote (safe to call at any time, more than once)."""
         with self._lock:
-            self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+            self._stop.set()  # from here on the thread creates nothing
+        if self._thread is not None and self.started:
+            # an interrupted `start` may leave the thread starting: wait until it runs (or,
+            # if it never began, a bounded while) so that it ends before its directory goes
+            self._began.wait(START_WAIT_S)
+            if self._began.is_set():
+                self._thread.join()
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             log.debug("early copy removed (%s)", self.outcome)
@@ -466,6 +482,8 @@ def early_copy(
     if early is None:
         early = EarlyCopy(target)
     try:
+        if not early.started:
+            early.start()
         yield early
     finally:
         early.discard()
@@ -520,6 +538,7 @@ def head_start(
             early = _head_start_copy(cfg, output_path, options) if ENABLED else None
             if early is not None:
                 _HEAD_START[:] = [early]
+                early.start()
             yield
         finally:
             if early is not None:
