@@ -3,7 +3,6 @@ killed with SIGKILL in the middle of a background save resumes from the last com
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import signal
@@ -12,10 +11,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
-from train_helpers import ROOT, losses, run_train, train_cmd, train_env, write_config
+from train_helpers import (
+    ROOT,
+    Run,
+    job_processes,
+    kill_all,
+    losses,
+    run_in,
+    run_train,
+    train_cmd,
+    train_env,
+    write_config,
+)
 
 from shardforge.formats.dcp.metadata import read_metadata
 from shardforge.train import checkpointing as ckpt
@@ -23,53 +32,15 @@ from shardforge.train import checkpointing as ckpt
 RTOL = 1e-6  # resumed vs uninterrupted steps, fp32 (as test_checkpointing.py)
 
 
-class Run:
-    def __init__(self, out: Path, stderr: str) -> None:
-        self.out, self.stderr = out, stderr
-
-
-def _run(root: Path, cfg: dict[str, Any]) -> Run:
-    out = root / "out"
-    proc = run_train(write_config(root / "cfg.yml", {**cfg, "output_dir": str(out)}), nproc=2)
-    return Run(out, proc.stderr)
-
-
 @pytest.fixture(scope="module")
 def sync_run(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
     """2 ranks, 6 steps, a (synchronous) checkpoint every 2 steps."""
-    return _run(tmp_path_factory.mktemp("sync"), base_cfg)
+    return run_in(tmp_path_factory.mktemp("sync"), base_cfg)
 
 
 @pytest.fixture(scope="module")
 def async_run(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return _run(tmp_path_factory.mktemp("async"), {**base_cfg, "async_save": True})
-
-
-def _command(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline())
-    except psutil.Error:  # exited meanwhile
-        return ""
-
-
-def _job_processes(job: subprocess.Popen[bytes], config: Path, ranks: int) -> list[psutil.Process]:
-    """The launcher, torchrun and its `ranks` rank processes, once they all run."""
-    deadline = time.monotonic() + 240
-    while True:
-        procs = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
-        if sum(str(config) in _command(p) for p in procs) >= ranks + 2:
-            return procs
-        assert job.poll() is None and time.monotonic() < deadline, "the ranks did not start"
-        time.sleep(0.05)
-
-
-def _kill_all(job: subprocess.Popen[bytes], procs: list[psutil.Process]) -> None:
-    """SIGKILL every process of the job at once (no chance to clean up)."""
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    job.wait(timeout=30)
-    psutil.wait_procs(procs[1:], timeout=30)
+    return run_in(tmp_path_factory.mktemp("async"), {**base_cfg, "async_save": True})
 
 
 def _layout(directory: Path) -> dict[str, Any]:
@@ -142,14 +113,14 @@ def test_kill_9_during_an_async_save_resumes_from_the_last_complete_checkpoint(
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    procs = _job_processes(job, config, ranks=2)
+    procs = job_processes(job, config, ranks=2)
     saving = out / "checkpoint-4.tmp"
     deadline = time.monotonic() + 240
     while not all((saving / f"rng_state_{rank}.pt").exists() for rank in (0, 1)):
         assert job.poll() is None, "training ended before the save of step 4"
         assert time.monotonic() < deadline, "timed out waiting for the save of step 4"
         time.sleep(0.001)
-    _kill_all(job, procs)  # kill -9 of the launcher, torchrun and every rank
+    kill_all(job, procs)  # kill -9 of the launcher, torchrun and every rank
     assert job.returncode == -signal.SIGKILL
     assert saving.is_dir() and not (out / "checkpoint-4").exists()
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
@@ -16,10 +15,19 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
-from train_helpers import ROOT, losses, read_metrics, run_train, train_cmd, train_env, write_config
+from train_helpers import (
+    ROOT,
+    job_processes,
+    kill_all,
+    losses,
+    read_metrics,
+    run_train,
+    train_cmd,
+    train_env,
+    write_config,
+)
 
 from shardforge.errors import CheckpointError
 from shardforge.train import checkpointing as ckpt
@@ -170,34 +178,6 @@ def test_complete_checkpoints_resolve_and_prune(tmp_path: Path) -> None:
     assert (tmp_path / "checkpoint-12.tmp").exists()  # junk is never pruned as a checkpoint
 
 
-def _command(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline())
-    except psutil.Error:  # exited meanwhile (a helper process of the launcher)
-        return ""
-
-
-def _job_processes(job: subprocess.Popen[bytes], config: Path, ranks: int) -> list[psutil.Process]:
-    """The launcher, torchrun and its `ranks` rank processes (all name `config`), once they
-    all run."""
-    deadline = time.monotonic() + 240
-    while True:
-        procs = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
-        if sum(str(config) in _command(p) for p in procs) >= ranks + 2:
-            return procs
-        assert job.poll() is None and time.monotonic() < deadline, "the ranks did not start"
-        time.sleep(0.05)
-
-
-def _kill_all(job: subprocess.Popen[bytes], procs: list[psutil.Process]) -> None:
-    """SIGKILL every process of the job at once (no chance to clean up)."""
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    job.wait(timeout=30)
-    psutil.wait_procs(procs[1:], timeout=30)
-
-
 def test_kill_9_during_save_resumes_from_the_last_complete_checkpoint(
     reference: Path, base_cfg: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -217,14 +197,14 @@ def test_kill_9_during_save_resumes_from_the_last_complete_checkpoint(
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    procs = _job_processes(job, config, ranks=2)
+    procs = job_processes(job, config, ranks=2)
     saving = out / "checkpoint-4.tmp"
     deadline = time.monotonic() + 240
     while not saving.exists():
         assert job.poll() is None, "training ended before the save of step 4"
         assert time.monotonic() < deadline, "timed out waiting for the save of step 4"
         time.sleep(0.001)
-    _kill_all(job, procs)  # kill -9 of the launcher, torchrun and every rank
+    kill_all(job, procs)  # kill -9 of the launcher, torchrun and every rank
     assert job.returncode == -signal.SIGKILL
     assert saving.is_dir()
     assert not (out / "checkpoint-4").exists()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from train_helpers import losses, read_metrics, run_train, write_config
+from train_helpers import Run, losses, read_metrics, run_in, write_config
 
 from shardforge.train import checkpointing as ckpt
 
@@ -24,28 +24,17 @@ LORA = {
 }
 
 
-class Run:
-    def __init__(self, out: Path, stderr: str) -> None:
-        self.out, self.stderr = out, stderr
-
-
-def _run(root: Path, cfg: dict[str, Any]) -> Run:
-    out = root / "out"
-    proc = run_train(write_config(root / "cfg.yml", {**cfg, "output_dir": str(out)}), nproc=2)
-    return Run(out, proc.stderr)
-
-
 @pytest.fixture(scope="module")
 def plain(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
     """2 ranks, 6 steps, a checkpoint every 2 steps, no merging."""
-    return _run(tmp_path_factory.mktemp("plain"), base_cfg)
+    return run_in(tmp_path_factory.mktemp("plain"), base_cfg)
 
 
 @pytest.fixture(scope="module")
 def merging(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
     """The same with merge_on_save: true and save_total_limit: 2."""
     cfg = {**base_cfg, "merge_on_save": True, "save_total_limit": 2}
-    return _run(tmp_path_factory.mktemp("merging"), cfg)
+    return run_in(tmp_path_factory.mktemp("merging"), cfg)
 
 
 def _dcp_weights(base_model: str, checkpoint: Path) -> dict[str, torch.Tensor]:

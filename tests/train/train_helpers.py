@@ -5,13 +5,17 @@ Imported by name (`from train_helpers import ...`); the name is unique across th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 from shardforge.testing.tiny import make_model, tiny_conversations, tiny_texts, write_jsonl
@@ -90,3 +94,45 @@ def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
 
 def losses(output_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(output_dir)}
+
+
+class Run:
+    """A finished `shardforge train` run: its output directory and what it printed."""
+
+    def __init__(self, out: Path, stderr: str) -> None:
+        self.out, self.stderr = out, stderr
+
+
+def run_in(root: Path, cfg: dict[str, Any]) -> Run:
+    """Train `cfg` on 2 ranks with its output in `root`/out (config at `root`/cfg.yml)."""
+    out = root / "out"
+    proc = run_train(write_config(root / "cfg.yml", {**cfg, "output_dir": str(out)}), nproc=2)
+    return Run(out, proc.stderr)
+
+
+def _command(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # exited meanwhile (a helper process of the launcher)
+        return ""
+
+
+def job_processes(job: subprocess.Popen[bytes], config: Path, ranks: int) -> list[psutil.Process]:
+    """The launcher, torchrun and its `ranks` rank processes (all name `config`), once they
+    all run."""
+    deadline = time.monotonic() + 240
+    while True:
+        procs = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
+        if sum(str(config) in _command(p) for p in procs) >= ranks + 2:
+            return procs
+        assert job.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.05)
+
+
+def kill_all(job: subprocess.Popen[bytes], procs: list[psutil.Process]) -> None:
+    """SIGKILL every process of the job at once (no chance to clean up)."""
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    job.wait(timeout=30)
+    psutil.wait_procs(procs[1:], timeout=30)
