@@ -54,7 +54,7 @@ from shardforge.merge.dtypes import (
     parse_dtype,
     progress,
 )
-from shardforge.merge.locate import Located, MergeSources, label, locate
+from shardforge.merge.locate import Located, MergeSources, checkpoint_root, label, locate
 from shardforge.merge.lora_checkpoint import adapter_sources, open_lora
 from shardforge.merge.overlap import EarlyCopy, early_copy, eligible, finish_plan
 from shardforge.merge.plan import (
@@ -482,7 +482,7 @@ def _merge_steps(config: ShardforgeConfig, request: MergeRequest) -> Path:
     architecture is built once; every step's output is checked before the first is written)."""
     from dataclasses import replace
 
-    root = request.checkpoint if request.checkpoint is not None else config.output_dir
+    root = checkpoint_root(config, request)
     found = {c.step: c for c in list_checkpoints(root, request.state_dict_dirname)}
     wanted = list(request.steps) or sorted(found)
     missing = [s for s in wanted if s not in found]
@@ -636,7 +636,7 @@ def run_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
         check(out, request.overwrite, [])  # fail fast, before reading anything
     removal = None
     if request.remove_checkpoint_dir:  # refused here, before the merge reads or writes
-        root = request.checkpoint if request.checkpoint is not None else config.output_dir
+        root = checkpoint_root(config, request)
         found = resolve_checkpoint(root, request.step, request.state_dict_dirname)
         removal = plan_removal(found, root)
     located = locate(config, request)

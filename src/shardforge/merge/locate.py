@@ -88,11 +88,15 @@ def pick_inputs(root: str | Path, request: MergeRequest) -> list[Candidate]:
     return [by_step[s] for s in average_steps]
 
 
+def checkpoint_root(cfg: ShardforgeConfig, request: MergeRequest) -> str | Path:
+    """Where the merge looks for checkpoints: `--checkpoint`, else the run's output_dir."""
+    return request.checkpoint if request.checkpoint is not None else cfg.output_dir
+
+
 def locate(cfg: ShardforgeConfig, request: MergeRequest) -> Located:
     """The checkpoint(s) to read and where config and tokenizer come from (no transformers
     needed yet)."""
-    root = request.checkpoint if request.checkpoint is not None else cfg.output_dir
-    inputs = pick_inputs(root, request)
+    inputs = pick_inputs(checkpoint_root(cfg, request), request)
     for c in inputs:
         where = f" (step {c.step})" if 0 <= c.step < LAST else ""
         log.info("checkpoint: %s [%s layout, %s]%s", c.model_dir, c.layout, c.kind, where)

@@ -64,7 +64,7 @@ from shardforge.keymap.keys import clean_name, is_optimizer_key, looks_like_torc
 from shardforge.keymap.lora import has_lora
 from shardforge.layouts.steps import Candidate
 from shardforge.merge.dtypes import CONFIG_DTYPE_KEYS, config_dtype_name, dtype_choice_name
-from shardforge.merge.locate import merge_sources, pick_inputs
+from shardforge.merge.locate import checkpoint_root, merge_sources, pick_inputs
 from shardforge.merge.plan import OutputPlan, PlannedFile, TensorSpec, layout_files
 from shardforge.merge.publish import (
     _fresh_temp_sibling,
@@ -496,14 +496,11 @@ def _head_start_copy(
     early or anything is amiss (the merge itself then finds and reports it)."""
     try:
         values = {k: v for k, v in options.items() if k in OPTION_NAMES and k != "output_path"}
-        for key in ("average_steps", "steps"):
-            values[key] = tuple(values.get(key) or ())
         out = Path(output_path) if output_path is not None else None
         request = MergeRequest(output_path=out, **values)
         if request.per_step or request.distributed:
             return None
-        root = request.checkpoint if request.checkpoint is not None else cfg.output_dir
-        inputs = pick_inputs(root, request)
+        inputs = pick_inputs(checkpoint_root(cfg, request), request)
         if not eligible(request, inputs) or request.output_path is None:
             return None
         config_source = merge_sources(cfg, inputs).config
