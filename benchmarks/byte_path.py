@@ -87,7 +87,7 @@ def plan_jobs(
 
 def copy_one(src: str, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
     """One job, with the merge's own file-to-file copy (`copy_range`)."""
-    from shardforge.formats.dcp.chunks import copy_range
+    from shardforge.io.copy import copy_range
 
     fd = os.open(src, os.O_RDONLY)
     try:

@@ -32,6 +32,9 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+# the test helpers (tiny models, CPU ranks) live in tests/helpers/, outside the package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
 # the merge benchmark's helpers (this directory is on sys.path when the script runs)
 from merge_bench import evict, human, parse_size, run_one, warm
 
@@ -61,7 +64,7 @@ def make_inputs(root: Path, size_bytes: int, rank: int) -> tuple[Path, Path]:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from shardforge.testing.tiny import make_model
+    from helpers.tiny import make_model
 
     base, adapter = root / "base", root / "adapter"
     ready = [base / "config.json", adapter / "adapter_config.json", root / "run" / "checkpoint-1"]

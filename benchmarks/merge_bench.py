@@ -50,6 +50,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# the test helpers (tiny models, CPU ranks) live in tests/helpers/, outside the package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
 UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 PART_BYTES = 1 << 30  # tensors written per dcp.save call, per part (bounds the generator's memory)
@@ -160,9 +163,9 @@ def make_checkpoint(root: Path, size_bytes: int, dtype: str, ranks: int) -> tupl
     """Write base config + tokenizer and `checkpoint-1/pytorch_model_fsdp_0/`; return (cfg, dcp)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from helpers.dist import run_on_ranks
+    from helpers.tiny import make_tokenizer
     from shardforge.io.unpickler import load_metadata_pickle
-    from shardforge.testing.dist import run_on_ranks
-    from shardforge.testing.tiny import make_tokenizer
 
     cfg = llama_config_for(size_bytes, dtype)
     base = root / "base"

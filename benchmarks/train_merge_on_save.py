@@ -38,11 +38,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+# the test helpers (tiny models, CPU ranks) live in tests/helpers/, outside the package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
 VARIANTS = {"off": False, "every": True, "final": "final"}
 
 
 def make_inputs(root: Path, layers: int, hidden: int) -> tuple[Path, Path]:
-    from shardforge.testing.tiny import make_model, tiny_texts, write_jsonl
+    from helpers.tiny import make_model, tiny_texts, write_jsonl
 
     base = root / "base"
     if not (base / "config.json").exists():

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.dist import run_on_ranks
+from helpers.tiny import make_model
 from shardforge.errors import CheckpointError
 from shardforge.inspection import inspect_checkpoint, inspect_path_or_config
 from shardforge.io.unpickler import load_metadata_pickle
-from shardforge.testing.dist import run_on_ranks
-from shardforge.testing.tiny import make_model
 
 WORLD = 3
 OURS_STEPS = (2, 4)

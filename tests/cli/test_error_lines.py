@@ -20,9 +20,9 @@ import torch
 import yaml
 from click.testing import CliRunner
 
+from helpers.tiny import make_model
 from shardforge.cli.main import cli
 from shardforge.errors import MAX_DETAILS, MAX_LINE, format_error, shorten_path
-from shardforge.testing.tiny import make_model
 
 CMD = "merge-sharded-fsdp-weights"
 # a deep folder: every absolute path below it is over 200 characters
@@ -197,7 +197,7 @@ DRIVER = """
 import io, json, os, subprocess, sys
 from contextlib import redirect_stderr
 from pathlib import Path
-from shardforge.merge.publish import atomic_directory
+from shardforge.io.publish import atomic_directory
 from shardforge.cli._common import run_guarded
 full, ro = sys.argv[1:3]
 # a 64 KiB file system and a read-only view of a folder, only in this mount namespace

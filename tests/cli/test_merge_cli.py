@@ -19,8 +19,8 @@ import torch
 import yaml
 from click.testing import CliRunner
 
+from helpers.tiny import make_model
 from shardforge.cli.main import cli
-from shardforge.testing.tiny import make_model
 
 CMD = "merge-sharded-fsdp-weights"
 

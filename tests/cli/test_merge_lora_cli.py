@@ -18,8 +18,8 @@ import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from helpers.tiny import make_model
 from shardforge.cli.main import cli
-from shardforge.testing.tiny import make_model
 
 CMD = "merge-lora"
 

@@ -93,7 +93,7 @@ def test_sharded_directory_through_the_index(tmp_path: Path) -> None:
 
 
 def test_save_pretrained_directory(tmp_path: Path) -> None:
-    from shardforge.testing.tiny import make_model
+    from helpers.tiny import make_model
 
     model_dir = make_model(tmp_path / "m", "qwen2", with_tokenizer=False)
     want = load_file(str(model_dir / "model.safetensors"))

@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 
 from shardforge.errors import CheckpointError
-from shardforge.formats.dcp.chunks import copy_range
-from shardforge.io.copy import CopyJob, copy_jobs, copy_threads, prefetch
+from shardforge.io.copy import CopyJob, copy_jobs, copy_range, copy_threads, prefetch
 
 
 def _files(tmp_path: Path, n: int, size: int) -> list[Path]:

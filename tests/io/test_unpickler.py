@@ -334,7 +334,7 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from transformers import AutoModelForCausalLM
 
-    from shardforge.testing.tiny import make_model
+    from helpers.tiny import make_model
 
     root = tmp_path_factory.mktemp("corpus")
     base = make_model(root / "base", "llama", vocab_size=320)

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.tiny import make_model
 from shardforge.errors import CheckpointError
 from shardforge.keymap.lora import (
     LoraSettings,
     split_adapter_names,
     split_model_names,
 )
-from shardforge.testing.tiny import make_model
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.dist import run_on_ranks
+from helpers.tiny import make_model
 from shardforge.merge.api import merge_fsdp_weights
-from shardforge.testing.dist import run_on_ranks
-from shardforge.testing.tiny import make_model
 
 # hidden 70 (not divisible by 3), vocab 331 and intermediate 101 (divisible by neither 2 nor 3)
 SHAPES: dict[str, Any] = {

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.tiny import make_config
 from shardforge.errors import MergeError
 from shardforge.formats.dcp.metadata import TensorEntry
 from shardforge.merge.check import build_expected, check_against, clean_architectures
-from shardforge.testing.tiny import make_config
 
 
 def test_tied_weights_are_stored_once() -> None:

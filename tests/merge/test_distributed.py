@@ -46,8 +46,8 @@ def titan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(base model, torchtitan checkpoint root) as test_merge_sources writes them."""
     from test_merge_sources import SHAPES, WORLD_SIZE, save_layouts
 
-    from shardforge.testing.dist import run_on_ranks
-    from shardforge.testing.tiny import make_model
+    from helpers.dist import run_on_ranks
+    from helpers.tiny import make_model
 
     root = tmp_path_factory.mktemp("titan")
     base = make_model(root / "base", "llama", seed=3, **SHAPES)

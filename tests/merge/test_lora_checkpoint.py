@@ -16,10 +16,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from helpers.dist import run_on_ranks
+from helpers.tiny import make_model, tiny_texts, write_jsonl
 from shardforge.config import load_cfg
 from shardforge.merge.api import merge_fsdp_weights
-from shardforge.testing.dist import run_on_ranks
-from shardforge.testing.tiny import make_model, tiny_texts, write_jsonl
 
 LORA = {
     "adapter": "lora",

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardforge.testing.dist import run_on_ranks
-from shardforge.testing.tiny import make_config, make_tokenizer
+from helpers.dist import run_on_ranks
+from helpers.tiny import make_config, make_tokenizer
 
 # about 155M parameters, fp32: embeddings and lm_head 32000 x 1024, 8 decoder layers
 BIG: dict[str, int] = {

@@ -19,11 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers.tiny import make_model
 from shardforge.errors import CheckpointError, MergeError
 from shardforge.formats.safetensors_dir import SafetensorsSource
 from shardforge.formats.sources import FusedLoraSource
 from shardforge.merge.lora import merge_lora
-from shardforge.testing.tiny import make_model
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 65, 129, 200]])
 

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.dist import run_on_ranks
+from helpers.tiny import make_model
 from shardforge.errors import CheckpointError, MergeError, ShardforgeError
 from shardforge.merge.api import merge_fsdp_weights
-from shardforge.testing.dist import run_on_ranks
-from shardforge.testing.tiny import make_model
 
 WORLD_SIZE = 2
 # uneven shards over 2 ranks (vocab 331, intermediate 101)

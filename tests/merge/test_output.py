@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from shardforge.errors import MergeError
-from shardforge.merge.publish import atomic_directory, check_free_space, check_output_path
+from shardforge.io.publish import atomic_directory, check_free_space, check_output_path
 
 
 def test_success_renames_the_temporary_directory(tmp_path: Path) -> None:

@@ -26,12 +26,12 @@ from typing import Any
 import pytest
 import yaml
 
+from helpers.dist import run_on_ranks
+from helpers.tiny import make_model
 from shardforge.errors import CheckpointError, MergeError
 from shardforge.layouts.steps import resolve_checkpoint
 from shardforge.merge import overlap
 from shardforge.merge.api import merge_fsdp_weights
-from shardforge.testing.dist import run_on_ranks
-from shardforge.testing.tiny import make_model
 
 SHAPES: dict[str, Any] = {
     "vocab_size": 331,

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.tiny import make_model
 from shardforge.errors import CheckpointError
 from shardforge.keymap.keys import check_tied_copies, stored_once, tied_pairs
 from shardforge.merge.api import merge_fsdp_weights
 from shardforge.merge.check import build_expected, load_config
-from shardforge.testing.tiny import make_model
 
 TARGET, SOURCE = "lm_head.weight", "model.embed_tokens.weight"
 

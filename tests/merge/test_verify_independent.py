@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.dist import run_on_ranks
 from shardforge.errors import MergeError
 from shardforge.formats.dcp.metadata import read_metadata
 from shardforge.formats.sources import (
@@ -25,7 +26,6 @@ from shardforge.merge.plan import TensorSpec, plan_output
 from shardforge.merge.sinks.hf_dir import write_plan
 from shardforge.merge.sinks.torch_file import verify_torch_file, write_torch_file
 from shardforge.merge.verify import verify_output
-from shardforge.testing.dist import run_on_ranks
 
 
 def _full(seed: int) -> dict[str, torch.Tensor]:

@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 from train_helpers import ROOT, train_env
 
-from shardforge.testing.dist import run_on_ranks
-from shardforge.testing.tiny import make_model, tiny_conversations, tiny_texts, write_jsonl
+from helpers.dist import run_on_ranks
+from helpers.tiny import make_model, tiny_conversations, tiny_texts, write_jsonl
 
 CORPUS = ROOT / "tests" / "config" / "axolotl_corpus"
 

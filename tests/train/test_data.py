@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from helpers.tiny import make_tokenizer, tiny_conversations
 from shardforge.config import validate_cfg
 from shardforge.config.schema import DatasetConfig
 from shardforge.errors import ConfigError
-from shardforge.testing.tiny import make_tokenizer, tiny_conversations
 from shardforge.train.data import (
     IGNORE_INDEX,
     GlobalOrder,
@@ -92,7 +92,7 @@ def test_rank_slices_cover_the_global_batch_exactly(world: int, micro: int, accu
 
 
 def test_build_sequences_is_deterministic(tmp_path: Path) -> None:
-    from shardforge.testing.tiny import make_model, tiny_texts, write_jsonl
+    from helpers.tiny import make_model, tiny_texts, write_jsonl
 
     base = make_model(tmp_path / "base")
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in tiny_texts(20)])

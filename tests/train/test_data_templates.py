@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
+from helpers.tiny import CHAT_TEMPLATE, make_tokenizer
 from shardforge.config import load_cfg
 from shardforge.config.chat_templates import (
     CHAT_TEMPLATE_NAMES,
@@ -17,7 +18,6 @@ from shardforge.config.chat_templates import (
 )
 from shardforge.config.schema import DatasetConfig
 from shardforge.errors import ConfigError
-from shardforge.testing.tiny import CHAT_TEMPLATE, make_tokenizer
 from shardforge.train.data import IGNORE_INDEX, TokenizeOptions, load_tokenizer, tokenize_row
 
 ROOT = Path(__file__).resolve().parents[2]

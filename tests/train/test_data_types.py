@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
+from helpers.tiny import make_tokenizer, write_jsonl
 from shardforge.config import validate_cfg
 from shardforge.config.chat_templates import CHAT_TEMPLATES
 from shardforge.config.schema import DatasetConfig
 from shardforge.errors import ConfigError
-from shardforge.testing.tiny import make_tokenizer, write_jsonl
 from shardforge.train.data import (
     IGNORE_INDEX,
     Sample,

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from train_helpers import read_metrics, run_train, write_config
 
+from helpers.tiny import make_tokenizer, tiny_texts, write_jsonl
 from shardforge.config import validate_cfg
 from shardforge.errors import ConfigError
-from shardforge.testing.tiny import make_tokenizer, tiny_texts, write_jsonl
 from shardforge.train.eval import build_datasets, eval_interval, held_out
 from shardforge.train.preflight import preflight
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 from train_helpers import losses, read_metrics, run_train, write_config
 
+from helpers.tiny import make_model
 from shardforge.formats.dcp.metadata import read_metadata
-from shardforge.testing.tiny import make_model
 
 RTOL = 1e-6  # 1 vs 2 ranks, resumed vs uninterrupted, fp32 (see test_loop.py)
 

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.dist import run_on_ranks
+from helpers.tiny import make_model
 from shardforge.config import validate_cfg
 from shardforge.errors import ConfigError
-from shardforge.testing.dist import run_on_ranks
-from shardforge.testing.tiny import make_model
 from shardforge.train.data import Sequences
 from shardforge.train.model import (
     build_meta_model,

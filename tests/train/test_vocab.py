@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.tiny import make_config, make_model, make_tokenizer
 from shardforge.config import validate_cfg
 from shardforge.errors import ConfigError
-from shardforge.testing.tiny import make_config, make_model, make_tokenizer
 from shardforge.train.loop import run_training
 from shardforge.train.model import build_meta_model, read_full_state_dict
 from shardforge.train.vocab import add_config_tokens, grow_vocab_size, mean_rows

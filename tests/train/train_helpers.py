@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import yaml
 
-from shardforge.testing.tiny import make_model, tiny_conversations, tiny_texts, write_jsonl
+from helpers.tiny import make_model, tiny_conversations, tiny_texts, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 

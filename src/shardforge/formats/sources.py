@@ -28,17 +28,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from shardforge.errors import MergeError
-from shardforge.formats.dcp.chunks import (
-    ChunkReader,
-    FileSlab,
-    chunk_slices,
-    copy_range,
-    entry_slabs,
-    pwrite_all,
-    tensor_bytes,
-)
+from shardforge.formats.dcp.chunks import ChunkReader, chunk_slices, entry_slabs
 from shardforge.formats.dcp.metadata import Chunk, TensorEntry
 from shardforge.formats.dcp.records import RawChunk
+from shardforge.io.copy import FileSlab, copy_range, pwrite_all, tensor_bytes
 from shardforge.io.files import read_exact_into
 
 Progress = Callable[[int], None]

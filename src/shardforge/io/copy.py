@@ -14,15 +14,23 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from shardforge.errors import CheckpointError
 from shardforge.io.files import open_regular
 
+if TYPE_CHECKING:
+    import torch
+
 MAX_COPY_THREADS = 4
+# one copy_file_range call (or one bounded read + write where it is unsupported) moves at most this
+COPY_BLOCK = 64 << 20
 # Never prefetch more than this share of the memory the kernel reports as available.
 PREFETCH_SHARE_OF_AVAILABLE = 0.5
 
@@ -36,6 +44,49 @@ class CopyJob:
     dst_fd: int
     dst_offset: int
     nbytes: int
+
+
+@dataclass(frozen=True)
+class FileSlab:
+    """`nbytes` bytes at `src_offset` of `path` are the tensor's bytes from `dst_offset` on."""
+
+    path: Path
+    src_offset: int
+    nbytes: int
+    dst_offset: int
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes in C order (little-endian on the supported platforms)."""
+    import torch
+
+    flat = t.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    view = data.cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
+    """Copy bytes file to file, in the kernel where possible."""
+    while count > 0:
+        try:
+            n = os.copy_file_range(src, dst, min(count, COPY_BLOCK), src_off, dst_off)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            n = 0
+        if n == 0:  # unsupported here (or EOF): copy through a bounded buffer
+            data = os.pread(src, min(count, COPY_BLOCK), src_off)
+            if not data:
+                raise CheckpointError("unexpected end of a data file while copying")
+            pwrite_all(dst, memoryview(data), dst_off)
+            n = len(data)
+        src_off, dst_off, count = src_off + n, dst_off + n, count - n
 
 
 def available_memory() -> int:

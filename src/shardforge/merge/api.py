@@ -30,6 +30,14 @@ from shardforge.errors import MergeError, ShardforgeError
 from shardforge.formats.dcp.chunks import ChunkReader
 from shardforge.formats.registry import DCP, NamedSource, open_checkpoint
 from shardforge.formats.sources import DcpSource, FusedLoraSource, TensorSource, average
+from shardforge.io.publish import (
+    atomic_directory,
+    atomic_file,
+    check_free_space,
+    check_output_file,
+    check_output_path,
+    sigterm_as_interrupt,
+)
 from shardforge.keymap.keys import KeyMap, check_tied_copies, is_optimizer_key, map_keys
 from shardforge.keymap.lora import has_lora
 from shardforge.keymap.names import adapt_names
@@ -65,14 +73,6 @@ from shardforge.merge.plan import (
     plan_output,
 )
 from shardforge.merge.plan_report import describe_plan
-from shardforge.merge.publish import (
-    atomic_directory,
-    atomic_file,
-    check_free_space,
-    check_output_file,
-    check_output_path,
-    sigterm_as_interrupt,
-)
 from shardforge.merge.remove import RemovalPlan, plan_removal, remove_shards
 from shardforge.merge.request import OUTPUT_FORMATS, Engine, MergeRequest
 from shardforge.merge.sinks.hf_dir import write_index, write_plan

@@ -24,8 +24,9 @@ from typing import Any
 import torch.distributed as dist
 
 from shardforge.errors import MergeError
-from shardforge.formats.dcp.chunks import ChunkReader, copy_range, pwrite_all
+from shardforge.formats.dcp.chunks import ChunkReader
 from shardforge.formats.sources import TensorSource
+from shardforge.io.copy import copy_range, pwrite_all
 from shardforge.merge.plan import OutputPlan, PlannedFile, PlannedTensor
 
 log = logging.getLogger("shardforge")

@@ -43,6 +43,12 @@ from shardforge.formats.safetensors_dir import (
 from shardforge.formats.sources import FusedLoraSource, TensorSource
 from shardforge.io.copy import prefetch
 from shardforge.io.files import open_regular, read_exact_into
+from shardforge.io.publish import (
+    atomic_directory,
+    check_free_space,
+    check_output_path,
+    sigterm_as_interrupt,
+)
 from shardforge.keymap.keys import check_tied_copies, same_tensor
 from shardforge.keymap.lora import LoraNames, LoraSettings, split_adapter_names
 from shardforge.merge.check import ExpectedModel, build_expected, check_against
@@ -61,12 +67,6 @@ from shardforge.merge.dtypes import (
     progress,
 )
 from shardforge.merge.plan import OutputPlan, TensorSpec, default_max_shard_size, plan_output
-from shardforge.merge.publish import (
-    atomic_directory,
-    check_free_space,
-    check_output_path,
-    sigterm_as_interrupt,
-)
 from shardforge.merge.sinks.hf_dir import write_plan
 from shardforge.merge.verify import verify_output
 

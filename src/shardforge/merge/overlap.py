@@ -48,30 +48,24 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from shardforge.config.schema import ShardforgeConfig
-from shardforge.formats.dcp.chunks import (
-    ChunkReader,
-    FileSlab,
-    copy_range,
-    entry_slabs,
-    pwrite_all,
-)
+from shardforge.formats.dcp.chunks import ChunkReader, entry_slabs
 from shardforge.formats.dcp.metadata import TensorEntry, read_metadata
 from shardforge.formats.kinds import DCP
-from shardforge.io.copy import CopyJob, copy_jobs
+from shardforge.io.copy import CopyJob, FileSlab, copy_jobs, copy_range, pwrite_all
 from shardforge.io.dtypes import DTYPE_NAMES, dtype_name, lookup_dtype
 from shardforge.io.fs import preallocate
+from shardforge.io.publish import (
+    _fresh_temp_sibling,
+    check_free_space,
+    check_output_path,
+    sigterm_as_interrupt,
+)
 from shardforge.keymap.keys import clean_name, is_optimizer_key, looks_like_torchtitan
 from shardforge.keymap.lora import has_lora
 from shardforge.layouts.steps import Candidate
 from shardforge.merge.dtypes import CONFIG_DTYPE_KEYS, config_dtype_name, dtype_choice_name
 from shardforge.merge.locate import checkpoint_root, merge_sources, pick_inputs
 from shardforge.merge.plan import OutputPlan, PlannedFile, TensorSpec, layout_files
-from shardforge.merge.publish import (
-    _fresh_temp_sibling,
-    check_free_space,
-    check_output_path,
-    sigterm_as_interrupt,
-)
 from shardforge.merge.request import OPTION_NAMES, MergeRequest
 
 if TYPE_CHECKING:

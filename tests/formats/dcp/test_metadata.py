@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.dist import run_on_ranks
 from shardforge.errors import CheckpointError
 from shardforge.formats.dcp.chunks import ChunkReader
 from shardforge.formats.dcp.metadata import Chunk, read_metadata
 from shardforge.formats.sources import DcpSource
 from shardforge.merge.plan import TensorSpec, plan_output
 from shardforge.merge.sinks.hf_dir import write_plan
-from shardforge.testing.dist import run_on_ranks
 
 
 def originals() -> dict[str, torch.Tensor]:

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from shardforge.testing.dist import run_on_ranks
-from shardforge.testing.tiny import make_model
+from helpers.dist import run_on_ranks
+from helpers.tiny import make_model
 
 # hidden 70 (not divisible by 3 or 4), vocab 331 and intermediate 101 (divisible by neither 2
 # nor 3): uneven shards, and empty-free but short last chunks

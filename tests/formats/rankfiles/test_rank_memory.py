@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardforge.testing.dist import run_on_ranks
-from shardforge.testing.tiny import make_config
+from helpers.dist import run_on_ranks
+from helpers.tiny import make_config
 
 # about 66M parameters, fp32; the largest tensors (embeddings, lm_head) are 32000 x 512
 BIG = {

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.tiny import make_model
 from shardforge.errors import CheckpointError, ShardforgeError
 from shardforge.keymap.titan import ADAPTERS, get_adapter, is_model_key
-from shardforge.testing.tiny import make_model
 
 # Reference inverse tables written independently of the product's (HF -> torchtitan).
 _HF_TO_TITAN_OLD = {

@@ -8,16 +8,13 @@ memory. Peak memory is therefore about one tensor, whatever the model size.
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardforge.errors import CheckpointError
 from shardforge.formats.dcp.metadata import Chunk, TensorEntry
 from shardforge.formats.dcp.records import (
     ParsedRecord,
@@ -26,26 +23,16 @@ from shardforge.formats.dcp.records import (
     parse_record,
     read_chunk,
 )
+from shardforge.io.copy import FileSlab
 from shardforge.io.dtypes import dtype_name
 from shardforge.io.files import open_regular, read_exact_into
 
 if TYPE_CHECKING:
     import torch
 
-COPY_BLOCK = 64 << 20
 MAX_OPEN_FILES = 64
 
 Progress = Callable[[int], None]
-
-
-@dataclass(frozen=True)
-class FileSlab:
-    """`nbytes` bytes at `src_offset` of `path` are the tensor's bytes from `dst_offset` on."""
-
-    path: Path
-    src_offset: int
-    nbytes: int
-    dst_offset: int
 
 
 class ChunkReader:
@@ -155,36 +142,3 @@ def check_records(tensors: Iterable[TensorEntry]) -> None:
 
 def chunk_slices(c: Chunk) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes in C order (little-endian on the supported platforms)."""
-    import torch
-
-    flat = t.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
-
-
-def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    view = data.cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
-    """Copy bytes file to file, in the kernel where possible."""
-    while count > 0:
-        try:
-            n = os.copy_file_range(src, dst, min(count, COPY_BLOCK), src_off, dst_off)
-        except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                raise
-            n = 0
-        if n == 0:  # unsupported here (or EOF): copy through a bounded buffer
-            data = os.pread(src, min(count, COPY_BLOCK), src_off)
-            if not data:
-                raise CheckpointError("unexpected end of a data file while copying")
-            pwrite_all(dst, memoryview(data), dst_off)
-            n = len(data)
-        src_off, dst_off, count = src_off + n, dst_off + n, count - n

@@ -14,9 +14,9 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from shardforge.formats.dcp.chunks import ChunkReader, copy_range, pwrite_all
+from shardforge.formats.dcp.chunks import ChunkReader
 from shardforge.formats.sources import TensorSource
-from shardforge.io.copy import CopyJob, copy_jobs
+from shardforge.io.copy import CopyJob, copy_jobs, copy_range, pwrite_all
 from shardforge.io.fs import preallocate
 from shardforge.merge.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan
 

@@ -1,6 +1,6 @@
 """Run a function on N real CPU ranks (gloo process group), for tests and benchmarks.
 
-    from shardforge.testing.dist import run_on_ranks
+    from helpers.dist import run_on_ranks
     run_on_ranks(my_fn, 3, arg1, arg2)   # my_fn(rank, world_size, arg1, arg2) on every rank
 
 `my_fn` must be importable (a module-level function) because ranks are started with `spawn`.

@@ -3,7 +3,7 @@
 Used by the tests, the benchmarks and the shipped example. Run as a module to (re)create the
 example's base model and data:
 
-    python -m shardforge.testing.tiny examples/tiny-llama
+    PYTHONPATH=tests python -m helpers.tiny examples/tiny-llama
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from shardforge.errors import MergeError
+from shardforge.io.publish import atomic_directory, atomic_file, remove_stale_temps
 from shardforge.merge.api import merge_fsdp_weights
-from shardforge.merge.publish import atomic_directory, atomic_file, remove_stale_temps
 from test_inspection import Built, build_checkpoints
 
 APPEARED = "appeared while the merge ran"
@@ -95,7 +95,7 @@ def test_a_file_written_into_the_output_meanwhile_is_kept(tmp_path: Path) -> Non
 HOLD = """
 import sys, time
 from pathlib import Path
-from shardforge.merge.publish import atomic_directory
+from shardforge.io.publish import atomic_directory
 with atomic_directory(Path(sys.argv[1])) as tmp:
     (tmp / "partial").write_text("x")
     print(tmp, flush=True)
