@@ -59,8 +59,8 @@ def plan_jobs(
     """[(output file name, size, [(src path, src offset, dst offset, nbytes), ...])], the data
     files, the model config's folder."""
     from shardforge.config import load_cfg
-    from shardforge.formats.dcp.chunks import ChunkReader
-    from shardforge.layouts.steps import resolve_checkpoint
+    from shardforge.io.copy import ReadCache
+    from shardforge.layouts.catalog import resolve_checkpoint
     from shardforge.merge import overlap
 
     cfg = load_cfg(cfg_path, command="merge")
@@ -69,7 +69,7 @@ def plan_jobs(
     if guess is None:
         raise SystemExit(f"{ckpt}: not a checkpoint the early copy plans (see merge/overlap.py)")
     files = []
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         for pf in guess.plan.files:
             jobs = []
             for planned in pf.tensors:

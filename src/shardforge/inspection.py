@@ -14,38 +14,22 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from shardforge.errors import CheckpointError
-from shardforge.formats.dcp.metadata import METADATA_FILE, CheckpointMetadata, read_metadata
-from shardforge.keymap.keys import is_optimizer_key
-from shardforge.layouts.steps import (
-    LAST,
-    OPTIMIZER_DIRS,
-    STEP_LAYOUTS,
-    TRAINING_STATE_ROOTS,
-    Candidate,
-    find_candidates,
-    has_rank_files,
-    kind_of,
-    resolve_checkpoint,
-)
+from shardforge.formats.base import Contents, StateSummary, TensorFact
+from shardforge.formats.dcp.format import DISTCP_FILE, state_summary
+from shardforge.formats.dcp.metadata import METADATA_FILE, read_metadata
+from shardforge.formats.rankfiles.names import parse_rank_name
+from shardforge.formats.registry import detect
+from shardforge.layouts.catalog import resolve_checkpoint, scan
+from shardforge.layouts.layout import LAST, OPTIMIZER_DIRS, Candidate, format_of, is_step_folder
 
 log = logging.getLogger("shardforge")
 
 CONFIG_SUFFIXES: tuple[str, ...] = (".yml", ".yaml")
-DISTCP_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-# per-rank optimizer / extra state files written beside the model rank files (verl); never read
-RANK_STATE_FILES: dict[str, re.Pattern[str]] = {
-    "optimizer": re.compile(r"^optim_world_size_(\d+)_rank_(\d+)\.pt$"),
-    "other": re.compile(r"^extra_state_world_size_(\d+)_rank_(\d+)\.pt$"),
-}
-# top-level DCP keys that are training state but not optimizer state (torchtitan)
-OTHER_STATE_ROOTS: frozenset[str] = TRAINING_STATE_ROOTS
 # JSON files in or beside a model directory that may record versions and the world size:
 # shardforge's trainer_state.json, verl's fsdp_config.json and huggingface/config.json
 STATE_JSON_FILES: tuple[str, ...] = (
@@ -59,17 +43,6 @@ LIGHTNING_META = "meta.pt"
 
 
 @dataclass(frozen=True)
-class TensorFact:
-    """One model tensor: its checkpoint key, dtype, global shape, element and byte counts."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    numel: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
 class StepFact:
     """One complete checkpoint found under the searched root."""
 
@@ -77,38 +50,6 @@ class StepFact:
     step_label: str  # the step as shown: "200", "last", "?"
     layout: str
     path: str
-
-
-@dataclass(frozen=True)
-class StateSummary:
-    """Optimizer (or other training) state: where it is and how much.
-
-    `tensor_count` and `total_bytes` come from metadata (None for files that are not read);
-    `files_bytes` is the size on disk of the files that hold it (None when mixed in with the
-    model).
-    """
-
-    location: str  # "beside" (own DCP dir), "mixed" (same DCP), "files" (per-rank files)
-    path: str
-    tensor_count: int | None
-    non_tensor_count: int | None
-    total_bytes: int | None
-    files: int
-    files_bytes: int | None
-
-
-@dataclass(frozen=True)
-class Contents:
-    """What a reader found in one model directory."""
-
-    storage: str
-    tensors: tuple[TensorFact, ...]
-    non_tensor_keys: tuple[str, ...]
-    world_size: int | None
-    world_size_source: str | None
-    optimizer: StateSummary | None = None
-    other_state: StateSummary | None = None
-    versions: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -194,15 +135,8 @@ def _is_dcp(path: Path) -> bool:
 
 def _is_checkpoint_file(path: Path) -> bool:
     """A DCP `.metadata` / `__R_N.distcp` or a `model_world_size_W_rank_R.pt` file."""
-    from shardforge.formats.rankfiles.rank_file import parse_rank_name
-
     name = path.name
     return name == METADATA_FILE or bool(DISTCP_FILE.match(name)) or bool(parse_rank_name(path))
-
-
-def _is_step_folder(path: Path) -> bool:
-    """A step folder of a known layout (checkpoint-N, global_step_N, step-N)."""
-    return any(rule.pattern.match(path.name) for rule in STEP_LAYOUTS.values())
 
 
 def _step_fact(c: Candidate) -> StepFact:
@@ -220,14 +154,14 @@ def _identify(
     folder of a Lightning `*.ckpt` or a step folder, or the run folder above a step folder;
     None when it belongs to no known layout."""
     roots = []
-    if model_dir.suffix == ".ckpt" or _is_step_folder(model_dir):
+    if model_dir.suffix == ".ckpt" or is_step_folder(model_dir):
         roots.append(model_dir.parent)  # Lightning, torchtitan step-N/, rank files in step_N/
-    if _is_step_folder(model_dir.parent):
+    if is_step_folder(model_dir.parent):
         roots.append(model_dir.parent.parent)  # checkpoint-N/model, global_step_N/actor
     target = model_dir.resolve()
     for root in roots:
         try:
-            cands = find_candidates(root, dirname)
+            cands = list(scan(root, dirname).candidates)
         except (OSError, CheckpointError):
             continue
         for c in cands:
@@ -271,12 +205,12 @@ def locate(
         raise CheckpointError(
             f"{r}: not a directory; give a checkpoint directory or a YAML config (.yml/.yaml)"
         )
-    single = kind_of(r) is not None if r.is_dir() and state_dict_dirname is None else False
+    single = format_of(r) is not None if r.is_dir() and state_dict_dirname is None else False
     # errors (missing, empty, optimizer directory, nothing found) are the merge's own
     chosen = resolve_checkpoint(r, None if single else step, state_dict_dirname)
     if single:
         return _single(chosen, step, state_dict_dirname)
-    cands = find_candidates(r, state_dict_dirname)
+    cands = list(scan(r, state_dict_dirname).candidates)
     if not cands:  # a step folder
         return _single(chosen, step, state_dict_dirname)
     return chosen, cands
@@ -286,152 +220,37 @@ def locate(
 # reading one model directory
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _summary(meta: CheckpointMetadata, keys: list[str], location: str) -> StateSummary | None:
-    if not keys:
-        return None
-    tensors = [meta.tensors[k] for k in keys if k in meta.tensors]
-    return StateSummary(
-        location=location,
-        path=str(meta.directory),
-        tensor_count=len(tensors),
-        non_tensor_count=sum(1 for k in keys if k not in meta.tensors),
-        total_bytes=sum(t.nbytes for t in tensors),
-        files=0,
-        files_bytes=None,
-    )
-
-
-def _kind(path: tuple[str, ...]) -> str:
-    """ "optimizer", "other" (training state that is neither) or "model"."""
-    if is_optimizer_key(path):
-        return "optimizer"
-    first = path[0].split(".", 1)[0] if path else ""
-    return "other" if first in OTHER_STATE_ROOTS else "model"
-
-
-def _distcp_ranks(directory: Path) -> set[int]:
-    return {int(m.group(1)) for p in directory.iterdir() if (m := DISTCP_FILE.match(p.name))}
-
-
 def _beside_optimizer(model_dir: Path) -> StateSummary | None:
     """The optimizer DCP directory next to the model one (`optimizer/`, `optimizer_0/`)."""
     for opt_name, model_names in OPTIMIZER_DIRS.items():
         opt = model_dir.parent / opt_name
-        if model_dir.name not in model_names or not _is_dcp(opt):
+        if model_dir.name not in model_names or not (opt / METADATA_FILE).is_file():
             continue
         try:
             meta = read_metadata(opt)
         except CheckpointError as exc:
             log.warning("optimizer state not read: %s", exc)
             continue
-        keys = [*meta.tensors, *meta.non_tensor_keys]
-        summary = _summary(meta, keys, "beside")
+        summary = state_summary(meta, [*meta.tensors, *meta.non_tensor_keys], "beside")
         if summary is None:
             continue
         files = [p for p in opt.iterdir() if DISTCP_FILE.match(p.name)]
-        return StateSummary(
-            **{
-                **summary.__dict__,
-                "files": len(files),
-                "files_bytes": sum(p.stat().st_size for p in files),
-            }
-        )
+        return replace(summary, files=len(files), files_bytes=sum(p.stat().st_size for p in files))
     return None
 
 
-def read_dcp(model_dir: Path) -> Contents:
-    """Tensors of a DCP directory by kind; optimizer state mixed in or in its own directory."""
-    meta = read_metadata(model_dir)
-    by_kind: dict[str, list[str]] = {"model": [], "optimizer": [], "other": []}
-    for key, entry in meta.tensors.items():
-        by_kind[_kind(entry.path)].append(key)
-    model_non_tensor = []
-    for key in meta.non_tensor_keys:
-        kind = _kind((key,))
-        if kind == "model":
-            model_non_tensor.append(key)
-        else:
-            by_kind[kind].append(key)
-    tensors = tuple(
-        TensorFact(k, _dtype_name(e.dtype), e.shape, e.numel, e.nbytes)
-        for k in by_kind["model"]
-        for e in (meta.tensors[k],)
-    )
-    ranks = _distcp_ranks(model_dir)
-    optimizer = _summary(meta, by_kind["optimizer"], "mixed") or _beside_optimizer(model_dir)
-    versions: dict[str, str] = {}
-    if meta.version:
-        versions["dcp_metadata"] = meta.version
-    return Contents(
-        storage="dcp",
-        tensors=tensors,
-        non_tensor_keys=tuple(model_non_tensor),
-        world_size=len(ranks) if ranks else None,
-        world_size_source="__R_N.distcp file names" if ranks else None,
-        optimizer=optimizer,
-        other_state=_summary(meta, by_kind["other"], "mixed"),
-        versions=versions,
-    )
-
-
-def _rank_state(rank_dir: Path, kind: str) -> StateSummary | None:
-    pattern = RANK_STATE_FILES[kind]
-    files = [p for p in sorted(rank_dir.iterdir()) if pattern.match(p.name) and p.is_file()]
-    if not files:
-        return None
-    return StateSummary(
-        location="files",
-        path=str(rank_dir),
-        tensor_count=None,
-        non_tensor_count=None,
-        total_bytes=None,
-        files=len(files),
-        files_bytes=sum(p.stat().st_size for p in files),
-    )
-
-
-def read_rank_dir(rank_dir: Path) -> Contents:
-    """Tensors of a folder of `model_world_size_W_rank_R.pt` files (metadata only); optimizer
-    files beside them are counted, not read."""
-    from shardforge.formats.rankfiles import plan_rank_files
-    from shardforge.formats.rankfiles.rank_file import parse_rank_name
-
-    plan = plan_rank_files(rank_dir)
-    world_sizes = {names[0] for p in rank_dir.iterdir() if (names := parse_rank_name(p))}
-    tensors = tuple(
-        TensorFact(k, _dtype_name(tp.dtype), tp.shape, tp.numel, tp.nbytes)
-        for k, tp in plan.items()
-    )
-    return Contents(
-        storage="rank-files",
-        tensors=tensors,
-        non_tensor_keys=(),
-        world_size=next(iter(world_sizes)) if len(world_sizes) == 1 else None,
-        world_size_source="model_world_size_W_rank_R.pt file names",
-        optimizer=_rank_state(rank_dir, "optimizer"),
-        other_state=_rank_state(rank_dir, "other"),
-    )
-
-
-# storage kind -> (recognise a model directory, read it); adding a storage is adding a row
-READERS: dict[str, tuple[Callable[[Path], bool], Callable[[Path], Contents]]] = {
-    "dcp": (_is_dcp, read_dcp),
-    "rank-files": (has_rank_files, read_rank_dir),
-}
-
-
 def read_contents(model_dir: Path) -> Contents:
-    for recognise, read in READERS.values():
-        if recognise(model_dir):
-            return read(model_dir)
-    raise CheckpointError(
-        f"{model_dir}: neither a DCP directory (.metadata) nor a folder of "
-        "model_world_size_<W>_rank_<R>.pt files"
-    )
+    """What the folder's format describes, with the optimizer state the layout keeps beside it."""
+    fmt = detect(model_dir)
+    if fmt is None:
+        raise CheckpointError(
+            f"{model_dir}: neither a DCP directory (.metadata) nor a folder of "
+            "model_world_size_<W>_rank_<R>.pt files"
+        )
+    contents = fmt.describe(model_dir)
+    if contents.optimizer is None:
+        contents = replace(contents, optimizer=_beside_optimizer(model_dir))
+    return contents
 
 
 # ---------------------------------------------------------------------------------------------
@@ -490,7 +309,7 @@ def _with_recorded(contents: Contents, model_dir: Path) -> Contents:
     # the step folder around a model folder (checkpoint-N/model) holds the trainer's state;
     # above a folder given on its own, files belong to something else
     folders = [model_dir]
-    if _is_step_folder(model_dir.parent):
+    if is_step_folder(model_dir.parent):
         folders.append(model_dir.parent)
     for d in folders:
         for key, value in _recorded_json(d).items():

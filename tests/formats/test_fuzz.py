@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from shardforge.errors import ShardforgeError
-from shardforge.formats.dcp.chunks import ChunkReader
+from shardforge.formats.dcp.chunks import locate, read_full
 from shardforge.formats.dcp.metadata import read_metadata
 from shardforge.formats.rankfiles.rank_file import read_rank_file
 from shardforge.formats.rankfiles.rank_plan import list_rank_files, plan_from_files
-from shardforge.formats.sources import RankFileSource
+from shardforge.formats.rankfiles.source import RankFileSource
+from shardforge.io.copy import ReadCache
 from shardforge.io.zip_record import check_crc
 from shardforge.merge.api import merge_fsdp_weights
 from test_inspection import LMMS_STEP, WORLD, Built, build_checkpoints
@@ -41,13 +42,13 @@ def read_dcp(ckpt: Path) -> Tensors:
     """Every tensor of a DCP directory through the merge's reader; every record's CRC-32."""
     meta = read_metadata(ckpt)
     out = {}
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         for key, entry in meta.tensors.items():
             for chunk in entry.chunks:
-                fd, raw = reader.locate(chunk)
+                fd, raw = locate(reader, chunk)
                 if raw is not None:
                     check_crc(fd, raw.storage, str(chunk.file))
-            out[key] = reader.read_full(entry)
+            out[key] = read_full(reader, entry)
     return out
 
 
@@ -55,7 +56,7 @@ def read_ranks(folder: Path) -> Tensors:
     """Every full tensor of a rank-file folder through its sources; every record's CRC-32."""
     files = [read_rank_file(p) for p in list_rank_files(folder).values()]
     plans = plan_from_files(files)
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         for rf in files:
             for rec in rf.tensors.values():
                 check_crc(reader.fd(rec.path), rec.storage, str(rec.path))
@@ -79,10 +80,10 @@ def same_names(a: Tensors, b: Tensors) -> bool:
 
 def payload_ranges(ckpt: Path, path: Path) -> list[tuple[int, int]]:
     """Byte ranges of `path` holding tensor storage (changes there only a CRC can see)."""
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         if path.suffix == ".distcp":
             chunks = [c for e in read_metadata(ckpt).tensors.values() for c in e.chunks]
-            raws = [reader.locate(c)[1] for c in chunks if c.file == path]
+            raws = [locate(reader, c)[1] for c in chunks if c.file == path]
             return [(r.storage.data_offset, r.storage.data_end) for r in raws if r is not None]
     recs = read_rank_file(path).tensors.values()
     return [(r.storage.data_offset, r.storage.data_end) for r in recs]

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from shardforge.errors import MergeError
-from shardforge.formats.dcp.chunks import ChunkReader
 from shardforge.formats.dcp.metadata import read_metadata
+from shardforge.formats.dcp.source import DcpSource
 from shardforge.formats.sources import (
     AveragedSource,
-    DcpSource,
     TransformedSource,
     average,
 )
+from shardforge.io.copy import ReadCache
 
 
 def _save(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, DcpSource]:
@@ -27,7 +27,7 @@ def _save(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, DcpSource]:
     return {k: DcpSource(e) for k, e in read_metadata(path).tensors.items()}
 
 
-def _written(reader: ChunkReader, src: object, dtype: torch.dtype, tmp: Path) -> torch.Tensor:
+def _written(reader: ReadCache, src: object, dtype: torch.dtype, tmp: Path) -> torch.Tensor:
     """Write `src` through its own `write_into` into a file and read the bytes back."""
     assert hasattr(src, "shape")
     shape = src.shape  # type: ignore[attr-defined]
@@ -45,7 +45,7 @@ def test_slabs_copy_and_read_agree(tmp_path: Path) -> None:
     torch.manual_seed(0)
     ts = {"a": torch.randn(7, 5), "b": torch.randn(3).bfloat16(), "c": torch.tensor(2.5)}
     sources = _save(tmp_path / "ck", ts)
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         for k, t in ts.items():
             src = sources[k]
             assert src.slabs(reader) is not None  # contiguous single chunk: zero-copy
@@ -66,7 +66,7 @@ def test_average_is_the_fp32_mean_cast_back(tmp_path: Path) -> None:
     ]
     per = [_save(tmp_path / f"ck{i}", t) for i, t in enumerate(inputs)]
     avg = average(per, ["a", "b", "c"])
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         w = avg["w"]
         assert isinstance(w, AveragedSource) and w.slabs(reader) is None
         acc = torch.zeros(6, 4)
@@ -93,7 +93,7 @@ def test_average_lists_every_difference(tmp_path: Path) -> None:
 def test_a_cast_thread_reuses_its_buffers() -> None:
     """Each cast thread keeps one input and one output buffer and takes views of them (fresh
     blocks were kept by the allocator and grew the RSS); they grow only for a larger block."""
-    from shardforge.formats.sources import _Scratch
+    from shardforge.formats.dcp.source import _Scratch
 
     scratch = _Scratch()
     inp, out = scratch.take(100, 50)
@@ -112,13 +112,13 @@ def test_casts_go_through_memory_in_parallel_blocks(
 ) -> None:
     """A cast of a stored slab, in many small blocks on the cast threads, equals `.to(dtype)`
     (and so does writing some rows only, as a distributed merge rank does)."""
-    from shardforge.formats import sources as mod
+    from shardforge.formats.dcp import source as mod
 
     monkeypatch.setattr(mod, "CAST_BLOCK", 64)  # 64-byte blocks: dozens of them, in parallel
     torch.manual_seed(1)
     ts = {"w": torch.randn(301, 7), "v": torch.randn(5)}
     srcs = _save(tmp_path / "ck", ts)
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         for dtype in (torch.bfloat16, torch.float16):
             for name, t in ts.items():
                 got = _written(reader, srcs[name], dtype, tmp_path / "o")

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers.tiny import make_model
 from shardforge.errors import CheckpointError, MergeError
-from shardforge.formats.safetensors_dir import SafetensorsSource
+from shardforge.formats.safetensors.reader import SafetensorsSource
 from shardforge.formats.sources import FusedLoraSource
 from shardforge.merge.lora import merge_lora
 

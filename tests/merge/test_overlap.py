@@ -29,7 +29,7 @@ import yaml
 from helpers.dist import run_on_ranks
 from helpers.tiny import make_model
 from shardforge.errors import CheckpointError, MergeError
-from shardforge.layouts.steps import resolve_checkpoint
+from shardforge.layouts.catalog import resolve_checkpoint
 from shardforge.merge import overlap
 from shardforge.merge.api import merge_fsdp_weights
 

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 from shardforge.cli.main import cli
 from shardforge.errors import MergeError
-from shardforge.layouts.steps import resolve_checkpoint
+from shardforge.layouts.catalog import resolve_checkpoint
 from shardforge.merge.api import merge_fsdp_weights
 from shardforge.merge.remove import plan_removal, remove_shards
 from test_inspection import HF_STEP, LMMS_STEP, WORLD, Built, build_checkpoints

@@ -11,7 +11,8 @@ import torch
 
 from shardforge.errors import MergeError
 from shardforge.formats.dcp.metadata import read_metadata
-from shardforge.formats.sources import DcpSource, TensorSource
+from shardforge.formats.dcp.source import DcpSource
+from shardforge.formats.sources import TensorSource
 from shardforge.merge.plan import OutputPlan, TensorSpec, plan_output
 from shardforge.merge.sinks.hf_dir import write_plan
 from shardforge.merge.verify import verify_output

@@ -15,10 +15,10 @@ import torch
 from helpers.dist import run_on_ranks
 from shardforge.errors import MergeError
 from shardforge.formats.dcp.metadata import read_metadata
+from shardforge.formats.dcp.source import DcpSource
+from shardforge.formats.rankfiles.source import RankFileSource
 from shardforge.formats.sources import (
     AveragedSource,
-    DcpSource,
-    RankFileSource,
     TensorSource,
     TransformedSource,
 )

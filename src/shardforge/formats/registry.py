@@ -1,90 +1,55 @@
-"""The format registry: open a checkpoint's model folder as named tensor sources.
+"""The format registry: one row per checkpoint format (`formats.base.CheckpointFormat`).
 
-    named = open_checkpoint(kind, model_dir)    # key -> NamedSource (metadata only)
+    fmt = detect(folder)                 # the format whose `detect` recognises the folder, or None
+    named = format_named(name).open(folder)    # key -> NamedSource (metadata only)
 
-`FORMATS` maps each kind (DCP, rank files) to its opener; adding a format is adding a row.
-Key names are mapped afterwards (`shardforge.keymap.names`).
+Adding a format is adding its folder under `shardforge.formats` and one row to `FORMATS`; the
+contract test (tests/formats/test_contract.py) runs every row. Torch-free: each row imports its
+readers when it is used.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from shardforge.errors import CheckpointError
-from shardforge.formats.kinds import DCP, RANK_FILES
-from shardforge.formats.sources import DcpSource, RankFileSource, TensorSource
+from shardforge.formats.base import CheckpointFormat, NamedSource
+from shardforge.formats.dcp.format import DcpFormat
+from shardforge.formats.rankfiles.format import RankFilesFormat
+from shardforge.formats.safetensors.format import SafetensorsFormat
 
-log = logging.getLogger("shardforge")
+FORMATS: tuple[CheckpointFormat, ...] = (DcpFormat(), RankFilesFormat(), SafetensorsFormat())
+_BY_NAME: dict[str, CheckpointFormat] = {f.name: f for f in FORMATS}
+assert len(_BY_NAME) == len(FORMATS), "two formats share a name"
 
-# verl writes this beside its rank files: {"FSDP_version": 2, "world_size": W}
-FSDP_CONFIG = "fsdp_config.json"
-
-
-@dataclass(frozen=True)
-class NamedSource:
-    """One tensor of a checkpoint: its original path (for key mapping) and its source."""
-
-    path: tuple[str, ...]
-    source: TensorSource
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.source.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.source.dtype
+# the names layouts use for the sharded formats
+DCP = DcpFormat.name
+RANK_FILES = RankFilesFormat.name
 
 
-def _open_dcp(model_dir: Path) -> dict[str, NamedSource]:
-    from shardforge.formats.dcp.metadata import read_metadata
-
-    meta = read_metadata(model_dir)
-    return {k: NamedSource(e.path, DcpSource(e, meta.directory)) for k, e in meta.tensors.items()}
-
-
-def check_fsdp_config(model_dir: Path, world_size: int) -> None:
-    """verl's `fsdp_config.json` beside the rank files must name their world size."""
-    path = model_dir / FSDP_CONFIG
-    if not path.is_file():
-        return
-    try:
-        recorded = json.loads(path.read_text(encoding="utf-8")).get("world_size")
-    except (ValueError, AttributeError, OSError):
-        log.warning("%s: not readable JSON; ignored", path)
-        return
-    if isinstance(recorded, int) and recorded != world_size:
-        raise CheckpointError(
-            f"{path}: says world_size {recorded}, but {model_dir} holds the rank files of "
-            f"world size {world_size}; the folder mixes runs or is incomplete"
-        )
+def format_named(name: str) -> CheckpointFormat:
+    fmt = _BY_NAME.get(name)
+    if fmt is None:
+        raise CheckpointError(f"unknown checkpoint format {name!r}; known: {', '.join(_BY_NAME)}")
+    return fmt
 
 
-def _open_rank_files(model_dir: Path) -> dict[str, NamedSource]:
-    from shardforge.formats.rankfiles.rank_file import read_rank_file
-    from shardforge.formats.rankfiles.rank_plan import list_rank_files, plan_from_files
-
-    paths = list_rank_files(model_dir)
-    check_fsdp_config(model_dir, len(paths))
-    plans = plan_from_files([read_rank_file(p) for p in paths.values()])
-    return {k: NamedSource((k,), RankFileSource(p)) for k, p in plans.items()}
-
-
-FORMATS: dict[str, Callable[[Path], dict[str, NamedSource]]] = {
-    DCP: _open_dcp,
-    RANK_FILES: _open_rank_files,
-}
+def detect(folder: Path, sharded_only: bool = True) -> CheckpointFormat | None:
+    """The first format (in `FORMATS` order) that recognises `folder`; sharded checkpoint
+    formats only unless `sharded_only` is False."""
+    if not folder.is_dir():
+        return None
+    for fmt in FORMATS:
+        if (fmt.sharded or not sharded_only) and fmt.detect(folder):
+            return fmt
+    return None
 
 
-def open_checkpoint(kind: str, model_dir: Path) -> dict[str, NamedSource]:
-    """Every tensor of a model folder of `kind` (nothing but metadata is read)."""
-    opener = FORMATS.get(kind)
-    if opener is None:
-        raise CheckpointError(f"{model_dir}: unknown checkpoint kind {kind!r}")
-    return opener(model_dir)
+def open_checkpoint(name: str, model_dir: Path) -> dict[str, NamedSource]:
+    """Every tensor of a model folder of format `name` (nothing but metadata is read)."""
+    return format_named(name).open(model_dir)
+
+
+def looked_for() -> list[str]:
+    """What a sharded checkpoint folder holds, per format (for errors)."""
+    return [f.looked_for for f in FORMATS if f.sharded]

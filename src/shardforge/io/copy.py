@@ -1,4 +1,11 @@
-"""Disk-speed helpers for the merge's byte path: read-ahead and parallel file-to-file copies.
+"""The byte path: one read cache, file-to-file copies, read-ahead and parallel copy jobs.
+
+- `ReadCache`: the open data files of a merge (a bounded number of descriptors, regular files
+  only) and the facts parsed from them (a record's layout, a `.metadata`), kept per file
+  identity (device, inode, size, modification time) for the whole process, so that the head
+  start, the merge and every reader parse each record and each `.metadata` once.
+- `copy_range`, `pwrite_all`, `tensor_bytes`, `FileSlab`: bytes file to file in the kernel
+  (`copy_file_range`) or through a bounded buffer; positional writes.
 
 - `prefetch`: ask the kernel to start reading the checkpoint's data files into the page cache
   (`posix_fadvise(WILLNEED)`, asynchronous, no memory held by this process) while the merge is
@@ -16,17 +23,22 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from shardforge.errors import CheckpointError
 from shardforge.io.files import open_regular
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
 
 MAX_COPY_THREADS = 4
 # one copy_file_range call (or one bounded read + write where it is unsupported) moves at most this
@@ -44,6 +56,107 @@ class CopyJob:
     dst_fd: int
     dst_offset: int
     nbytes: int
+
+
+# data files a `ReadCache` keeps open at once (least recently used closed first)
+MAX_OPEN_FILES = 64
+
+Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
+
+# what was parsed from files while a `fact_session` is open, by (what, path, file identity):
+# shared by every reader of the process (the head start's and the merge's)
+_SESSION: list[dict[tuple[Hashable, Path, Identity], object]] = []
+_FACTS_LOCK = threading.Lock()
+
+
+def identity(st: os.stat_result) -> Identity:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@contextmanager
+def fact_session() -> Iterator[None]:
+    """Within the block (nested blocks join the outer one), every file fact is parsed once per
+    process; they are forgotten when the outermost block ends, so memory stays bounded and a
+    later command (or test) that changed a file reads it afresh."""
+    with _FACTS_LOCK:
+        outer = not _SESSION
+        if outer:
+            _SESSION.append({})
+    try:
+        yield
+    finally:
+        if outer:
+            with _FACTS_LOCK:
+                _SESSION.clear()
+
+
+def _memo(
+    store: dict[tuple[Hashable, Path, Identity], object],
+    key: tuple[Hashable, Path, Identity],
+    compute: Callable[[], T],
+) -> T:
+    with _FACTS_LOCK:
+        if key in store:
+            return store[key]  # type: ignore[return-value]
+    value = compute()
+    with _FACTS_LOCK:
+        return store.setdefault(key, value)  # type: ignore[return-value]
+
+
+def session_memo(key: Hashable, compute: Callable[[], T]) -> T:
+    """`compute()` once per `fact_session` for `key` (a folder scan, say); every time outside."""
+    store = _SESSION[0] if _SESSION else None
+    if store is None:
+        return compute()
+    return _memo(store, (key, Path(), (0, 0, 0, 0)), compute)
+
+
+def file_fact(what: Hashable, path: Path, ident: Identity, compute: Callable[[], T]) -> T:
+    """`compute()` for `what` of the file `path` with identity `ident`: once per process inside
+    a `fact_session`, else computed every time."""
+    store = _SESSION[0] if _SESSION else None
+    return compute() if store is None else _memo(store, (what, path, ident), compute)
+
+
+class ReadCache:
+    """Open data files (regular files only: `open_regular` refuses a FIFO or a device, never
+    waits on one) and the facts parsed from them (`fact`), for one reader at a time."""
+
+    def __init__(self) -> None:
+        self._fds: OrderedDict[Path, tuple[int, Identity]] = OrderedDict()
+        self._own: dict[tuple[Hashable, Path, Identity], object] = {}  # outside a session
+
+    def _open(self, path: Path) -> tuple[int, Identity]:
+        if path in self._fds:
+            self._fds.move_to_end(path)
+            return self._fds[path]
+        if len(self._fds) >= MAX_OPEN_FILES:
+            _, (old, _) = self._fds.popitem(last=False)
+            os.close(old)
+        fd = open_regular(path)
+        self._fds[path] = (fd, identity(os.fstat(fd)))
+        return self._fds[path]
+
+    def fd(self, path: Path) -> int:
+        return self._open(path)[0]
+
+    def fact(self, path: Path, what: Hashable, compute: Callable[[int], T]) -> T:
+        """`compute(fd)` for `what` of the data file `path`: once per process inside a
+        `fact_session`, else once per cache."""
+        fd, ident = self._open(path)
+        store = _SESSION[0] if _SESSION else self._own
+        return _memo(store, (what, path, ident), lambda: compute(fd))
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> ReadCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from shardforge.errors import CheckpointError
+from shardforge.formats.state import is_optimizer_key
 
 if TYPE_CHECKING:
     import torch
@@ -19,10 +20,6 @@ WRAPPER_SEGMENTS: frozenset[str] = frozenset(
 )
 # segments that wrappers put in front of the module path (DDP)
 LEADING_SEGMENTS: frozenset[str] = frozenset({"module"})
-# first path elements of optimizer state
-OPTIMIZER_ROOTS: frozenset[str] = frozenset({"optim", "optimizer", "state", "param_groups"})
-# ... and numbered ones (Lightning's optimizer_0)
-OPTIMIZER_NUMBERED: tuple[str, ...] = ("optimizer_", "optim_")
 # how deep a wrapper prefix (model., state_dict., Lightning attribute, ...) may go
 MAX_WRAPPER_DEPTH = 3
 
@@ -35,11 +32,6 @@ class KeyMap:
     prefix: str
     skipped_optimizer: tuple[str, ...]
     unexpected: tuple[str, ...]
-
-
-def is_optimizer_key(path: tuple[str, ...]) -> bool:
-    first = path[0].split(".", 1)[0] if path else ""
-    return first in OPTIMIZER_ROOTS or first.startswith(OPTIMIZER_NUMBERED)
 
 
 def clean_name(name: str) -> str:

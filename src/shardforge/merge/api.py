@@ -27,9 +27,11 @@ from shardforge.config import coerce_cfg
 from shardforge.config.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError, ShardforgeError
-from shardforge.formats.dcp.chunks import ChunkReader
-from shardforge.formats.registry import DCP, NamedSource, open_checkpoint
-from shardforge.formats.sources import DcpSource, FusedLoraSource, TensorSource, average
+from shardforge.formats.base import NamedSource
+from shardforge.formats.dcp.source import DcpSource
+from shardforge.formats.registry import DCP, open_checkpoint
+from shardforge.formats.sources import FusedLoraSource, TensorSource, average
+from shardforge.io.copy import ReadCache
 from shardforge.io.publish import (
     atomic_directory,
     atomic_file,
@@ -41,7 +43,7 @@ from shardforge.io.publish import (
 from shardforge.keymap.keys import KeyMap, check_tied_copies, is_optimizer_key, map_keys
 from shardforge.keymap.lora import has_lora
 from shardforge.keymap.names import adapt_names
-from shardforge.layouts.steps import (
+from shardforge.layouts.catalog import (
     Candidate,
     check_model_keys,
     list_checkpoints,
@@ -117,7 +119,7 @@ def _hf_sources(
     if keymap.skipped_optimizer:
         log.info("skipped %d optimizer entries", len(keymap.skipped_optimizer))
     by_hf = {hf: named[key].source for key, hf in keymap.to_hf.items()}
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         check_tied_copies(expected.tied, by_hf, lambda s: s.read(reader), str(candidate.model_dir))
     return keymap, by_hf
 

@@ -24,9 +24,8 @@ from typing import Any
 import torch.distributed as dist
 
 from shardforge.errors import MergeError
-from shardforge.formats.dcp.chunks import ChunkReader
 from shardforge.formats.sources import TensorSource
-from shardforge.io.copy import copy_range, pwrite_all
+from shardforge.io.copy import ReadCache, copy_range, pwrite_all
 from shardforge.merge.plan import OutputPlan, PlannedFile, PlannedTensor
 
 log = logging.getLogger("shardforge")
@@ -98,7 +97,7 @@ def write_shares(
     """Write this rank's rows into the existing files; fsync what it wrote."""
     fds: dict[str, int] = {}
     try:
-        with ChunkReader() as reader:
+        with ReadCache() as reader:
             for s in mine:
                 if s.file.name not in fds:
                     fds[s.file.name] = os.open(directory / s.file.name, os.O_WRONLY)

@@ -13,7 +13,7 @@ from pathlib import Path
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError
 from shardforge.io.copy import prefetch
-from shardforge.layouts.steps import LAST, Candidate, list_checkpoints, resolve_checkpoint
+from shardforge.layouts.catalog import LAST, Candidate, list_checkpoints, resolve_checkpoint
 from shardforge.merge.companions import has_tokenizer
 from shardforge.merge.request import MergeRequest
 

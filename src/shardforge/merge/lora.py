@@ -35,13 +35,12 @@ import torch
 from shardforge.config import coerce_cfg
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import CheckpointError, MergeError, printable, shown
-from shardforge.formats.dcp.chunks import ChunkReader
-from shardforge.formats.safetensors_dir import (
+from shardforge.formats.safetensors.reader import (
     open_safetensors_dir,
     open_safetensors_file,
 )
 from shardforge.formats.sources import FusedLoraSource, TensorSource
-from shardforge.io.copy import prefetch
+from shardforge.io.copy import ReadCache, prefetch
 from shardforge.io.files import open_regular, read_exact_into
 from shardforge.io.publish import (
     atomic_directory,
@@ -307,7 +306,7 @@ def _tied_copies(
     one stored under the kept name is written."""
     if stored not in found:
         return [f"{stored}: only its tied partner {found[0]} has a modules_to_save copy"]
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         first = tensors[names.replacements[stored]].read(reader)
         for other in found:
             if other != stored:
@@ -389,7 +388,7 @@ def base_sources(
         )
     base = {n: s for n, s in opened.items() if n in expected.shapes}
     tied = {**expected.tied, **(untied or {})}
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         check_tied_copies(tied, base, lambda s: s.read(reader), str(base_dir))
     for target, kept in (untied or {}).items():
         if kept in base:

@@ -48,10 +48,10 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from shardforge.config.schema import ShardforgeConfig
-from shardforge.formats.dcp.chunks import ChunkReader, entry_slabs
+from shardforge.formats.dcp.chunks import entry_slabs
 from shardforge.formats.dcp.metadata import TensorEntry, read_metadata
-from shardforge.formats.kinds import DCP
-from shardforge.io.copy import CopyJob, FileSlab, copy_jobs, copy_range, pwrite_all
+from shardforge.formats.registry import DCP
+from shardforge.io.copy import CopyJob, FileSlab, ReadCache, copy_jobs, copy_range, pwrite_all
 from shardforge.io.dtypes import DTYPE_NAMES, dtype_name, lookup_dtype
 from shardforge.io.fs import preallocate
 from shardforge.io.publish import (
@@ -62,7 +62,7 @@ from shardforge.io.publish import (
 )
 from shardforge.keymap.keys import clean_name, is_optimizer_key, looks_like_torchtitan
 from shardforge.keymap.lora import has_lora
-from shardforge.layouts.steps import Candidate
+from shardforge.layouts.catalog import Candidate
 from shardforge.merge.dtypes import CONFIG_DTYPE_KEYS, config_dtype_name, dtype_choice_name
 from shardforge.merge.locate import checkpoint_root, merge_sources, pick_inputs
 from shardforge.merge.plan import OutputPlan, PlannedFile, TensorSpec, layout_files
@@ -278,7 +278,7 @@ class EarlyCopy:
                 return
             self.directory = _fresh_temp_sibling(out)
         copied: dict[str, list[FileSlab]] = {}
-        with ChunkReader() as reader:
+        with ReadCache() as reader:
             for pf in guess.plan.files:
                 done = self._copy_file(pf, guess.entries, reader)
                 if done is None:
@@ -289,7 +289,7 @@ class EarlyCopy:
         self.outcome = "copied"
 
     def _copy_file(
-        self, pf: PlannedFile, entries: Mapping[str, TensorEntry], reader: ChunkReader
+        self, pf: PlannedFile, entries: Mapping[str, TensorEntry], reader: ReadCache
     ) -> dict[str, list[FileSlab]] | None:
         """Copy what `pf` can take file to file; the slabs copied per tensor, None when the
         copy was discarded before it ended."""
@@ -344,7 +344,7 @@ class EarlyCopy:
         if reason is not None:
             return reason
         specs = {t.spec.name: t.spec for _, t in plan.tensors()}
-        with ChunkReader() as reader:
+        with ReadCache() as reader:
             for name, slabs in self.copied.items():
                 src = sources.get(name)
                 if src is None or src.dtype != specs[name].dtype or src.slabs(reader) != slabs:
@@ -398,7 +398,7 @@ def finish_plan(
     """Write every tensor the early copy did not into the existing planned files; fsync them
     (the index is the caller's, as with `write_plan`)."""
     progress(sum(len(f.header) for f in plan.files))
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         for pf in plan.files:
             fd = os.open(directory / pf.name, os.O_WRONLY)
             try:

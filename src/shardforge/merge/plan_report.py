@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from shardforge.layouts.steps import LAST
+from shardforge.layouts.catalog import LAST
 from shardforge.merge.remove import RemovalPlan
 
 # the files the hf format writes beside the weights

@@ -4,8 +4,8 @@
     ...                                     # merge, verify, publish
     removed = remove_shards(plan)          # after a verification that passed
 
-What the shard files are comes from the layouts table (`SHARD_FILES` per model directory kind;
-`LAYOUT_STATE` per layout says whether optimizer or trainer state shares those files). A DCP
+What the shard files are comes from the format's row (`CheckpointFormat.shard_files`); the
+layout's row says whether optimizer or trainer state shares those files. A DCP
 directory's shards are its `.metadata` and the data files its entries name; when any entry is
 optimizer or other training state (torchtitan `step-N/`, Lightning `.ckpt/`, a DCP saved with
 model and optimizer together) removal is refused before anything is written. Rank-file folders
@@ -24,24 +24,17 @@ import contextlib
 import logging
 import os
 import stat
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
 from shardforge.errors import MergeError
-from shardforge.formats.dcp.metadata import METADATA_FILE
-from shardforge.layouts.steps import (
-    DCP,
-    LAYOUT_STATE,
-    RANK_FILES,
-    SHARD_FILES,
-    Candidate,
-    state_kind,
-)
+from shardforge.formats.base import NOT_REMOVED
+from shardforge.formats.registry import format_named
+from shardforge.layouts.catalog import state_of
+from shardforge.layouts.layout import Candidate
 
 log = logging.getLogger("shardforge")
 
-NOT_REMOVED = "merge without --remove_checkpoint_dir"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 # entries listed when the model folder is kept
 MAX_LISTED = 5
@@ -74,44 +67,6 @@ class Removed:
     kept: tuple[str, ...]  # what is left in the model folder when it stays
 
 
-def _dcp_shards(model_dir: Path) -> list[PurePath]:
-    """`.metadata` and every data file its entries name; refused when an entry is optimizer
-    or other training state (it lives in the same files)."""
-    from shardforge.formats.dcp.metadata import read_metadata
-
-    meta = read_metadata(model_dir)
-    paths = [e.path for e in meta.tensors.values()] + [(k,) for k in meta.non_tensor_keys]
-    found: dict[str, list[str]] = {}
-    for path in paths:
-        kind = state_kind(path)
-        if kind != "model":
-            found.setdefault(kind, []).append(".".join(path))
-    if found:
-        what = " and ".join(
-            f"{'optimizer' if kind == 'optimizer' else 'training'} state ({keys[0]}, ...)"
-            for kind, keys in sorted(found.items())
-        )
-        raise MergeError(
-            f"{model_dir} holds {what} in the same files as the model weights; removing the "
-            f"shards would delete it - {NOT_REMOVED}"
-        )
-    files = {c.file for e in meta.tensors.values() for c in e.chunks}
-    return [PurePath(METADATA_FILE), *sorted(PurePath(f.relative_to(model_dir)) for f in files)]
-
-
-def _rank_shards(model_dir: Path) -> list[PurePath]:
-    from shardforge.formats.rankfiles.rank_plan import list_rank_files
-
-    return [PurePath(p.name) for p in list_rank_files(model_dir).values()]
-
-
-# model directory kind -> the shard files of one (relative to it), as the merge reads them
-SHARD_LISTERS: dict[str, Callable[[Path], list[PurePath]]] = {
-    DCP: _dcp_shards,
-    RANK_FILES: _rank_shards,
-}
-
-
 def _links(root: Path, model_dir: Path, files: list[PurePath]) -> list[Path]:
     """The symbolic links on the way from `root` (included) to each shard file."""
     try:
@@ -136,17 +91,15 @@ def plan_removal(candidate: Candidate, root: str | Path) -> RemovalPlan:
     (MergeError) when optimizer or trainer state shares the shard files, or when a shard is
     reached through a symbolic link."""
     model_dir = candidate.model_dir.absolute()
-    state = LAYOUT_STATE.get(candidate.layout, LAYOUT_STATE[candidate.kind])
-    if state.shared:
+    shared, beside = state_of(candidate)
+    if shared:
         raise MergeError(
             f"{model_dir} holds optimizer state in the same files as the model weights; "
-            f"removing the shards would delete it ({candidate.layout}: {state.beside}) - "
+            f"removing the shards would delete it ({candidate.layout}: {beside}) - "
             f"{NOT_REMOVED}"
         )
-    lister = SHARD_LISTERS.get(candidate.kind)
-    if lister is None:
-        raise MergeError(f"{model_dir}: --remove_checkpoint_dir does not know its shard files")
-    files = lister(model_dir)
+    fmt = format_named(candidate.kind)
+    files = fmt.shard_files(model_dir)
     links = _links(Path(root).absolute(), model_dir, files)
     if links:
         raise MergeError(
@@ -165,7 +118,7 @@ def plan_removal(candidate: Candidate, root: str | Path) -> RemovalPlan:
         "--remove_checkpoint_dir: after verification, %d shard files of %s will be removed (%s)",
         len(shards),
         model_dir,
-        SHARD_FILES[candidate.kind].described,
+        fmt.shards_described,
     )
     return RemovalPlan(Path(root).absolute(), model_dir, tuple(shards))
 

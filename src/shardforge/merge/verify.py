@@ -24,27 +24,19 @@ torch's copy of one stored chunk, and one block of the output at a time.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import math
-import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from shardforge.errors import CheckpointError, MergeError, printable
-from shardforge.formats.sources import (
-    DCP_FORMAT,
-    RANK_FILES_FORMAT,
-    SAFETENSORS_FORMAT,
-    StoredTensor,
-    TensorSource,
-)
+from shardforge.errors import CheckpointError, MergeError
+from shardforge.formats.base import ReferenceReader, StoredTensor
+from shardforge.formats.reference import verify_failed as _fail
+from shardforge.formats.registry import format_named
+from shardforge.formats.sources import TensorSource
 from shardforge.io.dtypes import dtype_name
 from shardforge.merge.plan import (
     SAFE_WEIGHTS_INDEX_NAME,
@@ -71,19 +63,6 @@ def bits(t: torch.Tensor) -> torch.Tensor:
                 raw = raw.clone()  # aligned
             return raw.view(wide)
     return raw
-
-
-def _fail(name: str, where: Path | str, problem: str) -> MergeError:
-    return MergeError(
-        f"verification failed: {printable(name)} in {where} {problem}; the output is not "
-        "trustworthy"
-    )
-
-
-def _reason(exc: Exception) -> str:
-    """An exception from torch in one short, printable line."""
-    lines = str(exc).strip().splitlines()
-    return printable(f"{type(exc).__name__}: {lines[0][:200] if lines else ''}")
 
 
 # ---------------------------------------------------------------- the output, as safetensors
@@ -165,239 +144,17 @@ def _compare_output(
 # ------------------------------------------------------------ the checkpoint, read by torch
 
 
-@contextlib.contextmanager
-def _torch_quiet() -> Iterator[None]:
-    """Hold back torch's notices while it reads a checkpoint outside a process group (DCP's
-    "single process" warning, DeviceMesh's "unpickled before the process groups")."""
-    logger = logging.getLogger("torch.distributed")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            yield
-    finally:
-        logger.setLevel(level)
-
-
-def _check_crcs(path: Path, root: Path, windows: Sequence[tuple[int, int]]) -> None:
-    """Check every member of the zip records at `windows` ((start, length)) of `path` (inside
-    the checkpoint `root`) against its stored CRC-32."""
-    from shardforge.io.files import open_regular
-    from shardforge.io.zip_record import check_crc, read_zip_record
-
-    fd = open_regular(path, root)
-    try:
-        for start, length in windows:
-            record = read_zip_record(fd, start, length, str(path))
-            for member in record.members.values():
-                check_crc(fd, member, str(path))
-    finally:
-        os.close(fd)
-
-
-class _DcpReference:
-    """One DCP directory read by torch's `dcp.load`, with the `.metadata` read once through
-    the allow-list unpickler."""
-
-    def __init__(self, directory: Path) -> None:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        from shardforge.formats.dcp.reader import read_dcp_metadata
-
-        self.directory = directory
-        self.metadata = read_dcp_metadata(directory)
-        if getattr(self.metadata, "storage_meta", None) is None:
-            self.metadata.storage_meta = StorageMeta()
-
-    def _reader(self) -> Any:
-        """torch's FileSystemReader (through `SafeFileSystemReader`) handed the metadata
-        read once (instead of re-reading `.metadata` for every batch)."""
-        from shardforge.formats.dcp.reader import SafeFileSystemReader
-
-        metadata = self.metadata
-
-        class _ReadOnce(SafeFileSystemReader):
-            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-                assert metadata.storage_meta is not None  # set in __init__
-                metadata.storage_meta.load_id = self.load_id
-                return metadata
-
-        return _ReadOnce(str(self.directory))
-
-    def check_crcs(self, keys: set[str]) -> None:
-        per_file: dict[str, list[tuple[int, int]]] = {}
-        for index, info in self.metadata.storage_data.items():
-            if index.fqn in keys:
-                per_file.setdefault(info.relative_path, []).append((info.offset, info.length))
-        for relative, windows in sorted(per_file.items()):
-            _check_crcs(self.directory / relative, self.directory, windows)
-
-    def load(self, wanted: Sequence[StoredTensor]) -> dict[str, torch.Tensor]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-        state = {s.key: torch.empty(s.shape, dtype=s.dtype) for s in wanted}
-        try:
-            with _torch_quiet():
-                dcp.load(
-                    state,
-                    storage_reader=self._reader(),
-                    planner=DefaultLoadPlanner(),
-                    no_dist=True,
-                )
-        except Exception as exc:
-            raise MergeError(
-                "verification failed: torch's DCP reader cannot read "
-                f"{printable(', '.join(state)[:200])} from {self.directory} ({_reason(exc)})"
-            ) from None
-        return state
-
-
-@dataclass
-class _RankFilesReference:
-    """One folder of per-rank DTensor files read by ``torch.load(weights_only=True,
-    mmap=True)``: each file is mapped (not read) per batch, and only the wanted keys' local
-    tensors are copied out."""
-
-    directory: Path
-    crc_checked: bool = False
-    files: list[Path] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        from shardforge.formats.rankfiles.rank_plan import list_rank_files
-
-        self.files = list(list_rank_files(self.directory).values())
-
-    def check_crcs(self, keys: set[str]) -> None:
-        if self.crc_checked:
-            return
-        for path in self.files:
-            _check_crcs(path, self.directory, [(0, path.stat().st_size)])
-        self.crc_checked = True
-
-    def _open(self, path: Path) -> dict[str, Any]:
-        import torch.distributed.tensor  # lets weights_only load DTensors
-
-        try:
-            with _torch_quiet():
-                loaded = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
-        except Exception as exc:
-            raise MergeError(
-                f"verification failed: torch.load(weights_only=True) cannot read {path} "
-                f"({_reason(exc)})"
-            ) from None
-        if not isinstance(loaded, dict):
-            raise MergeError(f"verification failed: {path} does not hold a state dict")
-        return loaded
-
-    def load(self, wanted: Sequence[StoredTensor]) -> dict[str, torch.Tensor]:
-        from torch.distributed.tensor import DTensor
-
-        out = {s.key: torch.empty(s.shape, dtype=s.dtype) for s in wanted}
-        filled: dict[str, set[tuple[int, ...]]] = {s.key: set() for s in wanted}
-        covered = dict.fromkeys(out, 0)
-        for path in self.files:
-            state = self._open(path)
-            for key, full in out.items():
-                value = state.get(key)
-                if not isinstance(value, torch.Tensor):
-                    raise _fail(key, path, "is missing from this rank file (torch.load)")
-                if tuple(value.shape) != tuple(full.shape) or value.dtype != full.dtype:
-                    raise _fail(
-                        key,
-                        path,
-                        f"is {value.dtype} {list(value.shape)} for torch.load but "
-                        f"{full.dtype} {list(full.shape)} for the merge",
-                    )
-                if not isinstance(value, DTensor):  # a plain tensor: every rank has it all
-                    if not filled[key]:
-                        full.copy_(value)
-                        filled[key].add(())
-                        covered[key] = full.numel()
-                    continue
-                for chunk in value.__create_chunk_list__():
-                    offsets = tuple(int(o) for o in chunk.offsets)
-                    sizes = tuple(int(n) for n in chunk.sizes)
-                    if offsets in filled[key] or not math.prod(sizes):
-                        continue  # a replica of a box already read, or an empty shard
-                    region = full
-                    for dim, (start, size) in enumerate(zip(offsets, sizes, strict=True)):
-                        region = region.narrow(dim, start, size)
-                    region.copy_(value.to_local())
-                    filled[key].add(offsets)
-                    covered[key] += math.prod(sizes)
-            del state
-        for key, full in out.items():
-            if covered[key] != full.numel():
-                raise _fail(
-                    key,
-                    self.directory,
-                    f"is covered by {covered[key]} of {full.numel()} elements for torch.load",
-                )
-        return out
-
-
-@dataclass
-class _SafetensorsReference:
-    """One safetensors file (a base model's shard, an adapter) read by the `safetensors`
-    library (``safe_open``), never by shardforge's header parser. The file has no checksums."""
-
-    path: Path  # `StoredTensor.directory` of a safetensors tensor is its file
-
-    def check_crcs(self, keys: set[str]) -> None:
-        return None
-
-    def load(self, wanted: Sequence[StoredTensor]) -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
-
-        out: dict[str, torch.Tensor] = {}
-        try:
-            with safe_open(str(self.path), framework="pt") as f:
-                present = set(f.keys())
-                for s in wanted:
-                    if s.key not in present:
-                        raise _fail(s.key, self.path, "is missing for the safetensors library")
-                    tensor = f.get_tensor(s.key)
-                    if tensor.dtype != s.dtype or tuple(tensor.shape) != tuple(s.shape):
-                        raise _fail(
-                            s.key,
-                            self.path,
-                            f"is {tensor.dtype} {list(tensor.shape)} for the safetensors "
-                            f"library but {s.dtype} {list(s.shape)} for the merge",
-                        )
-                    out[s.key] = tensor
-        except MergeError:
-            raise
-        except Exception as exc:
-            raise MergeError(
-                f"verification failed: the safetensors library cannot read {self.path} "
-                f"({_reason(exc)})"
-            ) from None
-        return out
-
-
-_Reference = _DcpReference | _RankFilesReference | _SafetensorsReference
-
-# checkpoint format -> the reader verification uses for it (never the merge's own parser)
-REFERENCE_READERS: dict[str, Callable[[Path], _Reference]] = {
-    DCP_FORMAT: _DcpReference,
-    RANK_FILES_FORMAT: _RankFilesReference,
-    SAFETENSORS_FORMAT: _SafetensorsReference,
-}
-
-
 class IndependentReader:
     """The checkpoint's stored tensors, read by torch (one reader per checkpoint folder)."""
 
     def __init__(self) -> None:
-        self._readers: dict[tuple[str, Path], _Reference] = {}
+        self._readers: dict[tuple[str, Path], ReferenceReader] = {}
 
-    def _reader(self, fmt: str, directory: Path) -> _Reference:
+    def _reader(self, fmt: str, directory: Path) -> ReferenceReader:
         key = (fmt, directory)
         if key not in self._readers:
             try:
-                self._readers[key] = REFERENCE_READERS[fmt](directory)
+                self._readers[key] = format_named(fmt).reference(directory)
             except CheckpointError as exc:
                 raise MergeError(f"verification failed: {exc.message}") from None
         return self._readers[key]

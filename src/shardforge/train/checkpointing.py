@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from shardforge.errors import CheckpointError
 from shardforge.io.fs import fsync_dir
-from shardforge.layouts.steps import LAYOUTS, STEP_LAYOUTS, Candidate
+from shardforge.layouts.catalog import scan
+from shardforge.layouts.layout import Candidate, layout_named
 
 log = logging.getLogger("shardforge")
 
@@ -91,7 +92,7 @@ def stamped(state: TrainerState) -> TrainerState:
 
 
 # what this module writes is what the layouts table's row reads
-assert STEP_LAYOUTS[LAYOUT].marker == STATE_FILE and MODEL_DIR in STEP_LAYOUTS[LAYOUT].subdirs
+assert layout_named(LAYOUT).marker == STATE_FILE and MODEL_DIR in layout_named(LAYOUT).model_dirs
 
 
 def is_complete(path: Path) -> bool:
@@ -101,7 +102,9 @@ def is_complete(path: Path) -> bool:
 
 
 def _ours(output_dir: Path) -> list[Candidate]:
-    return LAYOUTS[LAYOUT](output_dir, None) if output_dir.is_dir() else []
+    if not output_dir.is_dir():
+        return []
+    return [c for c in scan(output_dir).candidates if c.layout == LAYOUT]
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:

@@ -29,8 +29,9 @@ from click.testing import CliRunner, Result
 
 from shardforge.cli.main import cli
 from shardforge.errors import CheckpointError
-from shardforge.formats.dcp.chunks import ChunkReader
+from shardforge.formats.dcp.chunks import locate, read
 from shardforge.formats.dcp.metadata import Chunk, read_metadata
+from shardforge.io.copy import ReadCache
 from test_inspection import LMMS_STEP, WORLD, Built, build_checkpoints
 
 # -- torch.save records with chosen values ------------------------------------------------------
@@ -288,10 +289,10 @@ def test_one_byte_range_under_two_entries_of_different_shapes(dcp_dir: Path) -> 
     entries first (below); here the reader is given them directly."""
     chunk = norm_chunk(dcp_dir)
     other = Chunk((0,), (44,), chunk.file, chunk.byte_offset, chunk.byte_length)
-    with ChunkReader() as reader:
-        reader.read(chunk)
+    with ReadCache() as reader:
+        read(reader, chunk)
         with pytest.raises(CheckpointError, match=r"holds shape \[22\], .metadata says \[44\]"):
-            reader.read(other)
+            read(reader, other)
 
 
 def test_two_entries_on_one_byte_range(built: Built, dcp_dir: Path) -> None:
@@ -409,12 +410,12 @@ def test_a_file_cut_short_after_its_metadata_was_read(dcp_dir: Path) -> None:
     """A data file that shrinks during the merge: a short read is an error, never zeros."""
     meta = read_metadata(dcp_dir)
     chunk = meta.tensors["model.embed_tokens.weight"].chunks[0]
-    with ChunkReader() as reader:
-        _, raw = reader.locate(chunk)
+    with ReadCache() as reader:
+        _, raw = locate(reader, chunk)
         assert raw is not None
         os.truncate(chunk.file, raw.data_offset + 8)
         with pytest.raises(CheckpointError, match=r"__0_0\.distcp: short read at byte \d+"):
-            reader.read(chunk)
+            read(reader, chunk)
 
 
 # -- rank files ---------------------------------------------------------------------------------

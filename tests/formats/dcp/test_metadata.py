@@ -12,9 +12,10 @@ import torch
 
 from helpers.dist import run_on_ranks
 from shardforge.errors import CheckpointError
-from shardforge.formats.dcp.chunks import ChunkReader
+from shardforge.formats.dcp.chunks import locate, read_full
 from shardforge.formats.dcp.metadata import Chunk, read_metadata
-from shardforge.formats.sources import DcpSource
+from shardforge.formats.dcp.source import DcpSource
+from shardforge.io.copy import ReadCache
 from shardforge.merge.plan import TensorSpec, plan_output
 from shardforge.merge.sinks.hf_dir import write_plan
 
@@ -64,9 +65,9 @@ def test_reads_every_kind_of_chunk(sharded: Path) -> None:
     (rep,) = meta.tensors["replicated"].chunks
     (scalar,) = meta.tensors["scalar"].chunks
     assert {rep.file.name, scalar.file.name} != {"__0_0.distcp"}
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         for key, ref in originals().items():
-            got = reader.read_full(meta.tensors[key])
+            got = read_full(reader, meta.tensors[key])
             assert got.dtype == ref.dtype and torch.equal(got, ref), key
 
 
@@ -91,10 +92,10 @@ def test_strided_chunk_is_read_with_its_stride(tmp_path: Path) -> None:
     t = torch.randn(4, 6).t()  # non-contiguous
     dcp.save({"t": t}, checkpoint_id=tmp_path / "c", no_dist=True)
     meta = read_metadata(tmp_path / "c")
-    with ChunkReader() as reader:
-        _, raw = reader.locate(meta.tensors["t"].chunks[0])
+    with ReadCache() as reader:
+        _, raw = locate(reader, meta.tensors["t"].chunks[0])
         assert raw is not None and not raw.contiguous
-        assert torch.equal(reader.read_full(meta.tensors["t"]), t)
+        assert torch.equal(read_full(reader, meta.tensors["t"]), t)
 
 
 def _rewrite(directory: Path, edit: object, protocol: int = 4) -> None:
@@ -131,8 +132,8 @@ def test_older_pickles_without_new_fields_and_old_module_paths(
         data = data.replace(now, then)
     (ckpt / ".metadata").write_bytes(data)
     meta = read_metadata(ckpt)
-    with ChunkReader() as reader:
-        assert torch.equal(reader.read_full(meta.tensors["rows"]), originals()["rows"])
+    with ReadCache() as reader:
+        assert torch.equal(read_full(reader, meta.tensors["rows"]), originals()["rows"])
 
 
 def test_compressed_items_are_refused(sharded: Path, tmp_path: Path) -> None:

@@ -92,10 +92,10 @@ def logits(model_dir: Path, state_dict: dict[str, torch.Tensor] | None = None) -
 
 def full_tensors(plan: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Every full tensor of a rank-file plan, read the way the merge reads it."""
-    from shardforge.formats.dcp.chunks import ChunkReader
-    from shardforge.formats.sources import RankFileSource
+    from shardforge.formats.rankfiles.source import RankFileSource
+    from shardforge.io.copy import ReadCache
 
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         return {key: RankFileSource(tp).read(reader) for key, tp in plan.items()}
 
 

@@ -28,8 +28,8 @@ VOCAB = 32000
 
 CHILD = r"""
 import json, math, sys
-from shardforge.formats.sources import RankFileSource
-from shardforge.formats.dcp.chunks import ChunkReader
+from shardforge.formats.rankfiles.source import RankFileSource
+from shardforge.io.copy import ReadCache
 from shardforge.formats.rankfiles import plan_rank_files
 
 def status(field):
@@ -41,7 +41,7 @@ with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to the c
     f.write("5")
 base = status("VmRSS")
 total = largest = 0
-reader = ChunkReader()
+reader = ReadCache()
 for key, plan in plan_rank_files(sys.argv[1]).items():
     tensor = RankFileSource(plan).read(reader)
     n = tensor.numel() * tensor.element_size()

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from shardforge.errors import CheckpointError
 from shardforge.formats.rankfiles import Placement, plan_rank_files
 from shardforge.formats.rankfiles.rank_plan import local_box
-from shardforge.layouts.steps import resolve_checkpoint
+from shardforge.layouts.catalog import resolve_checkpoint
 
 
 def _check_round_trip(

@@ -10,6 +10,7 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 from shardforge.errors import CheckpointError
+from shardforge.io.copy import file_fact, identity
 from shardforge.io.dtypes import is_dtype
 from shardforge.io.files import inside, open_regular
 from shardforge.io.unpickler import (
@@ -191,7 +192,11 @@ def read_metadata(directory: str | Path) -> CheckpointMetadata:
     d = Path(directory)
     meta_path = d / METADATA_FILE
     if os.path.lexists(meta_path):
-        os.close(open_regular(meta_path, d))  # a regular file inside the checkpoint
+        fd = open_regular(meta_path, d)  # a regular file inside the checkpoint
+        try:
+            ident = identity(os.fstat(fd))
+        finally:
+            os.close(fd)
     else:
         per_rank = sorted(p.name for p in d.glob("__*.metadata"))
         if per_rank:
@@ -200,6 +205,12 @@ def read_metadata(directory: str | Path) -> CheckpointMetadata:
                 "no global .metadata; this layout is not supported"
             )
         raise CheckpointError(f"{d}: no {METADATA_FILE} file; not a complete DCP checkpoint")
+    # parsed once per merge, head start included (`io.copy.fact_session`)
+    where = Path(os.path.abspath(meta_path))
+    return file_fact("dcp-metadata", where, ident, lambda: _read(d, meta_path))
+
+
+def _read(d: Path, meta_path: Path) -> CheckpointMetadata:
     raw = load_metadata_pickle(meta_path)
     try:
         tensors, non_tensor = _parse(raw, d, meta_path)

@@ -7,7 +7,7 @@ range and the file) and parses its ``data.pkl`` through the allow-list parser; `
 then checks the tensor view against its storage member and the chunk's `.metadata` entry and
 gives the absolute file offset of the tensor's elements, so the bytes can be copied or read in
 place without unpickling anything. Parsing is per byte range, checking per entry: a cache of
-parsed records (`stream.ChunkReader`) never skips an entry's own check.
+parsed records (`io.copy.ReadCache`) never skips an entry's own check.
 """
 
 from __future__ import annotations

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shardforge.errors import CheckpointError
+from shardforge.formats.rankfiles.names import parse_rank_name
 from shardforge.io.files import open_regular, read_exact_into
 from shardforge.io.unpickler import DTensorRecord, LocalTensor, Placement, load_rank_pickle
 from shardforge.io.zip_record import ZipMember, check_view, read_member, read_zip_record
-
-RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 
 # a state dict's pickle holds a few hundred bytes per tensor; anything this large is not one
 MAX_PICKLE_BYTES = 1 << 30
@@ -79,12 +77,6 @@ class RankFile:
     world_size: int
     rank: int
     tensors: dict[str, TensorRecord]
-
-
-def parse_rank_name(path: Path) -> tuple[int, int] | None:
-    """(world_size, rank) from ``model_world_size_W_rank_R.pt``; None for other names."""
-    m = RANK_FILE.match(path.name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def read_rank_file(path: str | Path) -> RankFile:

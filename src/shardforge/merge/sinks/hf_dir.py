@@ -14,9 +14,8 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from shardforge.formats.dcp.chunks import ChunkReader
 from shardforge.formats.sources import TensorSource
-from shardforge.io.copy import CopyJob, copy_jobs, copy_range, pwrite_all
+from shardforge.io.copy import CopyJob, ReadCache, copy_jobs, copy_range, pwrite_all
 from shardforge.io.fs import preallocate
 from shardforge.merge.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan
 
@@ -30,7 +29,7 @@ def write_plan(
     progress: Progress,
 ) -> None:
     """Create every planned file (and the index when sharded) in `directory`; fsync them."""
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         for pf in plan.files:
             fd = os.open(directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from shardforge.errors import MergeError
-from shardforge.formats.dcp.chunks import ChunkReader
 from shardforge.formats.sources import TensorSource
+from shardforge.io.copy import ReadCache
 from shardforge.merge.plan import TensorSpec
 
 STATE_DICT_KEY = "state_dict"
@@ -102,7 +102,7 @@ def write_torch_file(
     from torch.serialization import _open_zipfile_writer
 
     data = state_dict_pickle(specs)
-    with ChunkReader() as reader, _open_zipfile_writer(str(path)) as writer:
+    with ReadCache() as reader, _open_zipfile_writer(str(path)) as writer:
         writer.write_record("data.pkl", data, len(data))
         writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         for i, spec in enumerate(specs):

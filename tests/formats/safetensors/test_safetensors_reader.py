@@ -16,13 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardforge.errors import CheckpointError
-from shardforge.formats.dcp.chunks import ChunkReader
-from shardforge.formats.safetensors_dir import (
+from shardforge.formats.safetensors.reader import (
     MAX_HEADER_BYTES,
+    SAFETENSORS,
     open_safetensors_dir,
     open_safetensors_file,
 )
-from shardforge.formats.sources import SAFETENSORS_FORMAT
+from shardforge.io.copy import ReadCache
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -39,7 +39,7 @@ def _tensors() -> dict[str, torch.Tensor]:
     }
 
 
-def _slab_bytes(src: Any, reader: ChunkReader) -> bytes:
+def _slab_bytes(src: Any, reader: ReadCache) -> bytes:
     slabs = src.slabs(reader)
     assert slabs is not None
     out = bytearray(src.nbytes)
@@ -57,7 +57,7 @@ def test_file_round_trip(tmp_path: Path) -> None:
     want = load_file(str(path))
     sources = open_safetensors_file(path, tmp_path)
     assert set(sources) == set(want)
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         for name, t in want.items():
             src = sources[name]
             assert (src.dtype, src.shape) == (t.dtype, tuple(t.shape))
@@ -67,7 +67,7 @@ def test_file_round_trip(tmp_path: Path) -> None:
             raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             assert _slab_bytes(src, reader) == raw, name
             (stored,) = src.stored()
-            assert (stored.fmt, stored.directory, stored.key) == (SAFETENSORS_FORMAT, path, name)
+            assert (stored.fmt, stored.directory, stored.key) == (SAFETENSORS, path, name)
             assert (stored.dtype, stored.shape) == (t.dtype, tuple(t.shape))
 
 
@@ -86,7 +86,7 @@ def test_sharded_directory_through_the_index(tmp_path: Path) -> None:
     )
     sources = open_safetensors_dir(tmp_path)
     assert set(sources) == set(ts)
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         for name, t in ts.items():
             assert sources[name].path.name == weight_map[name]
             assert torch.equal(sources[name].read(reader), t)
@@ -98,7 +98,7 @@ def test_save_pretrained_directory(tmp_path: Path) -> None:
     model_dir = make_model(tmp_path / "m", "qwen2", with_tokenizer=False)
     want = load_file(str(model_dir / "model.safetensors"))
     sources = open_safetensors_dir(model_dir)
-    with ChunkReader() as reader:
+    with ReadCache() as reader:
         assert {n: s.read(reader) for n, s in sources.items()}.keys() == want.keys()
         for name, t in want.items():
             assert torch.equal(sources[name].read(reader), t)
@@ -221,5 +221,5 @@ def test_truncated_file_is_a_clean_read_error(tmp_path: Path) -> None:
     sources = open_safetensors_file(path)
     with open(path, "r+b") as f:  # shrunk after the header was read
         f.truncate(path.stat().st_size - 16)
-    with ChunkReader() as reader, pytest.raises(CheckpointError, match="short read"):
+    with ReadCache() as reader, pytest.raises(CheckpointError, match="short read"):
         sources["a"].read(reader)

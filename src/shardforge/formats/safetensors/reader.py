@@ -33,13 +33,9 @@ from typing import Any
 import torch
 
 from shardforge.errors import CheckpointError, printable, shown
-from shardforge.formats.dcp.chunks import ChunkReader
-from shardforge.formats.sources import (
-    SAFETENSORS_FORMAT,
-    FileSlab,
-    StoredTensor,
-    _WholeTensor,
-)
+from shardforge.formats.base import StoredTensor
+from shardforge.formats.sources import WholeTensor
+from shardforge.io.copy import FileSlab, ReadCache
 from shardforge.io.files import open_regular, read_exact_into
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -53,6 +49,8 @@ LENGTH_BYTES = 8
 # dimensions of one tensor
 MAX_DIMS = 64
 METADATA_KEY = "__metadata__"
+# the name of this format (`formats.safetensors.format.SafetensorsFormat.name`)
+SAFETENSORS = "safetensors"
 
 # safetensors dtype name -> torch dtype (the names the format defines and torch can hold)
 DTYPES: dict[str, torch.dtype] = {
@@ -76,7 +74,7 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 @dataclass(frozen=True)
-class SafetensorsSource(_WholeTensor):
+class SafetensorsSource(WholeTensor):
     """One tensor of a safetensors file: `nbytes` bytes at absolute byte `offset` of `path`."""
 
     path: Path
@@ -86,10 +84,10 @@ class SafetensorsSource(_WholeTensor):
     offset: int
     nbytes: int
 
-    def slabs(self, reader: ChunkReader) -> list[FileSlab] | None:
+    def slabs(self, reader: ReadCache) -> list[FileSlab] | None:
         return [FileSlab(self.path, self.offset, self.nbytes, 0)] if self.nbytes else []
 
-    def read(self, reader: ChunkReader) -> torch.Tensor:
+    def read(self, reader: ReadCache) -> torch.Tensor:
         if not self.nbytes:
             return torch.empty(self.shape, dtype=self.dtype)
         buf = bytearray(self.nbytes)
@@ -98,7 +96,7 @@ class SafetensorsSource(_WholeTensor):
 
     def stored(self) -> tuple[StoredTensor, ...]:
         """Named by its file (`StoredTensor.directory` is the safetensors file itself)."""
-        return (StoredTensor(SAFETENSORS_FORMAT, self.path, self.key, self.dtype, self.shape),)
+        return (StoredTensor(SAFETENSORS, self.path, self.key, self.dtype, self.shape),)
 
     def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return tensors[0]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardforge.errors import CheckpointError
-from shardforge.layouts.steps import resolve_checkpoint
+from shardforge.layouts.catalog import resolve_checkpoint
 
 
 def dcp_dir(path: Path) -> Path:
@@ -117,7 +117,7 @@ def rank_dir(path: Path, world_size: int = 2) -> Path:
 
 
 def test_verl_latest_file_and_huggingface_folder(tmp_path: Path) -> None:
-    from shardforge.layouts.steps import RANK_FILES
+    from shardforge.formats.registry import RANK_FILES
 
     for step in (100, 200):
         actor = rank_dir(tmp_path / f"global_step_{step}" / "actor")
@@ -160,14 +160,15 @@ def test_rank_files_in_the_step_folder_itself(tmp_path: Path) -> None:
 
 
 def test_torchtitan_step_folders(tmp_path: Path) -> None:
-    from shardforge.layouts.steps import TORCHTITAN, find_candidates
+    from shardforge.keymap.keys import TORCHTITAN
+    from shardforge.layouts.catalog import scan
 
     for step in (10, 20):
         dcp_dir(tmp_path / f"step-{step}")
     got = resolve_checkpoint(tmp_path)
     assert (got.layout, got.step, got.adapter) == ("torchtitan", 20, TORCHTITAN)
     assert resolve_checkpoint(tmp_path / "step-10").adapter == TORCHTITAN
-    assert [c.step for c in sorted(find_candidates(tmp_path), key=lambda c: c.step)] == [10, 20]
+    assert [c.step for c in sorted(scan(tmp_path).candidates, key=lambda c: c.step)] == [10, 20]
 
 
 def test_a_newer_full_model_save_stops_the_merge(tmp_path: Path) -> None:
@@ -216,8 +217,14 @@ def test_an_unfinished_save_is_named(tmp_path: Path) -> None:
 def test_every_layout_says_where_its_training_state_lives() -> None:
     """The removal decision is data: each layout a candidate can carry has a row, and the ones
     that keep optimizer state inside the model's shard files say so."""
-    from shardforge.layouts.steps import DCP, LAYOUT_STATE, LAYOUTS, RANK_FILES, SHARD_FILES
+    from shardforge.formats.registry import DCP, FORMATS, RANK_FILES
+    from shardforge.layouts.layout import LAYOUTS
 
-    assert set(LAYOUTS) | {DCP, RANK_FILES} == set(LAYOUT_STATE)
-    assert {n for n, s in LAYOUT_STATE.items() if s.shared} == {"torchtitan", "lightning"}
-    assert set(SHARD_FILES) == {DCP, RANK_FILES}
+    names = [row.name for row in LAYOUTS]
+    assert len(names) == len(set(names))
+    assert {row.name for row in LAYOUTS if row.direct} == {DCP, RANK_FILES}
+    assert {row.name for row in LAYOUTS if row.state_shared} == {"torchtitan", "lightning"}
+    assert all(row.state_beside and row.looked_for for row in LAYOUTS)
+    # every format a layout names is a sharded format of the registry
+    sharded = {f.name for f in FORMATS if f.sharded}
+    assert {fmt for row in LAYOUTS for fmt in row.formats} == sharded

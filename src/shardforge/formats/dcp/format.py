@@ -1,0 +1,117 @@
+"""The DCP row of the format registry: a torch.distributed.checkpoint directory (`.metadata` +
+`__R_N.distcp` records), as written by torch DCP, accelerate, HF Trainer, torchtitan, Lightning
+and shardforge's own training."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path, PurePath
+
+from shardforge.errors import MergeError
+from shardforge.formats.base import (
+    NOT_REMOVED,
+    CheckpointFormat,
+    Contents,
+    NamedSource,
+    ReferenceReader,
+    StateSummary,
+    TensorFact,
+)
+from shardforge.formats.dcp.metadata import METADATA_FILE, CheckpointMetadata, read_metadata
+from shardforge.formats.state import state_kind
+
+DISTCP_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+def dtype_label(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def state_summary(meta: CheckpointMetadata, keys: list[str], location: str) -> StateSummary | None:
+    """How much of `meta` the entries `keys` hold (None: none)."""
+    if not keys:
+        return None
+    tensors = [meta.tensors[k] for k in keys if k in meta.tensors]
+    return StateSummary(
+        location=location,
+        path=str(meta.directory),
+        tensor_count=len(tensors),
+        non_tensor_count=sum(1 for k in keys if k not in meta.tensors),
+        total_bytes=sum(t.nbytes for t in tensors),
+        files=0,
+        files_bytes=None,
+    )
+
+
+def _by_kind(meta: CheckpointMetadata) -> tuple[dict[str, list[str]], list[str]]:
+    """Tensor and non-tensor keys by what they are; the model's non-tensor keys apart."""
+    by_kind: dict[str, list[str]] = {"model": [], "optimizer": [], "training": []}
+    for key, entry in meta.tensors.items():
+        by_kind[state_kind(entry.path)].append(key)
+    model_non_tensor: list[str] = []
+    for key in meta.non_tensor_keys:
+        kind = state_kind((key,))
+        (model_non_tensor if kind == "model" else by_kind[kind]).append(key)
+    return by_kind, model_non_tensor
+
+
+class DcpFormat(CheckpointFormat):
+    name = "dcp"
+    looked_for = "a DCP directory with .metadata"
+    shards_described = "the .metadata file and the .distcp files it names"
+
+    def detect(self, folder: Path) -> bool:
+        return (folder / METADATA_FILE).is_file()
+
+    def open(self, folder: Path) -> dict[str, NamedSource]:
+        from shardforge.formats.dcp.source import DcpSource
+
+        meta = read_metadata(folder)
+        return {
+            k: NamedSource(e.path, DcpSource(e, meta.directory)) for k, e in meta.tensors.items()
+        }
+
+    def describe(self, folder: Path) -> Contents:
+        """Model tensors, optimizer and other training state mixed in (state beside the
+        folder is the layout's: `shardforge.inspection`)."""
+        meta = read_metadata(folder)
+        by_kind, model_non_tensor = _by_kind(meta)
+        tensors = tuple(
+            TensorFact(k, dtype_label(e.dtype), e.shape, e.numel, e.nbytes)
+            for k in by_kind["model"]
+            for e in (meta.tensors[k],)
+        )
+        ranks = {int(m.group(1)) for p in folder.iterdir() if (m := DISTCP_FILE.match(p.name))}
+        return Contents(
+            storage=self.name,
+            tensors=tensors,
+            non_tensor_keys=tuple(model_non_tensor),
+            world_size=len(ranks) if ranks else None,
+            world_size_source="__R_N.distcp file names" if ranks else None,
+            optimizer=state_summary(meta, by_kind["optimizer"], "mixed"),
+            other_state=state_summary(meta, by_kind["training"], "mixed"),
+            versions={"dcp_metadata": meta.version} if meta.version else {},
+        )
+
+    def shard_files(self, folder: Path) -> list[PurePath]:
+        """`.metadata` and every data file its entries name; refused when an entry is
+        optimizer or other training state (it lives in the same files)."""
+        meta = read_metadata(folder)
+        by_kind, _ = _by_kind(meta)
+        found = {kind: keys for kind, keys in by_kind.items() if kind != "model" and keys}
+        if found:
+            what = " and ".join(
+                f"{'optimizer' if kind == 'optimizer' else 'training'} state ({keys[0]}, ...)"
+                for kind, keys in sorted(found.items())
+            )
+            raise MergeError(
+                f"{folder} holds {what} in the same files as the model weights; removing the "
+                f"shards would delete it - {NOT_REMOVED}"
+            )
+        files = {c.file for e in meta.tensors.values() for c in e.chunks}
+        return [PurePath(METADATA_FILE), *sorted(PurePath(f.relative_to(folder)) for f in files)]
+
+    def reference(self, location: Path) -> ReferenceReader:
+        from shardforge.formats.dcp.reference import DcpReference
+
+        return DcpReference(location)

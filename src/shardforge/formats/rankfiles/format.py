@@ -1,0 +1,113 @@
+"""The rank-files row of the format registry: one ``model_world_size_W_rank_R.pt`` per rank
+(`torch.save` of the rank's FSDP2 DTensor state dict), as verl and LMMs-Engine write them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path, PurePath
+
+from shardforge.errors import CheckpointError
+from shardforge.formats.base import (
+    CheckpointFormat,
+    Contents,
+    NamedSource,
+    ReferenceReader,
+    StateSummary,
+    TensorFact,
+)
+from shardforge.formats.rankfiles.names import RANK_FILE, parse_rank_name
+
+log = logging.getLogger("shardforge")
+
+# verl writes this beside its rank files: {"FSDP_version": 2, "world_size": W}
+FSDP_CONFIG = "fsdp_config.json"
+# per-rank optimizer / extra state files written beside the model rank files (verl); never read
+RANK_STATE_FILES: dict[str, re.Pattern[str]] = {
+    "optimizer": re.compile(r"^optim_world_size_(\d+)_rank_(\d+)\.pt$"),
+    "other": re.compile(r"^extra_state_world_size_(\d+)_rank_(\d+)\.pt$"),
+}
+
+
+def check_fsdp_config(model_dir: Path, world_size: int) -> None:
+    """verl's `fsdp_config.json` beside the rank files must name their world size."""
+    path = model_dir / FSDP_CONFIG
+    if not path.is_file():
+        return
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8")).get("world_size")
+    except (ValueError, AttributeError, OSError):
+        log.warning("%s: not readable JSON; ignored", path)
+        return
+    if isinstance(recorded, int) and recorded != world_size:
+        raise CheckpointError(
+            f"{path}: says world_size {recorded}, but {model_dir} holds the rank files of "
+            f"world size {world_size}; the folder mixes runs or is incomplete"
+        )
+
+
+def _rank_state(rank_dir: Path, kind: str) -> StateSummary | None:
+    """The per-rank state files of `kind` beside the model's (counted, never read)."""
+    pattern = RANK_STATE_FILES[kind]
+    files = [p for p in sorted(rank_dir.iterdir()) if pattern.match(p.name) and p.is_file()]
+    if not files:
+        return None
+    return StateSummary(
+        location="files",
+        path=str(rank_dir),
+        tensor_count=None,
+        non_tensor_count=None,
+        total_bytes=None,
+        files=len(files),
+        files_bytes=sum(p.stat().st_size for p in files),
+    )
+
+
+class RankFilesFormat(CheckpointFormat):
+    name = "rank-files"
+    looked_for = "a folder of model_world_size_W_rank_R.pt files"
+    shards_described = "the model_world_size_W_rank_R.pt files"
+
+    def detect(self, folder: Path) -> bool:
+        return folder.is_dir() and any(RANK_FILE.match(p.name) for p in folder.iterdir())
+
+    def open(self, folder: Path) -> dict[str, NamedSource]:
+        from shardforge.formats.rankfiles.rank_file import read_rank_file
+        from shardforge.formats.rankfiles.rank_plan import list_rank_files, plan_from_files
+        from shardforge.formats.rankfiles.source import RankFileSource
+
+        paths = list_rank_files(folder)
+        check_fsdp_config(folder, len(paths))
+        plans = plan_from_files([read_rank_file(p) for p in paths.values()])
+        return {k: NamedSource((k,), RankFileSource(p)) for k, p in plans.items()}
+
+    def describe(self, folder: Path) -> Contents:
+        """Tensors (metadata only); optimizer files beside them are counted, not read."""
+        from shardforge.formats.rankfiles.rank_plan import plan_rank_files
+
+        plan = plan_rank_files(folder)
+        world_sizes = {names[0] for p in folder.iterdir() if (names := parse_rank_name(p))}
+        tensors = tuple(
+            TensorFact(k, str(tp.dtype).removeprefix("torch."), tp.shape, tp.numel, tp.nbytes)
+            for k, tp in plan.items()
+        )
+        return Contents(
+            storage=self.name,
+            tensors=tensors,
+            non_tensor_keys=(),
+            world_size=next(iter(world_sizes)) if len(world_sizes) == 1 else None,
+            world_size_source="model_world_size_W_rank_R.pt file names",
+            optimizer=_rank_state(folder, "optimizer"),
+            other_state=_rank_state(folder, "other"),
+        )
+
+    def shard_files(self, folder: Path) -> list[PurePath]:
+        from shardforge.formats.rankfiles.rank_plan import list_rank_files
+
+        return [PurePath(p.name) for p in list_rank_files(folder).values()]
+
+    def reference(self, location: Path) -> ReferenceReader:
+        from shardforge.formats.rankfiles.reference import RankFilesReference
+
+        return RankFilesReference(location)
