@@ -1,10 +1,23 @@
-"""What every command shares: user-error handling, --debug, config overrides, fire entry points."""
+"""What every command shares: `shardforge_command`, the one wrapper of a command's body
+(logging, --debug, config overrides collected and checked, user errors printed as one line
+with their exit code), and `fire_entry`, its `python -m shardforge.cli.<module>` entry point.
+
+    @shardforge_command("inspect", epilog=EPILOG, params=[click.Argument(["path"]), ...])
+    def command(path: str, as_json: bool, overrides: list[str]) -> str:
+        # (its docstring is the command's help)
+        return do_inspect(path, overrides, as_json)   # the text to print, or None
+
+    do_cli = fire_entry(command)
+"""
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -26,16 +39,11 @@ OVERRIDE_CONTEXT: dict[str, Any] = {
 }
 
 
-def spelled_option(name: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Any]:
-    """A click option taking both spellings users type: `--output_path` and `--output-path`."""
-    dashed = name.replace("_", "-")
-    flags = [f"--{name}", f"--{dashed}"] if dashed != name else [f"--{name}"]
-    return click.option(*flags, name, **kwargs)
+def load_config(config: str | Path, override_args: Sequence[str] | None, command: str) -> Any:
+    """The config at `config` with the override arguments after it, checked for `command`."""
+    from shardforge.config import load_cfg, parse_override_args
 
-
-def debug_option() -> Callable[[Callable[..., Any]], Any]:
-    """`--debug`: show the traceback of a user error instead of the one-line message."""
-    return click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+    return load_cfg(config, command=command, **parse_override_args(list(override_args or [])))
 
 
 def setup_logging(quiet: bool = False) -> None:
@@ -125,10 +133,137 @@ def check_options(ctx: click.Context, args: list[str]) -> list[str]:
     return args
 
 
-def fire_overrides(kwargs: dict[str, Any]) -> list[str]:
-    """fire passes `--key value` as kwargs; turn them back into override arguments."""
-    out: list[str] = []
-    for key, value in kwargs.items():
-        text = str(value).lower() if isinstance(value, bool) else str(value)
-        out += [f"--{key}", text]
+def spelled(name: str, **kwargs: Any) -> click.Option:
+    """A click option taking both spellings users type: `--node_rank` and `--node-rank`."""
+    dashed = name.replace("_", "-")
+    flags = [f"--{name}", f"--{dashed}"] if dashed != name else [f"--{name}"]
+    return click.Option([*flags, name], **kwargs)
+
+
+def debug_option() -> click.Option:
+    """`--debug`: show the traceback of a user error instead of the one-line message."""
+    return click.Option(["--debug"], is_flag=True, help="Show a traceback on errors.")
+
+
+def config_argument() -> click.Argument:
+    """CONFIG: the YAML config a command reads."""
+    return click.Argument(["config"], type=click.Path(dir_okay=False))
+
+
+def shardforge_command(
+    name: str,
+    *,
+    epilog: str,
+    params: Sequence[click.Parameter] = (),
+    overrides: bool = True,
+    rank_logging: bool = False,
+    request: type | None = None,
+) -> Callable[[Callable[..., str | None]], click.Command]:
+    """The click command `name` around `body`, whose docstring is its help (with
+    `OVERRIDES_HELP` after it when it takes config overrides), and which takes its parameters (plus
+    `overrides`, the config override arguments after them, when the command takes them, and
+    `debug` if it names it) and returns the text to print on stdout, or None.
+
+    What every command does around its body is here: `--debug` (also a stray one among the
+    overrides), the overrides checked (a mistyped option is an option error), logging on
+    stderr (`rank_logging`: quiet on ranks other than 0), and a user error printed as one
+    `error:` line with its exit code. `request`: a request dataclass whose option fields are
+    options of the command, after `params` (`request_options`)."""
+
+    def wrap(body: Callable[..., str | None]) -> click.Command:
+        wants_debug = "debug" in inspect.signature(body).parameters
+
+        def callback(debug: bool, **values: Any) -> None:
+            ctx = click.get_current_context()
+            if overrides:
+                args, stray = split_debug(list(ctx.args))
+                values["overrides"] = check_options(ctx, args)
+                debug = debug or stray
+            if wants_debug:
+                values["debug"] = debug
+            setup_logging(quiet=rank_logging and os.environ.get("RANK", "0") != "0")
+            text = run_guarded(lambda: body(**values), debug)
+            if text is not None:
+                click.echo(text, nl=False)
+
+        settings = OVERRIDE_CONTEXT if overrides else {"help_option_names": ["-h", "--help"]}
+        return click.Command(
+            name,
+            callback=callback,
+            params=[*params, *(request_options(request) if request else ()), debug_option()],
+            context_settings=settings,
+            epilog=epilog,
+            help=" ".join((inspect.getdoc(body) or "").split())
+            + (" " + OVERRIDES_HELP if overrides else ""),
+        )
+
+    return wrap
+
+
+def request_options(cls: type) -> list[click.Option]:
+    """The click options of request dataclass `cls`, one per option field on the command line
+    (see `shardforge.merge.options`): its spellings, type, choices, flag and help."""
+    from shardforge.merge.options import flags, help_text, is_flag, option_fields, option_of
+
+    out = []
+    for f in option_fields(cls):
+        opt = option_of(f)
+        if not opt.cli:
+            continue
+        kind: Any = click.Choice(opt.choices) if opt.choices else opt.type
+        default = f.default if is_flag(f) or opt.choices else None
+        out.append(
+            click.Option(
+                [*flags(f), f.name],
+                type=kind,
+                default=default,
+                is_flag=True if is_flag(f) and not f.default else None,
+                metavar=opt.metavar,
+                help=help_text(f),
+            )
+        )
     return out
+
+
+def _fire_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list | tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def fire_argv(command: click.Command, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[str]:
+    """The command line that `python -m` with fire's parsed `args` and `kwargs` stands for:
+    `--output_path out` for the command's options (a flag as itself, or its negation), and
+    the other `--key value` as config overrides."""
+    by_key: dict[str, tuple[click.Option, bool]] = {}
+    for p in command.params:
+        if isinstance(p, click.Option):
+            for o in p.opts:
+                by_key[o.lstrip("-").replace("-", "_")] = (p, True)
+            for o in p.secondary_opts:
+                by_key[o.lstrip("-").replace("-", "_")] = (p, False)
+    argv = [_fire_text(a) for a in args]
+    for key, value in kwargs.items():
+        found = by_key.get(key.replace("-", "_"))
+        if found is None:  # a config override
+            argv += [f"--{key}", _fire_text(value)]
+        elif found[0].is_flag:
+            p, primary = found
+            on = bool(value) == primary
+            argv += [p.opts[0]] if on else p.secondary_opts[:1]
+        else:
+            argv += [found[0].opts[0], _fire_text(value)]
+    return argv
+
+
+def fire_entry(command: click.Command) -> Callable[..., None]:
+    """The fire entry point of `command` (`python -m shardforge.cli.<module> ARGS`): fire's
+    arguments as that command line, run by `command` (same options, output and exit codes)."""
+
+    def do_cli(*args: Any, **kwargs: Any) -> None:
+        command.main(fire_argv(command, args, kwargs), prog_name=f"shardforge {command.name}")
+
+    do_cli.__doc__ = f"fire entry point of `shardforge {command.name}`."
+    return do_cli

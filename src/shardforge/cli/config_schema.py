@@ -7,6 +7,7 @@ import json
 
 import click
 
+from shardforge.cli._common import fire_entry, shardforge_command
 from shardforge.config import ShardforgeConfig
 
 
@@ -19,28 +20,28 @@ def do_config_schema(axolotl_table: bool = False) -> str:
     return json.dumps(ShardforgeConfig.model_json_schema(), indent=2)
 
 
-@click.command(
+@shardforge_command(
     "config-schema",
     epilog="\b\nExamples:\n  shardforge config-schema > shardforge.schema.json\n"
     "  shardforge config-schema --axolotl-table   # every Axolotl key: implemented, ignored or "
     "not supported\n",
-    help="Print the JSON schema of shardforge configs: every key, its type, default and meaning. "
-    "With --axolotl-table, print how each key of Axolotl's config is treated instead.",
+    overrides=False,
+    params=[
+        click.Option(
+            ["--axolotl-table", "--axolotl_table", "axolotl_table"],
+            is_flag=True,
+            help="Print the Axolotl compatibility table (markdown, as in docs/config.md).",
+        )
+    ],
 )
-@click.option(
-    "--axolotl-table",
-    "--axolotl_table",
-    "axolotl_table",
-    is_flag=True,
-    help="Print the Axolotl compatibility table (markdown, as in docs/config.md).",
-)
-def command(axolotl_table: bool) -> None:
-    click.echo(do_config_schema(axolotl_table), nl=not axolotl_table)
+def command(axolotl_table: bool) -> str:
+    """Print the JSON schema of shardforge configs: every key, its type, default and
+    meaning. With --axolotl-table, print how each key of Axolotl's config is treated
+    instead."""
+    return do_config_schema(axolotl_table) + ("" if axolotl_table else "\n")
 
 
-def do_cli(axolotl_table: bool = False) -> None:
-    """fire entry point: python -m shardforge.cli.config_schema [--axolotl_table]."""
-    print(do_config_schema(axolotl_table), end="" if axolotl_table else "\n")
+do_cli = fire_entry(command)
 
 
 if __name__ == "__main__":

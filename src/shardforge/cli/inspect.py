@@ -9,16 +9,7 @@ from typing import Any
 
 import click
 
-from shardforge.cli._common import (
-    OVERRIDE_CONTEXT,
-    check_options,
-    debug_option,
-    fire_overrides,
-    run_guarded,
-    setup_logging,
-    spelled_option,
-    split_debug,
-)
+from shardforge.cli._common import fire_entry, shardforge_command, spelled
 
 EPILOG = """\b
 Examples:
@@ -161,68 +152,46 @@ def do_inspect(
     return format_report(facts, show_all)
 
 
-@click.command(
+@shardforge_command(
     "inspect",
-    context_settings=OVERRIDE_CONTEXT,
     epilog=EPILOG,
-    help="Describe a sharded checkpoint without loading its weights: the layout found, the "
-    "steps available, world size, the versions that wrote it (when recorded), every model "
-    "tensor (name, dtype, global shape, bytes), parameter count and total bytes, and the "
-    "optimizer state beside or inside it. PATH_OR_CFG is a checkpoint root, a step folder, a "
-    "DCP directory, a Lightning .ckpt directory, a folder of model_world_size_W_rank_R.pt "
-    "files, or a YAML config (its output_dir is searched; config overrides may follow). "
-    "Nothing is written.",
+    params=[
+        click.Argument(["path_or_config"], metavar="PATH_OR_CFG", type=click.Path()),
+        click.Option(["--step"], type=int, help="Describe this step instead of the latest."),
+        spelled(
+            "state_dict_dirname",
+            help="The model folder inside each step, e.g. pytorch_ema_model_fsdp_0 for EMA "
+            "weights.",
+        ),
+        click.Option(
+            ["--json", "as_json"], is_flag=True, help="Print one JSON document (for scripts)."
+        ),
+        click.Option(
+            ["--all", "show_all"],
+            is_flag=True,
+            help=f"List every tensor (default: first/last {TABLE_ENDS}).",
+        ),
+    ],
 )
-@click.argument("path_or_config", metavar="PATH_OR_CFG", type=click.Path())
-@click.option("--step", type=int, default=None, help="Describe this step instead of the latest.")
-@spelled_option(
-    "state_dict_dirname",
-    default=None,
-    help="The model folder inside each step, e.g. pytorch_ema_model_fsdp_0 for EMA weights.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document (for scripts).")
-@click.option(
-    "--all", "show_all", is_flag=True, help=f"List every tensor (default: first/last {TABLE_ENDS})."
-)
-@debug_option()
-@click.pass_context
 def command(
-    ctx: click.Context,
     path_or_config: str,
     step: int | None,
     state_dict_dirname: str | None,
     as_json: bool,
     show_all: bool,
-    debug: bool,
-) -> None:
-    args, stray_debug = split_debug(list(ctx.args))
-    args = check_options(ctx, args)
-    setup_logging()
-    text = run_guarded(
-        lambda: do_inspect(path_or_config, step, args, as_json, show_all, state_dict_dirname),
-        debug or stray_debug,
-    )
-    click.echo(text, nl=False)
+    overrides: list[str],
+) -> str:
+    """Describe a sharded checkpoint without loading its weights: the layout found, the
+    steps available, world size, the versions that wrote it (when recorded), every model
+    tensor (name, dtype, global shape, bytes), parameter count and total bytes, and the
+    optimizer state beside or inside it. PATH_OR_CFG is a checkpoint root, a step folder, a
+    DCP directory, a Lightning .ckpt directory, a folder of model_world_size_W_rank_R.pt
+    files, or a YAML config (its output_dir is searched; config overrides may follow).
+    Nothing is written."""
+    return do_inspect(path_or_config, step, overrides, as_json, show_all, state_dict_dirname)
 
 
-def do_cli(
-    path_or_config: str,
-    step: int | None = None,
-    json: bool = False,
-    all: bool = False,
-    state_dict_dirname: str | None = None,
-    debug: bool = False,
-    **kwargs: Any,
-) -> None:
-    """fire entry point: python -m shardforge.cli.inspect PATH_OR_CFG [--step N] [--json]."""
-    setup_logging()
-    text = run_guarded(
-        lambda: do_inspect(
-            path_or_config, step, fire_overrides(kwargs), json, all, state_dict_dirname
-        ),
-        debug,
-    )
-    print(text, end="")
+do_cli = fire_entry(command)
 
 
 if __name__ == "__main__":

@@ -6,19 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import click
-
-from shardforge.cli._common import (
-    OVERRIDE_CONTEXT,
-    OVERRIDES_HELP,
-    check_options,
-    debug_option,
-    fire_overrides,
-    run_guarded,
-    setup_logging,
-    spelled_option,
-    split_debug,
-)
+from shardforge.cli._common import config_argument, fire_entry, load_config, shardforge_command
+from shardforge.merge.request import MergeRequest
 
 EPILOG = """\b
 Examples:
@@ -58,261 +47,45 @@ Examples:
 """
 
 
-def parse_steps(
-    value: str | int | list[int] | tuple[int, ...] | None, flag: str = "--average_steps"
-) -> list[int] | None:
-    """`--average_steps 100,200,300` (or `--steps`) -> [100, 200, 300]."""
-    if value is None or isinstance(value, list):
-        return value
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, tuple):
-        return list(value)
-    parts = [p.strip() for p in str(value).split(",") if p.strip()]
-    if not parts or not all(p.isdigit() for p in parts):
-        from shardforge.errors import MergeError
-
-        raise MergeError(f"{flag} {value!r}: expected step numbers like 100,200,300")
-    return [int(p) for p in parts]
-
-
 def do_merge_sharded_fsdp_weights(
     config: str | Path,
     output_path: str | Path | None,
     override_args: list[str] | None = None,
     **options: Any,
 ) -> Path:
-    """Load `config` (plus overrides) and run `merge_fsdp_weights` with `options`.
+    """Load `config` (plus overrides) and run `merge_fsdp_weights` with `options` (the fields
+    of `MergeRequest`, as the command line gives them: `steps="100,200"` is parsed there).
 
     The merge's byte copy gets a head start: it begins before torch is imported (torch and
     transformers take seconds to load), and the merge takes it over only when it is exactly
     what the merge would write (`shardforge.merge.overlap`)."""
-    from shardforge.config import load_cfg, parse_override_args
     from shardforge.merge.overlap import head_start
 
-    for key in ("average_steps", "steps"):
-        if key in options:
-            options[key] = parse_steps(options[key], f"--{key}")
-    overrides = parse_override_args(override_args or [])
-    cfg = load_cfg(config, command="merge", **overrides)
+    cfg = load_config(config, override_args, "merge")
     with head_start(cfg, output_path, options):
         from shardforge.merge.api import merge_fsdp_weights
 
         return merge_fsdp_weights(cfg, output_path, **options)
 
 
-@click.command(
+@shardforge_command(
     "merge-sharded-fsdp-weights",
-    context_settings=OVERRIDE_CONTEXT,
     epilog=EPILOG,
-    help="Merge the sharded FSDP checkpoint of CONFIG's run (the latest complete one under "
-    "output_dir, or --checkpoint: DCP, per-rank DTensor files of verl / LMMs-Engine, torchtitan) "
-    "into a complete Hugging Face model directory: safetensors weights + index, config.json, "
-    "generation_config.json and tokenizer (or one file with --format). Memory stays at about "
-    "one tensor per input; the output appears only when complete. " + OVERRIDES_HELP,
+    params=[config_argument()],
+    request=MergeRequest,
 )
-@click.argument("config", type=click.Path(dir_okay=False))
-@spelled_option(
-    "output_path",
-    default=None,
-    help="Directory (--format hf) or file to create; required except with --format torch "
-    "(default <model dir>.consolidated).",
-)
-@click.option(
-    "--checkpoint", default=None, help="A DCP directory or checkpoint root (default: output_dir)."
-)
-@click.option("--step", type=int, default=None, help="Merge this step instead of the latest.")
-@click.option(
-    "--dtype",
-    default=None,
-    help="Output dtype of floating tensors: bfloat16, float16, float32 or as_saved "
-    "(default: the config's torch_dtype, else as saved).",
-)
-@spelled_option(
-    "max_shard_size",
-    default=None,
-    help="Largest weights file, e.g. 5GB (default: as save_pretrained).",
-)
-@click.option("--verify", is_flag=True, help="Re-read the output and compare every tensor.")
-@spelled_option(
-    "remove_checkpoint_dir",
-    is_flag=True,
-    help="After a passed verification (implies --verify), delete the model shard files the "
-    "merge read (never optimizer or trainer state; refused where they share the files).",
-)
-@click.option("--overwrite", is_flag=True, help="Replace an existing non-empty output directory.")
-@click.option(
-    "--save-tokenizer/--no-save-tokenizer",
-    "--save_tokenizer/--no_save_tokenizer",
-    "save_tokenizer",
-    default=True,
-    help="Write the tokenizer (default: on).",
-)
-@click.option(
-    "--engine",
-    type=click.Choice(["stream", "transformers"]),
-    default="stream",
-    help="stream (bounded memory, default) or transformers (meta model + dcp.load + "
-    "save_pretrained; whole model in memory).",
-)
-@spelled_option(
-    "state_dict_dirname",
-    default=None,
-    help="The model folder inside each step, e.g. pytorch_ema_model_fsdp_0 (EMA weights).",
-)
-@spelled_option(
-    "average_last",
-    type=int,
-    default=None,
-    help="Merge the element-wise mean of the last K checkpoints (fp32 accumulation).",
-)
-@spelled_option(
-    "average_steps",
-    default=None,
-    help="Merge the element-wise mean of these steps, e.g. 100,200,300.",
-)
-@click.option(
-    "--format",
-    "output_format",
-    type=click.Choice(["hf", "safetensors", "torch"]),
-    default="hf",
-    help="hf: HF model directory (default); safetensors: one model.safetensors-format file; "
-    'torch: one torch.save file {"state_dict": ...} with CPU tensors, written one tensor at a '
-    "time.",
-)
-@spelled_option(
-    "dry_run",
-    is_flag=True,
-    help="Print the plan (inputs, output files, dtypes, bytes, free disk) and write nothing.",
-)
-@spelled_option(
-    "merge_lora",
-    is_flag=True,
-    help="For a LoRA checkpoint: write the complete model with the adapter fused in "
-    "(W + scale * B @ A, streamed) instead of a PEFT adapter directory.",
-)
-@spelled_option(
-    "all_steps",
-    is_flag=True,
-    help="Merge every checkpoint of the run, each to OUTPUT_PATH/step-N.",
-)
-@click.option(
-    "--steps",
-    default=None,
-    help="Merge these steps, e.g. 100,200, each to OUTPUT_PATH/step-N.",
-)
-@spelled_option(
-    "nproc_per_node",
-    type=int,
-    default=None,
-    help="Merge on N CPU ranks of this machine (torchrun, gloo): the output bytes are split "
-    "evenly between them.",
-)
-@click.option("--nnodes", default=None, help="Machines of a distributed merge (torchrun).")
-@spelled_option("node_rank", type=int, default=None, help="This machine's rank (torchrun).")
-@spelled_option("rdzv_endpoint", default=None, help="host:port of the rendezvous (torchrun).")
-@spelled_option("rdzv_id", default=None, help="Rendezvous id (torchrun).")
-@spelled_option("master_addr", default=None, help="Address of node 0 (torchrun).")
-@spelled_option("master_port", type=int, default=None, help="Port on node 0 (torchrun).")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-@debug_option()
-@click.pass_context
-def command(
-    ctx: click.Context,
-    config: str,
-    output_path: str | None,
-    checkpoint: str | None,
-    step: int | None,
-    dtype: str | None,
-    max_shard_size: str | None,
-    verify: bool,
-    remove_checkpoint_dir: bool,
-    overwrite: bool,
-    save_tokenizer: bool,
-    engine: str,
-    state_dict_dirname: str | None,
-    average_last: int | None,
-    average_steps: str | None,
-    output_format: str,
-    dry_run: bool,
-    merge_lora: bool,
-    all_steps: bool,
-    steps: str | None,
-    quiet: bool,
-    debug: bool,
-    **launch: Any,
-) -> None:
-    args, stray_debug = split_debug(list(ctx.args))
-    args = check_options(ctx, args)
-    setup_logging()  # --quiet hides the progress bar; the chosen checkpoint is still printed
-    out = run_guarded(
-        lambda: do_merge_sharded_fsdp_weights(
-            config,
-            output_path,
-            args,
-            save_tokenizer=save_tokenizer,
-            checkpoint=checkpoint,
-            step=step,
-            dtype=dtype,
-            max_shard_size=_shard_size(max_shard_size),
-            verify=verify,
-            remove_checkpoint_dir=remove_checkpoint_dir,
-            overwrite=overwrite,
-            engine=engine,
-            quiet=quiet,
-            state_dict_dirname=state_dict_dirname,
-            average_last=average_last,
-            average_steps=average_steps,
-            output_format=output_format,
-            dry_run=dry_run,
-            merge_lora=merge_lora,
-            all_steps=all_steps,
-            steps=steps,
-            **launch,
-        ),
-        debug or stray_debug,
-    )
-    if not dry_run:
-        click.echo(str(out))
+def command(config: str, overrides: list[str], **options: Any) -> str | None:
+    """Merge the sharded FSDP checkpoint of CONFIG's run (the latest complete one under
+    output_dir, or --checkpoint: DCP, per-rank DTensor files of verl / LMMs-Engine,
+    torchtitan) into a complete Hugging Face model directory: safetensors weights + index,
+    config.json, generation_config.json and tokenizer (or one file with --format). Memory
+    stays at about one tensor per input; the output appears only when complete."""
+    # --quiet hides the progress bar; the chosen checkpoint is still printed (on stderr)
+    out = do_merge_sharded_fsdp_weights(config, options.pop("output_path"), overrides, **options)
+    return None if options["dry_run"] else f"{out}\n"
 
 
-def _shard_size(value: str | int | None) -> str | int | None:
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
-    return value
-
-
-def do_cli(
-    config: str,
-    output_path: str | None = None,
-    debug: bool = False,
-    quiet: bool = False,
-    **kwargs: Any,
-) -> None:
-    """fire entry point: python -m shardforge.cli.merge_sharded_fsdp_weights CONFIG --output_path DIR."""
-    from shardforge.cli._common import fail
-
-    setup_logging()  # --quiet hides the progress bar; the chosen checkpoint is still printed
-    from shardforge.merge.request import OPTION_NAMES
-
-    known = set(OPTION_NAMES) - {"output_path", "quiet"}
-    kwargs = {k.replace("-", "_"): v for k, v in kwargs.items()}
-    if "format" in kwargs:
-        kwargs["output_format"] = kwargs.pop("format")
-    out_path = output_path or kwargs.pop("output_path", None)
-    if out_path is None and kwargs.get("output_format") != "torch":
-        fail("--output_path is required", 2)
-    options = {k: kwargs.pop(k) for k in list(kwargs) if k in known}
-    if "max_shard_size" in options:
-        options["max_shard_size"] = _shard_size(options["max_shard_size"])
-    out = run_guarded(
-        lambda: do_merge_sharded_fsdp_weights(
-            config, out_path, fire_overrides(kwargs), quiet=quiet, **options
-        ),
-        debug,
-    )
-    if not options.get("dry_run"):
-        print(out)
+do_cli = fire_entry(command)
 
 
 if __name__ == "__main__":

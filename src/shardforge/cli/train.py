@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import click
 
-from shardforge.cli._common import (
-    OVERRIDE_CONTEXT,
-    OVERRIDES_HELP,
-    check_options,
-    debug_option,
-    fire_overrides,
-    run_guarded,
-    setup_logging,
-    spelled_option,
-    split_debug,
-)
+from shardforge.cli._common import config_argument, fire_entry, shardforge_command, spelled
 
 EPILOG = """\b
 Examples:
@@ -47,45 +36,38 @@ def do_train(
     return launch_train(config, override_args, launcher, opts, debug)  # type: ignore[arg-type]
 
 
-@click.command(
+@shardforge_command(
     "train",
-    context_settings=OVERRIDE_CONTEXT,
     epilog=EPILOG,
-    help="Train the base model of CONFIG with FSDP2. Outside torchrun it starts torchrun itself "
-    "(one rank per GPU, or 2 CPU ranks on gloo); every problem the config has is reported "
-    "before any rank starts. Checkpoints go to output_dir/checkpoint-<step>/. " + OVERRIDES_HELP,
+    rank_logging=True,
+    params=[
+        config_argument(),
+        click.Option(
+            ["--launcher"],
+            type=click.Choice(["torchrun", "python"]),
+            default="torchrun",
+            show_default=True,
+            help="torchrun: start the ranks with torchrun; python: one rank in this process.",
+        ),
+        spelled("nproc_per_node", type=int, help="Ranks on this machine."),
+        click.Option(["--nnodes"], help="Number of machines (or MIN:MAX), passed to torchrun."),
+        spelled("node_rank", type=int, help="This machine's rank (torchrun)."),
+        spelled("rdzv_endpoint", help="host:port of the rendezvous."),
+        spelled("rdzv_backend", help="Rendezvous backend (default c10d)."),
+        spelled("rdzv_id", help="Job id shared by all machines."),
+        spelled("master_addr", help="Address of rank 0's machine (static)."),
+        spelled("master_port", type=int, help="Port on rank 0's machine."),
+        spelled("max_restarts", type=int, help="Restarts torchrun may make."),
+    ],
 )
-@click.argument("config", type=click.Path(dir_okay=False))
-@click.option(
-    "--launcher",
-    type=click.Choice(["torchrun", "python"]),
-    default="torchrun",
-    show_default=True,
-    help="torchrun: start the ranks with torchrun; python: one rank in this process.",
-)
-@spelled_option("nproc_per_node", type=int, help="Ranks on this machine.")
-@click.option("--nnodes", help="Number of machines (or MIN:MAX), passed to torchrun.")
-@spelled_option("node_rank", type=int, help="This machine's rank (torchrun).")
-@spelled_option("rdzv_endpoint", help="host:port of the rendezvous.")
-@spelled_option("rdzv_backend", help="Rendezvous backend (default c10d).")
-@spelled_option("rdzv_id", help="Job id shared by all machines.")
-@spelled_option("master_addr", help="Address of rank 0's machine (static).")
-@spelled_option("master_port", type=int, help="Port on rank 0's machine.")
-@spelled_option("max_restarts", type=int, help="Restarts torchrun may make.")
-@debug_option()
-@click.pass_context
-def command(ctx: click.Context, config: str, launcher: str, debug: bool, **launch: Any) -> None:
-    args, stray_debug = split_debug(list(ctx.args))
-    args = check_options(ctx, args)
-    setup_logging(quiet=os.environ.get("RANK", "0") != "0")
-    debug = debug or stray_debug
-    run_guarded(lambda: do_train(config, args, launcher, debug, **launch), debug)
+def command(config: str, launcher: str, overrides: list[str], debug: bool, **launch: Any) -> None:
+    """Train the base model of CONFIG with FSDP2. Outside torchrun it starts torchrun itself
+    (one rank per GPU, or 2 CPU ranks on gloo); every problem the config has is reported
+    before any rank starts. Checkpoints go to output_dir/checkpoint-<step>/."""
+    do_train(config, overrides, launcher, debug, **launch)
 
 
-def do_cli(config: str, launcher: str = "torchrun", debug: bool = False, **kwargs: Any) -> None:
-    """fire entry point: python -m shardforge.cli.train CONFIG [--key value ...]."""
-    setup_logging(quiet=os.environ.get("RANK", "0") != "0")
-    run_guarded(lambda: do_train(config, fire_overrides(kwargs), launcher, debug), debug)
+do_cli = fire_entry(command)
 
 
 if __name__ == "__main__":

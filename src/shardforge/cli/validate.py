@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import click
 import yaml
 
-from shardforge.cli._common import (
-    OVERRIDE_CONTEXT,
-    OVERRIDES_HELP,
-    check_options,
-    debug_option,
-    fire_overrides,
-    run_guarded,
-    setup_logging,
-    split_debug,
-)
-from shardforge.config import load_cfg, parse_override_args
+from shardforge.cli._common import config_argument, fire_entry, load_config, shardforge_command
 
 EPILOG = """\b
 Examples:
@@ -40,45 +29,33 @@ def do_validate(
     train: every key, and Axolotl keys for features train lacks are errors; merge / inspect:
     only the keys that command reads (any Axolotl config passes).
     """
-    overrides = parse_override_args(override_args or [])
-    cfg = load_cfg(config, command=for_command, **overrides)
+    cfg = load_config(config, override_args, for_command)
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
-@click.command(
+@shardforge_command(
     "validate",
-    context_settings=OVERRIDE_CONTEXT,
     epilog=EPILOG,
-    help="Validate CONFIG for a command and print it with all defaults resolved (for merge and "
-    "inspect: only the keys they read). Exit 0 when valid, 2 when not (every problem is "
-    "listed). Axolotl configs are accepted: keys with no effect are named in a notice; for "
-    "train, keys of features it does not support are errors. " + OVERRIDES_HELP,
+    params=[
+        config_argument(),
+        click.Option(
+            ["--for", "for_command"],
+            type=click.Choice(FOR_COMMANDS),
+            default="train",
+            show_default=True,
+            help="The command the config is checked for.",
+        ),
+    ],
 )
-@click.argument("config", type=click.Path(dir_okay=False))
-@click.option(
-    "--for",
-    "for_command",
-    type=click.Choice(FOR_COMMANDS),
-    default="train",
-    show_default=True,
-    help="The command the config is checked for.",
-)
-@debug_option()
-@click.pass_context
-def command(ctx: click.Context, config: str, for_command: str, debug: bool) -> None:
-    args, stray_debug = split_debug(list(ctx.args))
-    setup_logging()
-    args = check_options(ctx, args)
-    text = run_guarded(lambda: do_validate(config, args, for_command), debug or stray_debug)
-    click.echo(text, nl=False)
+def command(config: str, for_command: str, overrides: list[str]) -> str:
+    """Validate CONFIG for a command and print it with all defaults resolved (for merge and
+    inspect: only the keys they read). Exit 0 when valid, 2 when not (every problem is
+    listed). Axolotl configs are accepted: keys with no effect are named in a notice; for
+    train, keys of features it does not support are errors."""
+    return do_validate(config, overrides, for_command)
 
 
-def do_cli(config: str, debug: bool = False, **kwargs: Any) -> None:
-    """fire entry point: python -m shardforge.cli.validate CONFIG [--for merge] [--key value]."""
-    setup_logging()
-    for_command = str(kwargs.pop("for", "train"))
-    text = run_guarded(lambda: do_validate(config, fire_overrides(kwargs), for_command), debug)
-    print(text, end="")
+do_cli = fire_entry(command)
 
 
 if __name__ == "__main__":

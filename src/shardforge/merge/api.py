@@ -76,7 +76,7 @@ from shardforge.merge.plan import (
 )
 from shardforge.merge.plan_report import describe_plan
 from shardforge.merge.remove import RemovalPlan, plan_removal, remove_shards
-from shardforge.merge.request import OUTPUT_FORMATS, Engine, MergeRequest
+from shardforge.merge.request import OUTPUT_FORMATS, MergeRequest, merge_keywords
 from shardforge.merge.sinks.hf_dir import write_index, write_plan
 from shardforge.merge.sinks.torch_file import verify_torch_file, write_torch_file
 from shardforge.merge.verify import verify_output
@@ -364,118 +364,26 @@ def _default_output(prep: _Prepared) -> Path:
     return Path(str(model_dir) + CONSOLIDATED_SUFFIX).absolute()
 
 
+@merge_keywords  # its keywords, signature and docstring: MergeRequest's fields
 def merge_fsdp_weights(
     cfg: Any,
     output_path: str | Path | None = None,
     save_tokenizer: bool = True,
-    *,
-    checkpoint: str | Path | None = None,
-    step: int | None = None,
-    dtype: str | torch.dtype | None = None,
-    max_shard_size: int | str | None = None,
-    verify: bool = False,
-    remove_checkpoint_dir: bool = False,
-    overwrite: bool = False,
-    engine: Engine = "stream",
-    quiet: bool = False,
-    state_dict_dirname: str | None = None,
-    average_last: int | None = None,
-    average_steps: list[int] | None = None,
-    output_format: str = "hf",
-    dry_run: bool = False,
-    merge_lora: bool = False,
-    nproc_per_node: int | None = None,
-    nnodes: str | None = None,
-    node_rank: int | None = None,
-    rdzv_endpoint: str | None = None,
-    rdzv_id: str | None = None,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-    all_steps: bool = False,
-    steps: list[int] | None = None,
+    **options: Any,
 ) -> Path:
-    """Merge a sharded FSDP checkpoint (DCP, per-rank DTensor files, torchtitan) into a
-    Hugging Face model directory, or one safetensors / torch file.
-
-    Args:
-        cfg: the config (``load_cfg`` result, path, mapping or ``ShardforgeConfig``); its
-            ``output_dir`` is searched for the latest complete checkpoint and its
-            ``base_model`` / ``base_model_config`` / ``tokenizer_config`` give the architecture,
-            config and tokenizer.
-        output_path: directory (``hf``) or file (``safetensors``, ``torch``) to create, written
-            as a temporary sibling and renamed at the end; for ``torch`` default
-            ``<model dir>.consolidated``.
-        save_tokenizer: also write the tokenizer (with its chat template; ``hf`` only).
-        checkpoint: a checkpoint directory or root to use instead of ``cfg.output_dir``.
-        step: pick this step instead of the latest.
-        dtype: output dtype of floating tensors (``bfloat16``, ``float16``, ``float32`` or
-            ``as_saved``); default the config's ``dtype``/``torch_dtype``, else as saved.
-        max_shard_size: largest safetensors file (``"5GB"``, bytes); default as save_pretrained.
-        verify: re-read the output and compare every tensor with the checkpoint.
-        remove_checkpoint_dir: after a passed verification (implies ``verify``), delete the
-            model shard files the merge read (DCP ``.metadata`` and the ``.distcp`` files it
-            names, or the ``model_world_size_W_rank_R.pt`` files) and their folder if then
-            empty; each removed file is logged. Refused before merging when optimizer or
-            trainer state shares those files (torchtitan, Lightning, a model + optimizer DCP)
-            or when they are reached through a symbolic link.
-        overwrite: replace an existing output.
-        engine: ``stream`` (bounded memory) or ``transformers`` (meta model, ``dcp.load``,
-            ``save_pretrained``; holds the whole model in memory; plain DCP, ``hf`` only).
-        quiet: no progress bar.
-        state_dict_dirname: the model folder inside each step (e.g. ``pytorch_ema_model_fsdp_0``).
-        average_last: merge the element-wise mean of the last K checkpoints.
-        average_steps: merge the element-wise mean of these steps' checkpoints.
-        output_format: ``hf`` (directory), ``safetensors`` (one file) or ``torch`` (one
-            ``{"state_dict": ...}`` file).
-        dry_run: check and plan everything, print the plan to stdout, write nothing.
-        merge_lora: for a LoRA checkpoint, write the complete model with the adapter fused in
-            (``W + scale * B @ A`` in float32, streamed) instead of a PEFT adapter directory.
-
-    Returns:
-        The output path.
-
-    Raises:
-        CheckpointError: the checkpoint cannot be found, read or trusted.
-        MergeError: mismatch with the architecture, existing output, no disk space, failed
-            verification.
-    """
-    request = MergeRequest(
-        output_path=Path(output_path) if output_path is not None else None,
-        save_tokenizer=save_tokenizer,
-        checkpoint=checkpoint,
-        step=step,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        verify=verify,
-        remove_checkpoint_dir=remove_checkpoint_dir,
-        overwrite=overwrite,
-        engine=engine,
-        quiet=quiet,
-        state_dict_dirname=state_dict_dirname,
-        average_last=average_last,
-        average_steps=tuple(average_steps or ()),
-        output_format=output_format,
-        dry_run=dry_run,
-        merge_lora=merge_lora,
-        nproc_per_node=nproc_per_node,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_id=rdzv_id,
-        master_addr=master_addr,
-        master_port=master_port,
-        all_steps=all_steps,
-        steps=tuple(steps or ()),
-    )  # every option conflict is refused here, before anything is read
+    # every option conflict is refused here, before anything is read
+    out = Path(output_path) if output_path is not None else None
+    request = MergeRequest(output_path=out, save_tokenizer=save_tokenizer, **options)
+    on_ranks = _in_process_group(request)
     config = coerce_cfg(cfg, command="merge")
     if request.per_step:
         return _merge_steps(config, request)
-    if request.distributed and not _in_process_group():
+    if on_ranks:
+        return merge_on_ranks(config, request)
+    if request.distributed:
         from shardforge.merge.launch import launch_merge
 
         return launch_merge(config, request)
-    if _in_process_group():
-        return merge_on_ranks(config, request)
     return run_merge(config, request)
 
 
@@ -506,8 +414,11 @@ def _merge_steps(config: ShardforgeConfig, request: MergeRequest) -> Path:
     if not request.dry_run:
         out.mkdir(parents=True, exist_ok=True)
     log.info("merging %d steps to %s: %s", len(wanted), out, ", ".join(map(str, wanted)))
+    on_ranks = _in_process_group(request)
     for r in requests:
-        if r.distributed and not _in_process_group():
+        if on_ranks:
+            merge_on_ranks(config, r)
+        elif r.distributed:
             from shardforge.merge.launch import launch_merge
 
             launch_merge(config, r)
@@ -516,10 +427,26 @@ def _merge_steps(config: ShardforgeConfig, request: MergeRequest) -> Path:
     return out
 
 
-def _in_process_group() -> bool:
+def _in_process_group(request: MergeRequest) -> bool:
+    """Whether the merge runs on the ranks of the caller's process group: only when asked
+    (`group=`). A process group alone is no such request: a merge called on the main process
+    only (`if is_main_process: merge_fsdp_weights(...)`) merges there, instead of waiting for
+    the other ranks until the group's timeout."""
+    if request.group is None:
+        return False
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not (dist.is_available() and dist.is_initialized()):
+        raise MergeError(
+            "group=: no torch.distributed process group is initialised; call "
+            "dist.init_process_group first, or leave group out to merge in this process"
+        )
+    if request.group is not dist.group.WORLD:
+        raise MergeError(
+            "group=: a merge runs on the default process group (torch.distributed.group.WORLD) "
+            "only; leave group out to merge in this process"
+        )
+    return True
 
 
 def merge_on_ranks(config: ShardforgeConfig, request: MergeRequest) -> Path:

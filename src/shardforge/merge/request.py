@@ -1,16 +1,42 @@
 """One merge's options as a typed value, checked for conflicts when it is made: before the
-merge reads or writes anything."""
+merge reads or writes anything.
+
+`MergeRequest` is the only list of the merge's options: the command line's options and
+`--help` (`shardforge.cli.merge_sharded_fsdp_weights`), the keywords, signature and docstring of
+`merge_fsdp_weights` and the table of docs/merge-options.md derive from its fields
+(`shardforge.merge.options`). Every problem of a request is reported at once, in one error.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from shardforge.errors import MergeError
+from shardforge.merge.options import (
+    TORCHRUN,
+    check_keywords,
+    docstring_args,
+    flag,
+    one_error,
+    option,
+    option_fields,
+    option_of,
+    parse_fields,
+    parse_path,
+    parse_size,
+    parse_steps,
+    parse_text,
+    signature,
+)
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed import ProcessGroup
 
 Engine = Literal["stream", "transformers"]
 ENGINES: tuple[str, ...] = ("stream", "transformers")
@@ -20,42 +46,216 @@ OUTPUT_FORMATS: tuple[str, ...] = ("hf", "safetensors", "torch")
 
 @dataclass(frozen=True)
 class MergeRequest:
-    """What to merge and how (see `merge_fsdp_weights` for each option's meaning)."""
+    """What to merge and how: one field per option (its help text in `option(...)`)."""
 
-    output_path: Path | None = None
-    save_tokenizer: bool = True
-    checkpoint: str | Path | None = None
-    step: int | None = None
-    dtype: str | torch.dtype | None = None
-    max_shard_size: int | str | None = None
-    verify: bool = False
-    remove_checkpoint_dir: bool = False
-    overwrite: bool = False
-    engine: Engine = "stream"
-    quiet: bool = False
-    state_dict_dirname: str | None = None
-    average_last: int | None = None
-    average_steps: tuple[int, ...] = ()
-    output_format: str = "hf"
-    dry_run: bool = False
-    merge_lora: bool = False
+    output_path: Path | None = field(
+        default=None,
+        metadata=option(
+            "Directory (--format hf) or file (--format safetensors/torch) to create, written as a "
+            "temporary sibling and renamed when complete; required except with --format torch "
+            "(default <model dir>.consolidated).",
+            metavar="PATH",
+            parse=parse_path,
+            annotation="str | Path | None",
+        ),
+    )
+    save_tokenizer: bool = flag(
+        "Write the tokenizer with its chat template (default: on; --format hf only).", default=True
+    )
+    checkpoint: str | Path | None = field(
+        default=None,
+        metadata=option(
+            "A checkpoint to merge instead of the config's output_dir: a DCP directory, a folder "
+            "of rank files, a step folder or a checkpoint root.",
+            metavar="PATH",
+            doc="How the checkpoint is picked: [merge.md](merge.md#which-checkpoint).",
+        ),
+    )
+    step: int | None = field(
+        default=None,
+        metadata=option("Merge this step instead of the latest.", type=int, metavar="N"),
+    )
+    dtype: str | torch.dtype | None = field(
+        default=None,
+        metadata=option(
+            "Output dtype of floating tensors: bfloat16, float16, float32 or as_saved (default: "
+            "the config's dtype/torch_dtype, else as saved).",
+            metavar="DTYPE",
+            doc="Also `bf16`, `fp16`, `fp32`. Cast while streaming; integer tensors are never cast.",
+        ),
+    )
+    max_shard_size: int | str | None = field(
+        default=None,
+        metadata=option(
+            "Largest safetensors file, e.g. 5GB, or bytes (default: as save_pretrained).",
+            metavar="SIZE",
+            parse=parse_size,
+            doc="Decimal units (`5GB`, `500MB`), greedy in the order `save_pretrained` uses, so "
+            "files and index are the ones `save_pretrained` writes (its default is 50GB in "
+            "transformers 5.x). Refused with `--format safetensors/torch`.",
+        ),
+    )
+    verify: bool = flag(
+        "Re-read the output and compare every tensor with the checkpoint.",
+        doc="Both are read by other code than the merge's: the output by the safetensors "
+        "library, the checkpoint by torch (cast the same way); every record's CRC-32 is "
+        "checked too (see [merge.md](merge.md#verification-another-reader)).",
+    )
+    remove_checkpoint_dir: bool = flag(
+        "After a passed verification (implies --verify), delete the model shard files the "
+        "merge read (never optimizer or trainer state; refused where they share the files).",
+        doc="See [merge.md](merge.md#removing-the-shards).",
+    )
+    overwrite: bool = flag("Replace an existing output (only once the new one is complete).")
+    engine: Engine = field(
+        default="stream",
+        metadata=option(
+            "stream (bounded memory, default) or transformers (meta model + dcp.load + "
+            "save_pretrained; whole model in memory; plain DCP, --format hf only).",
+            choices=ENGINES,
+            doc="The literal path: a meta-device model, `to_empty`, `dcp.load` (through the safe "
+            "metadata reader), `save_pretrained`; it writes the same tensors.",
+        ),
+    )
+    quiet: bool = flag("No progress bar.")
+    state_dict_dirname: str | None = field(
+        default=None,
+        metadata=option(
+            "The model folder inside each step, e.g. pytorch_ema_model_fsdp_0 (EMA weights).",
+            metavar="NAME",
+        ),
+    )
+    average_last: int | None = field(
+        default=None,
+        metadata=option(
+            "Merge the element-wise mean of the last K checkpoints (fp32 accumulation).",
+            type=int,
+            metavar="K",
+        ),
+    )
+    average_steps: Sequence[int] = field(
+        default=(),
+        metadata=option(
+            "Merge the element-wise mean of these steps, e.g. 100,200,300 (in Python a list).",
+            metavar="STEPS",
+            parse=parse_steps,
+        ),
+    )
+    output_format: str = field(
+        default="hf",
+        metadata=option(
+            "hf: a Hugging Face model directory (default); safetensors: one model.safetensors-"
+            'format file; torch: one torch.save file {"state_dict": ...} with CPU tensors, '
+            "written one tensor at a time.",
+            cli_name="format",
+            choices=OUTPUT_FORMATS,
+        ),
+    )
+    dry_run: bool = flag(
+        "Print the plan (inputs, output files, dtypes, bytes, free disk) and write nothing."
+    )
+    merge_lora: bool = flag(
+        "For a LoRA checkpoint: write the complete model with the adapter fused in "
+        "(W + scale * B @ A, streamed) instead of a PEFT adapter directory.",
+        doc="See [lora.md](lora.md).",
+    )
     # every step of the run (or these steps), each to <output_path>/step-N
-    all_steps: bool = False
-    steps: tuple[int, ...] = ()
+    all_steps: bool = flag(
+        "Merge every checkpoint of the run, each to OUTPUT_PATH/step-N.",
+        doc="See [merge.md](merge.md#every-step-of-a-run---all_steps----steps).",
+    )
+    steps: Sequence[int] = field(
+        default=(),
+        metadata=option(
+            "Merge these steps, e.g. 100,200 (in Python a list), each to OUTPUT_PATH/step-N as "
+            "--all_steps does with every step.",
+            metavar="STEPS",
+            parse=parse_steps,
+        ),
+    )
     # a distributed merge: torchrun's options, passed through (gloo, CPU ranks)
-    nproc_per_node: int | None = None
-    nnodes: str | None = None
-    node_rank: int | None = None
-    rdzv_endpoint: str | None = None
-    rdzv_id: str | None = None
-    master_addr: str | None = None
-    master_port: int | None = None
+    nproc_per_node: int | None = field(
+        default=None,
+        metadata=option(
+            "Merge on N CPU ranks of this machine (gloo): the output bytes are split evenly "
+            "between them.",
+            type=int,
+            metavar="N",
+            group=TORCHRUN,
+            doc="See [merge.md](merge.md#on-several-ranks-and-machines---nproc_per_node); "
+            "with the options below, a merge over several machines on a shared file system.",
+        ),
+    )
+    nnodes: str | None = field(
+        default=None,
+        metadata=option(
+            "Machines of a distributed merge.",
+            metavar="N",
+            parse=parse_text,
+            group=TORCHRUN,
+        ),
+    )
+    node_rank: int | None = field(
+        default=None,
+        metadata=option("This machine's rank.", type=int, metavar="R", group=TORCHRUN),
+    )
+    rdzv_endpoint: str | None = field(
+        default=None,
+        metadata=option("host:port of the rendezvous.", metavar="HOST:PORT", group=TORCHRUN),
+    )
+    rdzv_id: str | None = field(
+        default=None, metadata=option("Rendezvous id.", metavar="ID", group=TORCHRUN)
+    )
+    master_addr: str | None = field(
+        default=None,
+        metadata=option("Address of node 0.", metavar="HOST", group=TORCHRUN),
+    )
+    master_port: int | None = field(
+        default=None,
+        metadata=option("Port on node 0.", type=int, metavar="PORT", group=TORCHRUN),
+    )
+    group: ProcessGroup | None = field(
+        default=None,
+        compare=False,
+        metadata=option(
+            "Merge on the ranks of this initialised torch.distributed process group (the default "
+            "group, torch.distributed.group.WORLD), every rank of it calling merge_fsdp_weights. "
+            "Without it the merge runs in this process alone, also inside a process group (as "
+            "`if is_main_process: merge_fsdp_weights(...)` does).",
+            cli=False,
+        ),
+    )
 
     def __post_init__(self) -> None:
-        if self.output_path is not None:
-            object.__setattr__(self, "output_path", Path(self.output_path).absolute())
-        object.__setattr__(self, "average_steps", tuple(self.average_steps or ()))
-        object.__setattr__(self, "steps", tuple(self.steps or ()))
+        problems = parse_fields(self)
+        problems += self._value_problems()
+        problems += self._step_problems()
+        problems += self._rank_problems()
+        if problems:
+            raise one_error(problems, "conflicting merge options")
+
+    def _value_problems(self) -> list[str]:
+        """Each value alone, and the output's options together."""
+        problems = []
+        if self.engine not in ENGINES:
+            problems.append(f"--engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
+        if self.output_format not in OUTPUT_FORMATS:
+            problems.append(
+                f"--format {self.output_format!r}: expected one of {', '.join(OUTPUT_FORMATS)}"
+            )
+        elif self.output_path is None and self.output_format != "torch":
+            problems.append(f"--output_path is required with --format {self.output_format}")
+        if self.engine == "transformers" and (self.output_format != "hf" or self.averaging):
+            problems.append("--engine transformers writes --format hf of one checkpoint only")
+        if self.single_file and self.max_shard_size is not None:
+            problems.append(f"--max_shard_size does not apply to --format {self.output_format}")
+        if self.average_last is not None and self.average_last < 1:
+            problems.append(f"--average_last {self.average_last}: expected a count of at least 1")
+        return problems
+
+    def _step_problems(self) -> list[str]:
+        """Which checkpoints: one step, an average, or every step to its own folder."""
+        problems = []
         if self.per_step:
             clash = [
                 flag
@@ -69,52 +269,51 @@ class MergeRequest:
                 if on
             ]
             if clash:
-                raise MergeError(
+                problems.append(
                     f"--all_steps / --steps merge each step to <output_path>/step-N; they "
                     f"cannot be combined with {', '.join(clash)}"
                 )
             if len(set(self.steps)) != len(self.steps):
-                raise MergeError("--steps: a step is listed twice")
-        if self.engine not in ENGINES:
-            raise MergeError(f"--engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
-        if self.output_format not in OUTPUT_FORMATS:
-            raise MergeError(
-                f"--format {self.output_format!r}: expected one of {', '.join(OUTPUT_FORMATS)}"
-            )
-        if self.engine != "stream" and (self.output_format != "hf" or self.averaging):
-            raise MergeError("--engine transformers writes --format hf of one checkpoint only")
+                problems.append("--steps: a step is listed twice")
         if self.remove_checkpoint_dir and self.averaging:
-            raise MergeError("--remove_checkpoint_dir cannot be combined with averaging")
-        if self.single_file and self.max_shard_size is not None:
-            raise MergeError(f"--max_shard_size does not apply to --format {self.output_format}")
-        if self.output_path is None and self.output_format != "torch":
-            raise MergeError(f"--output_path is required with --format {self.output_format}")
-        if self.average_last is not None and self.average_last < 1:
-            raise MergeError(f"--average_last {self.average_last}: expected a count of at least 1")
+            problems.append("--remove_checkpoint_dir cannot be combined with averaging")
         if self.average_last is not None and self.average_steps:
-            raise MergeError("give --average_last or --average_steps, not both")
+            problems.append("give --average_last or --average_steps, not both")
         if len(set(self.average_steps)) != len(self.average_steps):
-            raise MergeError("--average_steps: a step is listed twice")
-        if self.distributed:
-            if self.nproc_per_node is not None and self.nproc_per_node < 1:
-                raise MergeError(f"--nproc_per_node {self.nproc_per_node}: expected 1 or more")
-            what = [
-                flag
-                for flag, on in (
-                    ("--engine transformers", self.engine != "stream"),
-                    (f"--format {self.output_format}", self.single_file),
-                    ("--remove_checkpoint_dir", self.remove_checkpoint_dir),
-                    ("--dry_run", self.dry_run),
-                )
-                if on
-            ]
-            if what:
-                raise MergeError(
-                    f"a distributed merge (--nproc_per_node/--nnodes) writes --format hf with "
-                    f"the stream engine; drop {', '.join(what)} or merge on one rank"
-                )
+            problems.append("--average_steps: a step is listed twice")
         if self.step is not None and self.averaging:
-            raise MergeError("--step picks one checkpoint; with averaging list --average_steps")
+            problems.append("--step picks one checkpoint; with averaging list --average_steps")
+        return problems
+
+    def _rank_problems(self) -> list[str]:
+        """A merge on several ranks: started by the launcher, or on the caller's group."""
+        problems = []
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            problems.append(f"--nproc_per_node {self.nproc_per_node}: expected 1 or more")
+        if self.group is not None and self.distributed:
+            problems.append(
+                "group= merges on the ranks of a running process group; --nproc_per_node/"
+                "--nnodes start new ones: give one or the other"
+            )
+        if not (self.distributed or self.group is not None):
+            return problems
+        what = [
+            flag
+            for flag, on in (
+                ("--engine transformers", self.engine != "stream"),
+                (f"--format {self.output_format}", self.single_file),
+                ("--remove_checkpoint_dir", self.remove_checkpoint_dir),
+                ("--dry_run", self.dry_run),
+            )
+            if on
+        ]
+        if what:
+            how = "(--nproc_per_node/--nnodes)" if self.distributed else "on a process group"
+            problems.append(
+                f"a distributed merge {how} writes --format hf with the stream engine; drop "
+                f"{', '.join(what)} or merge on one rank"
+            )
+        return problems
 
     @property
     def per_step(self) -> bool:
@@ -142,4 +341,93 @@ class MergeRequest:
 
 
 # the option names the CLI and `merge_fsdp_weights` pass through (besides the config)
-OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(MergeRequest))
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in option_fields(MergeRequest))
+
+MERGE_DOC = """Merge a sharded FSDP checkpoint (DCP, per-rank DTensor files, torchtitan) into a
+Hugging Face model directory, or one safetensors / torch file.
+
+    merge_fsdp_weights(load_cfg("cfg.yml"), "out/merged", verify=True, dtype="bfloat16")
+
+The keywords are the options of `shardforge merge-sharded-fsdp-weights`; every conflict
+between them is reported at once, before anything is read.
+
+Args:
+    cfg: the config (``load_cfg`` result, path, mapping or ``ShardforgeConfig``); its
+        ``output_dir`` is searched for the latest complete checkpoint and its ``base_model`` /
+        ``base_model_config`` / ``tokenizer_config`` give the architecture, config and
+        tokenizer.
+{args}
+
+Returns:
+    The output path.
+
+Raises:
+    CheckpointError: the checkpoint cannot be found, read or trusted.
+    MergeError: conflicting options, mismatch with the architecture, existing output, no disk
+        space, failed verification.
+    TypeError: an unknown keyword (with the option it resembles).
+"""
+
+
+def merge_keywords(merge: Callable[..., Path]) -> Callable[..., Path]:
+    """`merge(cfg, output_path=None, save_tokenizer=True, **options)` with MergeRequest's
+    fields as its keywords: an unknown one is a TypeError naming it (and the option it
+    resembles), and `help()` and IDEs show every option with its default and help text."""
+
+    @functools.wraps(merge)
+    def checked(cfg: Any, *args: Any, **options: Any) -> Path:
+        check_keywords(MergeRequest, options, merge.__name__)
+        return merge(cfg, *args, **options)
+
+    positional = ("output_path", "save_tokenizer")
+    cfg = inspect.Parameter("cfg", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="Any")
+    checked.__signature__ = signature(MergeRequest, [cfg], positional, "Path")  # type: ignore[attr-defined]
+    checked.__doc__ = MERGE_DOC.format(args=docstring_args(MergeRequest, indent="    "))
+    return checked
+
+
+def _as_merge(name: str, **changes: Any) -> Any:
+    """The metadata of MergeRequest's option `name`: the same option, in the same words but
+    for `changes` (Option's fields)."""
+    same = option_of(MergeRequest.__dataclass_fields__[name])
+    return option(**{**dataclasses.asdict(same), "doc": "", **changes})
+
+
+@dataclass(frozen=True)
+class LoraMergeRequest:
+    """The options of `shardforge merge-lora`: `shardforge.merge.lora.merge_lora`'s keywords."""
+
+    lora_model_dir: str | Path | None = field(
+        default=None,
+        metadata=option(
+            "The PEFT adapter directory (default: the config's lora_model_dir, else output_dir).",
+            metavar="DIR",
+        ),
+    )
+    output_path: str | Path | None = field(
+        default=None,
+        metadata=_as_merge(
+            "output_path", help="Directory to create (default <output_dir>/merged, as Axolotl)."
+        ),
+    )
+    dtype: str | torch.dtype | None = field(
+        default=None,
+        metadata=_as_merge(
+            "dtype",
+            help="Output dtype of floating tensors: bfloat16, float16, float32 or as_saved "
+            "(default: the base config's dtype, else as the base model stores them).",
+        ),
+    )
+    max_shard_size: int | str | None = field(default=None, metadata=_as_merge("max_shard_size"))
+    verify: bool = flag(
+        "Re-read the output and compare every tensor with the base model and adapter read "
+        "by the safetensors library and fused again."
+    )
+    overwrite: bool = field(default=False, metadata=_as_merge("overwrite"))
+    save_tokenizer: bool = flag("Write the tokenizer (default: on).", default=True)
+    quiet: bool = field(default=False, metadata=_as_merge("quiet"))
+
+    def __post_init__(self) -> None:
+        problems = parse_fields(self)
+        if problems:
+            raise one_error(problems, "conflicting merge-lora options")
