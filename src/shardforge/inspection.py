@@ -24,6 +24,7 @@ from shardforge.formats.dcp.format import DISTCP_FILE, state_summary
 from shardforge.formats.dcp.metadata import METADATA_FILE, read_metadata
 from shardforge.formats.rankfiles.names import parse_rank_name
 from shardforge.formats.registry import detect
+from shardforge.io.copy import fact_session
 from shardforge.layouts.catalog import resolve_checkpoint, scan
 from shardforge.layouts.layout import LAST, OPTIMIZER_DIRS, Candidate, format_of, is_step_folder
 
@@ -346,8 +347,9 @@ def inspect_checkpoint(
     """Describe the checkpoint at `path` (the latest under it, or `step`; the model folder
     `state_dict_dirname` inside each step when given) without writing or loading any weights;
     CheckpointError when there is none or it is unreadable."""
-    chosen, cands = locate(path, step, state_dict_dirname)
-    contents = _with_recorded(read_contents(chosen.model_dir), chosen.model_dir)
+    with fact_session():  # the folder is scanned, its .metadata read, once
+        chosen, cands = locate(path, step, state_dict_dirname)
+        contents = _with_recorded(read_contents(chosen.model_dir), chosen.model_dir)
     fact = _step_fact(chosen)
     return Inspection(
         source=source if source is not None else str(path),

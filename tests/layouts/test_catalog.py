@@ -102,6 +102,39 @@ def test_lightning_step_from_meta_pt_read_safely(tmp_path: Path) -> None:
     assert not (tmp_path / "marker").exists()
 
 
+def test_several_lightning_last_folders_are_ordered_by_meta_pt_or_refused(tmp_path: Path) -> None:
+    """Bug: `last.ckpt` and `last-v1.ckpt` both sort as "last"; the first found was taken."""
+    import torch
+
+    ckpts = tmp_path / "checkpoints"
+    torch.save({"global_step": 40}, dcp_dir(ckpts / "last.ckpt") / "meta.pt")
+    torch.save({"global_step": 90}, dcp_dir(ckpts / "last-v1.ckpt") / "meta.pt")
+    assert resolve_checkpoint(tmp_path).model_dir.name == "last-v1.ckpt"
+    torch.save({"global_step": 90}, ckpts / "last.ckpt" / "meta.pt")  # the same step: no answer
+    with pytest.raises(CheckpointError, match="2 checkpoints are the latest") as info:
+        resolve_checkpoint(tmp_path)
+    assert sorted(d.split("/")[-1].split(" ")[0] for d in info.value.details) == [
+        "last-v1.ckpt",
+        "last.ckpt",
+    ]
+    assert "--checkpoint" in info.value.message
+
+
+def test_a_step_in_two_layouts_is_refused_not_picked_by_table_order(tmp_path: Path) -> None:
+    """Bug: checkpoint-5 holding both our model/ and HF Trainer's pytorch_model_fsdp_0/ was
+    merged from whichever layout came first in the table."""
+    dcp_dir(tmp_path / "checkpoint-5" / "model")
+    (tmp_path / "checkpoint-5" / "trainer_state.json").write_text("{}")
+    dcp_dir(tmp_path / "checkpoint-5" / "pytorch_model_fsdp_0")
+    for step in (None, 5):
+        with pytest.raises(CheckpointError, match="2 checkpoints are") as info:
+            resolve_checkpoint(tmp_path, step=step)
+        assert {d.split("(")[-1] for d in info.value.details} == {"shardforge)", "hf-trainer)"}
+    # naming the model folder settles it
+    got = resolve_checkpoint(tmp_path, state_dict_dirname="pytorch_model_fsdp_0")
+    assert got.model_dir.name == "pytorch_model_fsdp_0"
+
+
 def test_a_full_model_directory_is_explained(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")

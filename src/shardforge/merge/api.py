@@ -31,7 +31,7 @@ from shardforge.formats.base import NamedSource
 from shardforge.formats.dcp.source import DcpSource
 from shardforge.formats.registry import DCP, open_checkpoint
 from shardforge.formats.sources import FusedLoraSource, TensorSource, average
-from shardforge.io.copy import ReadCache
+from shardforge.io.copy import ReadCache, fact_session
 from shardforge.io.publish import (
     atomic_directory,
     atomic_file,
@@ -374,8 +374,14 @@ def merge_fsdp_weights(
     # every option conflict is refused here, before anything is read
     out = Path(output_path) if output_path is not None else None
     request = MergeRequest(output_path=out, save_tokenizer=save_tokenizer, **options)
-    on_ranks = _in_process_group(request)
     config = coerce_cfg(cfg, command="merge")
+    # the run is scanned, and each .metadata and record parsed, once (head start included)
+    with fact_session():
+        return _dispatch(config, request)
+
+
+def _dispatch(config: ShardforgeConfig, request: MergeRequest) -> Path:
+    on_ranks = _in_process_group(request)
     if request.per_step:
         return _merge_steps(config, request)
     if on_ranks:

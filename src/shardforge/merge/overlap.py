@@ -51,7 +51,15 @@ from shardforge.config.schema import ShardforgeConfig
 from shardforge.formats.dcp.chunks import entry_slabs
 from shardforge.formats.dcp.metadata import TensorEntry, read_metadata
 from shardforge.formats.registry import DCP
-from shardforge.io.copy import CopyJob, FileSlab, ReadCache, copy_jobs, copy_range, pwrite_all
+from shardforge.io.copy import (
+    CopyJob,
+    FileSlab,
+    ReadCache,
+    copy_jobs,
+    copy_range,
+    fact_session,
+    pwrite_all,
+)
 from shardforge.io.dtypes import DTYPE_NAMES, dtype_name, lookup_dtype
 from shardforge.io.fs import preallocate
 from shardforge.io.publish import (
@@ -524,7 +532,8 @@ def head_start(
     it was started for that same merge); whatever was not taken is removed when the block
     ends, however it ends."""
     early: EarlyCopy | None = None
-    with sigterm_as_interrupt():  # a SIGTERM from here on still removes the copy
+    # what the head start scans and parses is the merge's too (`io.copy.fact_session`)
+    with fact_session(), sigterm_as_interrupt():  # a SIGTERM from here on removes the copy
         try:
             early = _head_start_copy(cfg, output_path, options) if ENABLED else None
             if early is not None:
