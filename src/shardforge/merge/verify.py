@@ -45,11 +45,10 @@ from shardforge.formats.sources import (
     StoredTensor,
     TensorSource,
 )
-from shardforge.io.dtypes import dtype_name
+from shardforge.io.dtypes import safetensors_code
 from shardforge.merge.plan import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
-    SAFETENSORS_DTYPES,
     OutputPlan,
 )
 
@@ -137,7 +136,7 @@ def _compare_output(
     with safe_open(str(path), framework="pt") as f:
         sl = f.get_slice(name)
         dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
-    want = SAFETENSORS_DTYPES[dtype_name(expected.dtype)][0]
+    want = safetensors_code(expected.dtype)
     if dtype != want:
         raise _fail(shown, path, f"is {dtype}, not {want}")
     if shape != tuple(expected.shape):
