@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from shardforge.errors import CheckpointError
-from shardforge.io.dtypes import STORAGE_DTYPES, DtypeName, is_dtype, lookup_dtype
+from shardforge.io.dtypes import STORAGE_CLASSES, DtypeName, is_dtype, lookup_dtype
 from shardforge.io.files import open_regular
 
 if TYPE_CHECKING:
@@ -893,7 +893,7 @@ class _StorageType:
     dtype: str  # its name (`lookup_dtype`)
 
 
-_STORAGE_TYPES = {("torch", name): _StorageType(dtype) for name, dtype in STORAGE_DTYPES.items()}
+_STORAGE_TYPES = {("torch", cls): _StorageType(row.name) for cls, row in STORAGE_CLASSES.items()}
 
 
 def _storage_ref(pid: Any) -> Any:

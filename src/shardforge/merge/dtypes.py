@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 from shardforge.errors import MergeError
-from shardforge.io.dtypes import DTYPE_NAMES, dtype_name, is_dtype
+from shardforge.io.dtypes import DTYPE_NAMES, dtype_name, is_dtype, torch_dtype
 from shardforge.merge.plan import TensorSpec
 
 if TYPE_CHECKING:
@@ -51,15 +51,7 @@ def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | Literal["confi
     name = parse_dtype_name(value)
     if name is None:
         return None
-    return "config" if name == "config" else _torch_dtype(name)
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    import torch
-
-    value = getattr(torch, name)
-    assert isinstance(value, torch.dtype)
-    return value
+    return "config" if name == "config" else torch_dtype(name)
 
 
 # the model config's attributes naming its dtype, in the order they are read
@@ -75,14 +67,14 @@ def config_dtype_name(config: Any) -> str | None:
     if not is_dtype(raw):
         return None
     known = DTYPE_NAMES.get(dtype_name(raw))
-    return known[0] if known is not None and known[2] else None
+    return known.name if known is not None and known.is_floating_point else None
 
 
 def config_dtype(config: Any) -> torch.dtype | None:
     """The model config's floating dtype (`dtype`, else `torch_dtype`), None when it names
     none or a non-floating one."""
     name = config_dtype_name(config)
-    return None if name is None else _torch_dtype(name)
+    return None if name is None else torch_dtype(name)
 
 
 def output_dtype(saved: torch.dtype, target: torch.dtype | None) -> torch.dtype:

@@ -198,7 +198,7 @@ def _guess(
 
 def _floating(dtype: Any) -> bool:
     known = DTYPE_NAMES.get(dtype_name(dtype))
-    return known is not None and known[2]
+    return known is not None and known.is_floating_point
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shardforge.io.dtypes import dtype_name
+from shardforge.io.dtypes import SAFETENSORS_ORDER, safetensors_code
 
 if TYPE_CHECKING:
     import torch
@@ -22,27 +22,6 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 FILENAME_PATTERN = "model{suffix}.safetensors"
 FILE_METADATA = {"format": "pt"}
-
-# torch dtype name (`io.dtypes.dtype_name`) -> (safetensors name, rank in the safetensors
-# Dtype enum; higher is laid out first)
-SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
-    "bool": ("BOOL", 0),
-    "uint8": ("U8", 4),
-    "int8": ("I8", 5),
-    "float8_e5m2": ("F8_E5M2", 6),
-    "float8_e4m3fn": ("F8_E4M3", 7),
-    "int16": ("I16", 9),
-    "uint16": ("U16", 10),
-    "float16": ("F16", 11),
-    "bfloat16": ("BF16", 12),
-    "int32": ("I32", 13),
-    "uint32": ("U32", 14),
-    "float32": ("F32", 15),
-    "complex64": ("C64", 16),
-    "float64": ("F64", 17),
-    "int64": ("I64", 18),
-    "uint64": ("U64", 19),
-}
 
 
 def default_max_shard_size() -> str:
@@ -97,7 +76,9 @@ class OutputPlan:
 
 
 def _layout_file(name: str, specs: list[TensorSpec]) -> PlannedFile:
-    order = sorted(specs, key=lambda s: (-SAFETENSORS_DTYPES[dtype_name(s.dtype)][1], s.name))
+    order = sorted(
+        specs, key=lambda s: (-SAFETENSORS_ORDER.index(safetensors_code(s.dtype)), s.name)
+    )
     offsets: dict[str, tuple[int, int]] = {}
     pos = 0
     for s in order:
@@ -106,7 +87,7 @@ def _layout_file(name: str, specs: list[TensorSpec]) -> PlannedFile:
     header: dict[str, Any] = {"__metadata__": FILE_METADATA}
     for s in order:  # the header lists tensors in data order, as safetensors writes it
         header[s.name] = {
-            "dtype": SAFETENSORS_DTYPES[dtype_name(s.dtype)][0],
+            "dtype": safetensors_code(s.dtype),
             "shape": list(s.shape),
             "data_offsets": list(offsets[s.name]),
         }
@@ -156,7 +137,7 @@ def plan_output(
 ) -> OutputPlan:
     """Assign every tensor its file and byte range, in `save_order`; `max_shard_size` None
     plans one file whatever its size (the single-file formats)."""
-    unknown = sorted({str(s.dtype) for s in specs if dtype_name(s.dtype) not in SAFETENSORS_DTYPES})
+    unknown = sorted({str(s.dtype) for s in specs if safetensors_code(s.dtype) is None})
     if unknown:
         from shardforge.errors import MergeError
 

@@ -37,11 +37,10 @@ from shardforge.formats.base import ReferenceReader, StoredTensor
 from shardforge.formats.reference import verify_failed as _fail
 from shardforge.formats.registry import format_named
 from shardforge.formats.sources import TensorSource
-from shardforge.io.dtypes import dtype_name
+from shardforge.io.dtypes import safetensors_code
 from shardforge.merge.plan import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
-    SAFETENSORS_DTYPES,
     OutputPlan,
 )
 
@@ -116,7 +115,7 @@ def _compare_output(
     with safe_open(str(path), framework="pt") as f:
         sl = f.get_slice(name)
         dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
-    want = SAFETENSORS_DTYPES[dtype_name(expected.dtype)][0]
+    want = safetensors_code(expected.dtype)
     if dtype != want:
         raise _fail(shown, path, f"is {dtype}, not {want}")
     if shape != tuple(expected.shape):

@@ -21,14 +21,9 @@ from torch import nn
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
+from shardforge.io.dtypes import torch_dtype
 
 log = logging.getLogger("shardforge")
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 
 WEIGHT_INDEX_FILES = ("model.safetensors.index.json",)
 WEIGHT_FILES = ("model.safetensors",)
@@ -150,7 +145,7 @@ def compute_dtypes(cfg: ShardforgeConfig) -> tuple[torch.dtype | None, torch.dty
     default = "bfloat16" if use_bf16(cfg) else "float16" if cfg.fp16 else None
     param = mp.param_dtype or default
     reduce = mp.reduce_dtype or ("float32" if param in ("bfloat16", "float16") else None)
-    return (DTYPES[param] if param else None, DTYPES[reduce] if reduce else None)
+    return (torch_dtype(param) if param else None, torch_dtype(reduce) if reduce else None)
 
 
 def shard_model(model: nn.Module, cfg: ShardforgeConfig, mesh: Any) -> nn.Module:

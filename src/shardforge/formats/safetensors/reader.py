@@ -36,6 +36,7 @@ from shardforge.errors import CheckpointError, printable, shown
 from shardforge.formats.base import StoredTensor
 from shardforge.formats.sources import WholeTensor
 from shardforge.io.copy import FileSlab, ReadCache
+from shardforge.io.dtypes import SAFETENSORS_CODES, torch_dtype
 from shardforge.io.files import open_regular, read_exact_into
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -52,24 +53,9 @@ METADATA_KEY = "__metadata__"
 # the name of this format (`formats.safetensors.format.SafetensorsFormat.name`)
 SAFETENSORS = "safetensors"
 
-# safetensors dtype name -> torch dtype (the names the format defines and torch can hold)
+# safetensors dtype code -> torch dtype (the codes of `io.dtypes`' table, in the format's order)
 DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "F32": torch.float32,
-    "C64": torch.complex64,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "U64": torch.uint64,
+    code: torch_dtype(row.name) for code, row in SAFETENSORS_CODES.items()
 }
 
 

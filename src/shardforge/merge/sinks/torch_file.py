@@ -25,27 +25,15 @@ import torch
 from shardforge.errors import MergeError
 from shardforge.formats.sources import TensorSource
 from shardforge.io.copy import ReadCache
+from shardforge.io.dtypes import STORAGE_CLASSES, torch_dtype
 from shardforge.merge.plan import TensorSpec
 
 STATE_DICT_KEY = "state_dict"
 PICKLE_PROTOCOL = 2  # torch.save's default
 VERIFY_BLOCK = 256 << 20  # bytes compared per mapping of the written file
 
-# dtype -> the typed storage class torch.save names in the pickle
-STORAGE_TYPES: dict[torch.dtype, str] = {
-    torch.float64: "DoubleStorage",
-    torch.float32: "FloatStorage",
-    torch.float16: "HalfStorage",
-    torch.bfloat16: "BFloat16Storage",
-    torch.int64: "LongStorage",
-    torch.int32: "IntStorage",
-    torch.int16: "ShortStorage",
-    torch.int8: "CharStorage",
-    torch.uint8: "ByteStorage",
-    torch.bool: "BoolStorage",
-    torch.complex64: "ComplexFloatStorage",
-    torch.complex128: "ComplexDoubleStorage",
-}
+# dtype -> the typed storage class torch.save names in the pickle (from `io.dtypes`' table)
+STORAGE_TYPES: dict[torch.dtype, str] = {torch_dtype(r.name): c for c, r in STORAGE_CLASSES.items()}
 
 
 class _StorageRef:
