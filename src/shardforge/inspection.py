@@ -388,7 +388,7 @@ def inspect_path_or_config(
     if not cfg_path.is_file():
         raise CheckpointError(f"{cfg_path}: config file does not exist")
     cfg = load_cfg(cfg_path, command="inspect", **parse_override_args(override_args or []))
-    out_dir = Path(str(cfg.output_dir))
+    out_dir = Path(cfg.output_dir)
     if not out_dir.exists():
         raise CheckpointError(
             f"{cfg_path}: output_dir {out_dir} does not exist; train first, or give the "

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from shardforge.config import DictDefault, coerce_cfg, load_cfg, parse_override_args
+from shardforge.config import coerce_cfg, load_cfg, parse_override_args
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
 
@@ -17,7 +17,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_minimal_config_gets_defaults(tmp_path: Path) -> None:
     cfg = load_cfg(write(tmp_path, "base_model: some/model\n"))
-    assert isinstance(cfg, DictDefault)
+    assert isinstance(cfg, ShardforgeConfig)  # the typed config itself, not a copy
     assert cfg.base_model == "some/model"
     assert cfg.output_dir == "./model-out"
     assert cfg.trust_remote_code is False

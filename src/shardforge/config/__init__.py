@@ -1,23 +1,26 @@
-"""The YAML config: schema, loading, overrides and error reporting."""
+"""The YAML config: schema, loading, overrides and error reporting.
+
+``load_cfg(path, **overrides)`` returns the validated, read-only `ShardforgeConfig`.
+"""
 
 from shardforge.config.loader import (
-    DictDefault,
+    ConfigLike,
     coerce_cfg,
     load_cfg,
     parse_override_args,
-    to_view,
     validate_cfg,
 )
 from shardforge.config.schema import DatasetConfig, FsdpConfig, ShardforgeConfig
+from shardforge.config.view import ConfigReadOnlyError
 
 __all__ = [
+    "ConfigLike",
+    "ConfigReadOnlyError",
     "DatasetConfig",
-    "DictDefault",
     "FsdpConfig",
     "ShardforgeConfig",
     "coerce_cfg",
     "load_cfg",
     "parse_override_args",
-    "to_view",
     "validate_cfg",
 ]

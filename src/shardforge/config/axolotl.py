@@ -16,7 +16,6 @@ Pure functions over plain mappings; the loader turns the result into notices and
 
 from __future__ import annotations
 
-import difflib
 import typing
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from shardforge.config.axolotl_keys import (
     TOP_LEVEL,
     AxolotlKey,
 )
+from shardforge.config.errors import did_you_mean
 from shardforge.config.schema import DatasetConfig, FsdpConfig, ShardforgeConfig
 
 Command = Literal["train", "merge", "inspect", "all"]
@@ -104,8 +104,7 @@ def is_placeholder(value: Any, row: AxolotlKey) -> bool:
 
 def suggest(name: str, candidates: Collection[str]) -> str:
     """A did-you-mean among keys of the same level, only for a close spelling."""
-    close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.75)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return did_you_mean(name, candidates, cutoff=0.75)
 
 
 def _nullable(model: type[BaseModel]) -> set[str]:

@@ -32,13 +32,18 @@ _LLAMA3 = (
     "{% endif %}"
 )
 
-# Mistral instruct: [INST] user [/INST]answer</s>; a system message is put in front of the
-# first user message; user and assistant must alternate
-_MISTRAL = (
+# templates without a system role: a system message goes in front of the first user turn
+# (`system`), the rest are the `turns`
+_SYSTEM_IN_FIRST_TURN = (
     "{% if messages and messages[0]['role'] == 'system' %}"
     "{% set system = messages[0]['content'] + '\\n\\n' %}{% set turns = messages[1:] %}"
     "{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}"
-    "{{ bos_token }}"
+)
+
+# Mistral instruct: [INST] user [/INST]answer</s>; a system message is put in front of the
+# first user message; user and assistant must alternate
+_MISTRAL = (
+    _SYSTEM_IN_FIRST_TURN + "{{ bos_token }}"
     "{% for message in turns %}"
     "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
     "{{ raise_exception('mistral: roles must alternate user/assistant/user/...') }}"
@@ -52,10 +57,7 @@ _MISTRAL = (
 # Gemma (1, 2, 3): <start_of_turn>user|model ... <end_of_turn>; no system role, so a system
 # message is put in front of the first user turn (as Gemma 3 does)
 _GEMMA = (
-    "{% if messages and messages[0]['role'] == 'system' %}"
-    "{% set system = messages[0]['content'] + '\\n\\n' %}{% set turns = messages[1:] %}"
-    "{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}"
-    "{{ bos_token }}"
+    _SYSTEM_IN_FIRST_TURN + "{{ bos_token }}"
     "{% for message in turns %}"
     "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
     "{{ '<start_of_turn>' + role + '\\n' + (system if loop.first else '') }}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -70,8 +70,9 @@ def fields_at(model: type[BaseModel], loc: Sequence[int | str]) -> list[str]:
     return list(current.model_fields) if current is not None else []
 
 
-def did_you_mean(name: str, candidates: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+def did_you_mean(name: str, candidates: Iterable[str], cutoff: float = 0.6) -> str:
+    """ "; did you mean 'x'?" for the closest of `candidates`, or "" when none is close."""
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=cutoff)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 

@@ -1,4 +1,8 @@
-"""Read a YAML config, apply overrides, normalize Axolotl spellings and validate it once."""
+"""Read a YAML config, apply overrides, normalize Axolotl spellings and validate it once.
+
+`load_cfg` returns the validated `ShardforgeConfig` (typed, read-only, readable as Axolotl's
+``DictDefault``); `coerce_cfg` hands a config that is already validated on as it is, so one
+command validates its config once."""
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from addict import Dict as _AddictDict
 from pydantic import ValidationError
 
 from shardforge.config.axolotl import (
@@ -18,33 +21,12 @@ from shardforge.config.axolotl import (
     sort_keys,
     unsupported_problem,
 )
-from shardforge.config.errors import describe_validation_error, did_you_mean
+from shardforge.config.errors import describe_validation_error
 from shardforge.config.normalize import normalize_axolotl
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
 
 log = logging.getLogger("shardforge")
-
-
-class DictDefault(_AddictDict):
-    """Attribute view of a validated config: ``cfg.base_model``, ``cfg.fsdp.offload_params``.
-
-    Unlike a plain addict ``Dict`` (and Axolotl's ``DictDefault``), reading a key that is not in
-    the config raises ``AttributeError``/``KeyError`` with a suggestion instead of returning an
-    empty value, so a typo in code fails loudly.
-    """
-
-    def __missing__(self, name: Any) -> Any:
-        raise KeyError(f"config has no key {name!r}{did_you_mean(str(name), list(self.keys()))}")
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[name]
-        except KeyError as exc:
-            raise AttributeError(exc.args[0]) from None
-
-    def to_model(self) -> ShardforgeConfig:
-        return ShardforgeConfig.model_validate(self.to_dict())
 
 
 # nodes of a config once its aliases are expanded: an alias bomb (`b: [*a, *a, ...]` nested)
@@ -274,8 +256,8 @@ def validate_cfg(
     return _prepare(data, source, command, {})
 
 
-def load_cfg(path: str | Path, command: str = "all", **overrides: Any) -> DictDefault:
-    """Load, override, normalize and validate a YAML config; return its attribute view.
+def load_cfg(path: str | Path, command: str = "all", **overrides: Any) -> ShardforgeConfig:
+    """Load, override, normalize and validate a YAML config; return it, read-only.
 
     Overrides are keyword arguments: ``load_cfg("cfg.yml", learning_rate=1e-4,
     fsdp={"offload_params": True})``; dotted names work through ``**{"fsdp.offload_params": True}``.
@@ -283,23 +265,25 @@ def load_cfg(path: str | Path, command: str = "all", **overrides: Any) -> DictDe
     Axolotl keys for features train lacks are accepted with a notice), ``"train"`` (those are
     errors), ``"merge"`` / ``"inspect"`` (only the keys that command reads are validated, so any
     Axolotl config loads). Every problem is reported at once in a ConfigError.
+
+    The result reads as ``cfg.base_model``, ``cfg.fsdp.offload_params``, ``cfg["output_dir"]``,
+    ``cfg.get("key")``; writing to it raises `ConfigReadOnlyError` (overrides go here instead).
     """
-    return to_view(_prepare(read_yaml(path), str(path), command, overrides))
+    return _prepare(read_yaml(path), str(path), command, overrides)
 
 
-def to_view(model: ShardforgeConfig) -> DictDefault:
-    return DictDefault(model.model_dump(mode="python"))
+# what commands and the Python API accept as a config
+ConfigLike = ShardforgeConfig | Mapping[str, Any] | str | Path
 
 
-def coerce_cfg(cfg: Any, command: str = "all") -> ShardforgeConfig:
-    """Accept what users pass as `cfg`: the view from load_cfg, a model, a mapping or a path
-    (a path or mapping is read for `command`)."""
+def coerce_cfg(cfg: ConfigLike, command: str = "all") -> ShardforgeConfig:
+    """Accept what users pass as `cfg`: load_cfg's result or a `ShardforgeConfig` (handed on as
+    it is: it was validated once already), a mapping or a path (read and validated for
+    `command`)."""
     if isinstance(cfg, ShardforgeConfig):
         return cfg
-    if isinstance(cfg, DictDefault):
-        return cfg.to_model()
     if isinstance(cfg, str | Path):
-        return load_cfg(cfg, command=command).to_model()
+        return load_cfg(cfg, command=command)
     if isinstance(cfg, Mapping):
         return validate_cfg(cfg, command=command)
     raise TypeError(f"cfg must be a config path, a mapping or load_cfg()'s result, got {type(cfg)}")

@@ -1,24 +1,32 @@
 """The one schema for a shardforge YAML config. Every field carries a description.
 
 The schema is strict: an unknown key is an error (with a did-you-mean suggestion, see
-``config.errors``), never a silently ignored value.
+``config.errors``), never a silently ignored value. A validated config is read-only and reads
+like Axolotl's ``DictDefault`` as well (``cfg.fsdp.offload_params``, ``cfg["base_model"]``,
+``cfg.get("key")``): see ``config.view``.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from shardforge.config.view import ConfigView
 
 DType = Literal["float32", "bfloat16", "float16"]
 
+# what a value of 1 or more must be instead (below 1 it is a fraction), per key
+_WHOLE_OR_FRACTION = {
+    "val_set_size": "a fraction below 1 (0.05) nor a whole number of samples (200)",
+    "eval_steps": "a number of steps (50) nor a fraction of all steps below 1 (0.1)",
+}
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-
-class MixedPrecisionConfig(_Strict):
+class MixedPrecisionConfig(ConfigView):
     """FSDP2 mixed-precision policy (``torch.distributed.fsdp.MixedPrecisionPolicy``)."""
+
+    override_prefix: ClassVar[str | None] = "fsdp.mixed_precision."
 
     param_dtype: DType | None = Field(
         None,
@@ -32,8 +40,10 @@ class MixedPrecisionConfig(_Strict):
     )
 
 
-class FsdpConfig(_Strict):
+class FsdpConfig(ConfigView):
     """The `fsdp:` block: how the model is sharded during training."""
+
+    override_prefix: ClassVar[str | None] = "fsdp."
 
     fsdp_version: Literal[2] = Field(
         2, description="FSDP implementation. Only FSDP2 (`fully_shard`) is supported."
@@ -83,8 +93,10 @@ class FsdpConfig(_Strict):
 DatasetType = Literal["completion", "chat_template", "alpaca", "input_output"]
 
 
-class DatasetConfig(_Strict):
+class DatasetConfig(ConfigView):
     """One entry of `datasets:`: a local data file and how to turn its rows into tokens."""
+
+    override_prefix: ClassVar[str | None] = None
 
     path: str = Field(
         description="Path to a local .json, .jsonl, .parquet or .txt file (or a directory of them)."
@@ -146,7 +158,7 @@ class DatasetConfig(_Strict):
         return data
 
 
-class ShardforgeConfig(_Strict):
+class ShardforgeConfig(ConfigView):
     """A shardforge config: one YAML file drives `train`, `merge-sharded-fsdp-weights` and more."""
 
     # -- model -----------------------------------------------------------------------------------
@@ -437,41 +449,26 @@ class ShardforgeConfig(_Strict):
         "queue (and are not pruned by save_total_limit until merged).",
     )
 
-    @field_validator("val_set_size")
+    @field_validator("val_set_size", "eval_steps")
     @classmethod
-    def _fraction_or_count(cls, value: float) -> float:
-        if value >= 1 and not float(value).is_integer():
-            raise ValueError(
-                f"{value} is neither a fraction below 1 (0.05) nor a whole number of samples (200)"
-            )
-        return value
-
-    @field_validator("eval_steps")
-    @classmethod
-    def _steps_or_fraction(cls, value: float | None) -> float | None:
+    def _whole_or_fraction(cls, value: float | None, info: ValidationInfo) -> float | None:
         if value is not None and value >= 1 and not float(value).is_integer():
-            raise ValueError(
-                f"{value} is neither a number of steps (50) nor a fraction of all steps below "
-                "1 (0.1)"
-            )
+            raise ValueError(f"{value} is neither {_WHOLE_OR_FRACTION[str(info.field_name)]}")
         return value
-
-    @model_validator(mode="after")
-    def _one_eval_source_and_schedule(self) -> ShardforgeConfig:
-        if self.val_set_size and self.test_datasets:
-            raise ValueError("val_set_size and test_datasets are both set; evaluate on one of them")
-        if self.eval_steps is not None and self.evals_per_epoch:
-            raise ValueError("eval_steps and evals_per_epoch are both set; choose one")
-        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> ShardforgeConfig:
-        if self.bf16 is True and self.fp16:
-            raise ValueError("bf16 and fp16 are both set; choose one")
-        if self.warmup_steps is not None and self.warmup_ratio is not None:
-            raise ValueError("warmup_steps and warmup_ratio are both set; choose one")
-        if self.save_steps is not None and self.saves_per_epoch is not None:
-            raise ValueError("save_steps and saves_per_epoch are both set; choose one")
+        """Keys that exclude each other; the first conflict found is the error."""
+        if self.val_set_size and self.test_datasets:
+            raise ValueError("val_set_size and test_datasets are both set; evaluate on one of them")
+        for first, second, conflict in (
+            ("eval_steps", "evals_per_epoch", self.eval_steps is not None and self.evals_per_epoch),
+            ("bf16", "fp16", self.bf16 is True and self.fp16),
+            ("warmup_steps", "warmup_ratio", None not in (self.warmup_steps, self.warmup_ratio)),
+            ("save_steps", "saves_per_epoch", None not in (self.save_steps, self.saves_per_epoch)),
+        ):
+            if conflict:
+                raise ValueError(f"{first} and {second} are both set; choose one")
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("chat_template: jinja needs the template text in chat_template_jinja")
         return self

@@ -93,7 +93,7 @@ def load_checked(
     """
     launched = os.environ.get(PREFLIGHT_DONE_ENV) == "1"
     with _quiet(launched or os.environ.get("RANK", "0") != "0"):
-        cfg = load_cfg(config, command="train", **parse_override_args(override_args)).to_model()
+        cfg = load_cfg(config, command="train", **parse_override_args(override_args))
         if not launched:
             if world is None and under_torchrun():
                 world = (int(os.environ["WORLD_SIZE"]), local_world_size() or 1)
