@@ -406,3 +406,47 @@ def test_a_head_start_for_another_merge_is_not_used(
     assert (out / "model.safetensors").read_bytes() == (
         built.bases["llama"] / "model.safetensors"
     ).read_bytes()
+
+
+def test_one_merge_scans_once_and_parses_each_file_once(
+    built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the command line merges (head start, then the merge taking it over, removal planned):
+    the run folder is scanned once, `.metadata` parsed once and every record once, although
+    the head start, the merge, the removal plan and the writer all ask for them."""
+    from shardforge.formats.dcp import chunks, metadata
+    from shardforge.layouts import catalog
+
+    run = _copy_checkpoint(built, tmp_path)
+    scans: list[Path] = []
+    reads: list[Path] = []
+    records: list[tuple[str, int, int]] = []
+    real_scan, real_read, real_parse = catalog._scan, metadata._read, chunks.parse_record
+
+    def scan(root: Path, dirname: str | None) -> Any:
+        scans.append(root)
+        return real_scan(root, dirname)
+
+    def read(d: Path, meta_path: Path) -> Any:
+        reads.append(meta_path)
+        return real_read(d, meta_path)
+
+    def parse(file: Path, fd: int, offset: int, length: int) -> Any:
+        records.append((file.name, offset, length))
+        return real_parse(file, fd, offset, length)
+
+    monkeypatch.setattr(catalog, "_scan", scan)
+    monkeypatch.setattr(metadata, "_read", read)
+    monkeypatch.setattr(chunks, "parse_record", parse)
+    cfg = overlap.ShardforgeConfig.model_validate(_cfg(built.bases["llama"], run))
+    out = tmp_path / "out"
+    options = {"quiet": True, "remove_checkpoint_dir": True}
+    with overlap.head_start(cfg, out, options):
+        assert overlap._HEAD_START, "the head start did not start"
+        merge_fsdp_weights(cfg, out, **options)
+    assert (out / "model.safetensors").read_bytes() == (
+        built.bases["llama"] / "model.safetensors"
+    ).read_bytes()
+    assert scans == [run]
+    assert len(reads) == 1
+    assert records and len(records) == len(set(records)), sorted(records)
