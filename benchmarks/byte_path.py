@@ -43,11 +43,11 @@ from merge_bench import evict, settle
 
 STRATEGIES = ("4x plan", "1x plan", "4x source", "1x source")
 
-# what the merge does while its early copy runs (merge.api._architecture)
+# what the merge does while its early copy runs (merge.prepare._architecture)
 STARTUP = r"""
 import sys, time
 t0 = time.perf_counter()
-from shardforge.merge import api
+from shardforge.merge import prepare as api
 api._architecture(sys.argv[1], False)
 print(time.perf_counter() - t0)
 """

@@ -2,7 +2,7 @@
 
 It builds the tensor list of Llama-3 70B and 405B from their config numbers (no weights, no
 download), plans the merged output with the merge's own planner
-(`shardforge.merge.plan.plan_output`, the shard files `save_pretrained` would write), and splits
+(`shardforge.sinks.plan.plan_output`, the shard files `save_pretrained` would write), and splits
 the output bytes over the ranks of N nodes with the distributed merge's own split
 (`shardforge.merge.distributed.shares`). It prints, per node count:
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from shardforge.merge.distributed import shares
-from shardforge.merge.plan import OutputPlan, TensorSpec, plan_output
+from shardforge.sinks.plan import OutputPlan, TensorSpec, plan_output
 
 
 @dataclass(frozen=True)

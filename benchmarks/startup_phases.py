@@ -3,12 +3,12 @@
 Each repeat is a fresh process (cold imports, as a real merge starts) that times, in order:
 
 1. `import torch`;
-2. `import shardforge.merge.api` (the rest of shardforge's merge modules);
+2. `import shardforge.merge.prepare` (the rest of shardforge's merge modules);
 3. reading the checkpoint: finding it, the `.metadata` through the allow-list unpickler, the
    data files' bounds and tiling checks (`open_checkpoint`) - what a plan needs besides names;
 4. the architecture: transformers' config and model classes imported, the model built on the
-   meta device (`merge.api._architecture`);
-5. the rest of what `merge.api._prepare` does: keys mapped and checked against the
+   meta device (`merge.prepare._architecture`);
+5. the rest of what `merge.prepare.prepare` does: keys mapped and checked against the
    architecture, tied copies compared, the output plan (with the default shard size of the
    installed transformers).
 
@@ -35,11 +35,11 @@ marks = {}
 import torch
 marks["import torch"] = time.perf_counter()
 from shardforge.config import load_cfg
-from shardforge.merge import api
+from shardforge.merge import prepare as api
 from shardforge.merge.request import MergeRequest
 from shardforge.merge.locate import merge_sources, pick_inputs
 from shardforge.formats.registry import open_checkpoint
-marks["import shardforge.merge.api"] = time.perf_counter()
+marks["import shardforge.merge.prepare"] = time.perf_counter()
 cfg = load_cfg(sys.argv[1], command="merge")
 request = MergeRequest(output_path=None, checkpoint=sys.argv[2], output_format="torch")
 inputs = pick_inputs(sys.argv[2], request)
@@ -49,7 +49,7 @@ sources = merge_sources(cfg, inputs)
 config, expected = api._architecture(sources.config, cfg.trust_remote_code)
 marks["transformers + meta architecture"] = time.perf_counter()
 from shardforge.keymap.names import adapt_names
-from shardforge.merge.plan import TensorSpec, default_max_shard_size, plan_output
+from shardforge.sinks.plan import TensorSpec, default_max_shard_size, plan_output
 named = adapt_names(inputs[0].adapter, inputs[0].model_dir, opened, config)
 keymap, by_name = api._hf_sources(inputs[0], named, expected, sources.config)
 from shardforge.merge.dtypes import config_dtype, output_dtype

@@ -310,3 +310,100 @@ def test_fsdp_prefix_removed_from_architectures(built: Built, tmp_path: Path) ->
     )
     written = json.loads((merged / "config.json").read_text())
     assert written["architectures"] == ["LlamaForCausalLM"]
+
+
+def _mixed_dtype_checkpoint(built: Built, root: Path) -> Path:
+    """A plain DCP of llama-fp32 whose matrices are bf16 and whose norms stay float32 (as
+    mixed-precision training keeps them), written by torch DCP in one process."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    sd = load_file(built.bases["llama-fp32"] / "model.safetensors")
+    mixed = {k: v if v.ndim < 2 else v.to(torch.bfloat16) for k, v in sd.items()}
+    dcp.save(mixed, checkpoint_id=root / "mixed", no_dist=True)
+    return root / "mixed"
+
+
+def test_the_transformers_engine_keeps_each_tensors_dtype(built: Built, tmp_path: Path) -> None:
+    """Bug: --engine transformers built the model in one dtype, so with --dtype as_saved a
+    mixed-dtype checkpoint came out unlike the streaming engine's."""
+    from safetensors.torch import load_file
+
+    ckpt = _mixed_dtype_checkpoint(built, tmp_path)
+    cfg = _cfg(built, "llama-fp32", tmp_path / "run")
+    kw: dict[str, Any] = {"checkpoint": ckpt, "dtype": "as_saved", "quiet": True}
+    a = merge_fsdp_weights(cfg, tmp_path / "stream", **kw)
+    b = merge_fsdp_weights(cfg, tmp_path / "hf", engine="transformers", verify=True, **kw)
+    ta, tb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert {t.dtype for t in ta.values()} == {torch.float32, torch.bfloat16}
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
+
+
+def test_every_published_file_is_fsynced_before_the_rename(
+    built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug: the index, config.json, generation_config.json and tokenizer files were renamed
+    into place without an fsync (only the weights and the directories were)."""
+    import os
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out_dir = built.root / "ws2" / "qwen2-fp32" / "shardforge"
+    merged = merge_fsdp_weights(
+        _cfg(built, "qwen2-fp32", out_dir), tmp_path / "m", max_shard_size="60KB", quiet=True
+    )
+    hidden = {Path(p).name for p in synced if "/.m.tmp-" in p}
+    written = {p.name for p in merged.iterdir()}
+    assert "model.safetensors.index.json" in written and "tokenizer.json" in written
+    assert written <= hidden, sorted(written - hidden)
+
+
+def test_a_broken_generation_config_is_reported_not_skipped(
+    built: Built, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bug: any error reading generation_config.json was swallowed and the file silently
+    left out of the merged model."""
+    base = tmp_path / "base"
+    shutil.copytree(built.bases["llama-fp32"], base)
+    (base / "generation_config.json").write_text("{not json")
+    out_dir = built.root / "ws2" / "llama-fp32" / "shardforge"
+    cfg = {"base_model": str(base), "output_dir": str(out_dir)}
+    with caplog.at_level("WARNING", logger="shardforge"):
+        merged = merge_fsdp_weights(cfg, tmp_path / "m", quiet=True)
+    assert not (merged / "generation_config.json").exists()
+    assert any(
+        "generation_config.json" in r.getMessage() and "not copied" in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
+
+
+def test_a_failing_weight_conversion_check_names_its_cause(
+    built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug: any failure of transformers' revert_weight_conversion became advice to use
+    --engine transformers, hiding the real error."""
+    core = pytest.importorskip("transformers.core_model_loading")
+    from shardforge.errors import MergeError
+    from shardforge.merge import prepare as api
+
+    def broken(model: Any, state_dict: Any) -> Any:
+        raise RuntimeError("conversion table is broken")
+
+    monkeypatch.setattr(core, "revert_weight_conversion", broken)
+    api._architecture.cache_clear()
+    out_dir = built.root / "ws2" / "llama-bf16" / "shardforge"
+    try:
+        with pytest.raises(MergeError) as info:
+            merge_fsdp_weights(_cfg(built, "llama-bf16", out_dir), tmp_path / "m", quiet=True)
+    finally:
+        api._architecture.cache_clear()
+    assert "conversion table is broken" in info.value.message
+    assert "--engine transformers" not in info.value.message

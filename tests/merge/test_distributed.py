@@ -101,7 +101,7 @@ def test_shares_cover_every_byte_once_and_split_large_tensors(built: Built, tmp_
     """The plan's row ranges over 1 to 5 ranks: disjoint and covering every tensor, with
     tensors split by rows where a rank's byte span ends inside them."""
     from shardforge.config import load_cfg
-    from shardforge.merge.api import _prepare
+    from shardforge.merge.prepare import prepare as _prepare
     from shardforge.merge.request import MergeRequest
 
     cfg_path = tmp_path / "cfg.yml"

@@ -78,6 +78,24 @@ def test_our_checkpoint_merges_to_the_adapter_training_exported(ours: Path, tmp_
     assert not torch.equal(logits, plain)  # the adapter changes the model
 
 
+def test_a_dry_run_describes_the_adapter_directory_it_would_write(
+    ours: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bug: --dry_run on a LoRA checkpoint described model.safetensors, config.json and the
+    base model's parameter count; the merge writes an adapter directory."""
+    cfg = load_cfg(ours, command="merge")
+    out = merge_fsdp_weights(cfg, tmp_path / "adapter", dry_run=True, quiet=True)
+    text = capsys.readouterr().out
+    assert not out.exists()
+    assert "adapter_model.safetensors: 8 tensors" in text and "adapter_config.json" in text
+    assert "model.safetensors:" not in text.replace("adapter_model.safetensors", "")
+    assert "config.json" not in text.replace("adapter_config.json", "")
+    real = merge_fsdp_weights(cfg, tmp_path / "real", quiet=True)
+    adapter = load_file(str(real / "adapter_model.safetensors"))
+    parameters = sum(t.numel() for t in adapter.values())
+    assert f"parameters: {parameters:,}" in text, text
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_merge_lora_equals_peft_merge_and_unload(ours: Path, tmp_path: Path, dtype: str) -> None:
     from peft import PeftModel

@@ -170,3 +170,10 @@ def test_merge_lora_options_are_its_request_fields() -> None:
     assert set(options) - {"debug"} == {f.name for f in _cli_fields(LoraMergeRequest)}
     assert LoraMergeRequest(max_shard_size="2000").max_shard_size == 2000
     assert "--no_save_tokenizer" in options["save_tokenizer"].secondary_opts
+
+
+def test_every_format_value_names_a_sink() -> None:
+    from shardforge.merge.request import OUTPUT_FORMATS
+    from shardforge.sinks.registry import SINKS
+
+    assert tuple(SINKS) == OUTPUT_FORMATS

@@ -24,8 +24,8 @@ def main(argv: list[str]) -> None:
         import torch.distributed as dist
 
         from shardforge.io.dist import finish_together
-        from shardforge.merge.api import merge_on_ranks
         from shardforge.merge.launch import DONE_FILE_ENV, ERROR_FILE_ENV, read_request
+        from shardforge.merge.on_ranks import merge_on_ranks
 
         config, request = read_request(Path(args[0]))
         dist.init_process_group("gloo")

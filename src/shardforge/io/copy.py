@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from shardforge.errors import CheckpointError
+from shardforge.io.dtypes import torch_ready
 from shardforge.io.files import open_regular
 
 if TYPE_CHECKING:
@@ -95,11 +96,20 @@ def _memo(
     key: tuple[Hashable, Path, Identity],
     compute: Callable[[], T],
 ) -> T:
+    """The stored fact (computed when absent). A fact parsed before torch was imported holds
+    `DtypeName`s; once torch is, its `resolved()` (where it has one) gives torch's dtypes, and
+    that replaces it (no file is parsed again)."""
     with _FACTS_LOCK:
-        if key in store:
-            return store[key]  # type: ignore[return-value]
-    value = compute()
+        found = key in store
+        value = store[key] if found else None
+    if not found:
+        value = compute()
+    if torch_ready() and hasattr(value, "resolved"):
+        value = value.resolved()
     with _FACTS_LOCK:
+        if found:
+            store[key] = value
+            return value  # type: ignore[return-value]
         return store.setdefault(key, value)  # type: ignore[return-value]
 
 

@@ -152,6 +152,19 @@ def is_dtype(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.dtype)
 
 
+def torch_ready() -> bool:
+    """Whether torch's import has finished (dtypes read from now on are torch's own)."""
+    return _torch() is not None
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    """A `DtypeName` read before torch was imported, as torch's dtype once torch is; any other
+    value as it is."""
+    if isinstance(dtype, DtypeName) and torch_ready():
+        return lookup_dtype(dtype.name)
+    return dtype
+
+
 def dtype_name(dtype: Any) -> str:
     """The canonical name of a torch dtype or `DtypeName`: ``float32`` for ``torch.float``."""
     return str(dtype).removeprefix("torch.")

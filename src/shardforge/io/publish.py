@@ -34,7 +34,7 @@ from pathlib import Path
 from types import FrameType
 
 from shardforge.errors import MergeError
-from shardforge.io.fs import fsync_dir
+from shardforge.io.fs import fsync_dir, fsync_file, fsync_tree
 
 log = logging.getLogger("shardforge")
 
@@ -328,7 +328,7 @@ def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
     try:
         with _output_errors(out, tmp):
             yield tmp
-            fsync_dir(tmp)
+            fsync_tree(tmp)  # every file (index, config, tokenizer too) before it is visible
             _publish_dir(tmp, out, overwrite)
             fsync_dir(out.parent)
     except BaseException:
@@ -346,6 +346,7 @@ def atomic_file(out: Path, overwrite: bool = False) -> Iterator[Path]:
     try:
         with _output_errors(out, tmp):
             yield tmp
+            fsync_file(tmp / out.name)
             _publish_file(tmp / out.name, out, overwrite)
             fsync_dir(out.parent)
     finally:

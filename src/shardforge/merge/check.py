@@ -84,8 +84,12 @@ def _renamed_on_save(model: Any, state_dict: dict[str, torch.Tensor]) -> bool:
         return False
     try:
         reverted = revert_weight_conversion(model, dict(state_dict))
-    except Exception:
-        return True
+    except Exception as exc:  # transformers' own failure: say what it was, advise nothing
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise MergeError(
+            f"cannot tell under which names {type(model).__name__} is saved: transformers' "
+            f"revert_weight_conversion failed ({type(exc).__name__}: {reason})"
+        ) from None
     return set(reverted) != set(state_dict)
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from shardforge.errors import MergeError
 from shardforge.formats.sources import TensorSource
 from shardforge.io.copy import ReadCache, copy_range, pwrite_all
-from shardforge.merge.plan import OutputPlan, PlannedFile, PlannedTensor
+from shardforge.sinks.plan import OutputPlan, PlannedFile, PlannedTensor
 
 log = logging.getLogger("shardforge")
 

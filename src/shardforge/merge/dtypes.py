@@ -1,15 +1,12 @@
-"""The merge's output dtype choices and its progress bar (one copy for every merge command)."""
+"""The merge's output dtype choices (one copy for every merge command)."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 from shardforge.errors import MergeError
 from shardforge.io.dtypes import DTYPE_NAMES, dtype_name, is_dtype, torch_dtype
-from shardforge.merge.plan import TensorSpec
+from shardforge.sinks.plan import TensorSpec
 
 if TYPE_CHECKING:
     import torch
@@ -87,14 +84,3 @@ def main_dtype(specs: list[TensorSpec]) -> torch.dtype | None:
         if s.dtype.is_floating_point:
             sizes[s.dtype] = sizes.get(s.dtype, 0) + s.nbytes
     return max(sizes, key=lambda d: sizes[d]) if sizes else None
-
-
-@contextmanager
-def progress(total: int, desc: str, quiet: bool) -> Iterator[Callable[[int], None]]:
-    from tqdm import tqdm
-
-    disable = quiet or not sys.stderr.isatty()
-    with tqdm(
-        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=disable
-    ) as bar:
-        yield bar.update

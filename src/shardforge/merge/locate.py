@@ -14,8 +14,8 @@ from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError
 from shardforge.io.copy import prefetch
 from shardforge.layouts.catalog import LAST, Candidate, list_checkpoints, resolve_checkpoint
-from shardforge.merge.companions import has_tokenizer
 from shardforge.merge.request import MergeRequest
+from shardforge.sinks.companions import has_tokenizer
 
 log = logging.getLogger("shardforge")
 

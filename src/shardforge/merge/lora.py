@@ -43,7 +43,6 @@ from shardforge.formats.sources import FusedLoraSource, TensorSource
 from shardforge.io.copy import ReadCache, prefetch
 from shardforge.io.files import open_regular, read_exact_into
 from shardforge.io.publish import (
-    atomic_directory,
     check_free_space,
     check_output_path,
     sigterm_as_interrupt,
@@ -52,22 +51,11 @@ from shardforge.keymap.keys import check_tied_copies, same_tensor
 from shardforge.keymap.lora import LoraNames, LoraSettings, split_adapter_names
 from shardforge.merge.check import ExpectedModel, build_expected, check_against
 from shardforge.merge.check import load_config as load_model_config
-from shardforge.merge.companions import (
-    has_tokenizer,
-    write_config,
-    write_generation_config,
-    write_tokenizer,
-)
-from shardforge.merge.dtypes import (
-    config_dtype,
-    main_dtype,
-    output_dtype,
-    parse_dtype,
-    progress,
-)
-from shardforge.merge.plan import OutputPlan, TensorSpec, default_max_shard_size, plan_output
-from shardforge.merge.sinks.hf_dir import write_plan
-from shardforge.merge.verify import verify_output
+from shardforge.merge.dtypes import config_dtype, main_dtype, output_dtype, parse_dtype
+from shardforge.sinks.base import Companions, Output, WriteOptions
+from shardforge.sinks.companions import has_tokenizer
+from shardforge.sinks.hf_dir import HfDirectorySink
+from shardforge.sinks.plan import OutputPlan, TensorSpec, default_max_shard_size, plan_output
 
 log = logging.getLogger("shardforge")
 
@@ -550,25 +538,24 @@ def merge_lora(
     prep = prepare_lora(config, lora_model_dir, dtype, max_shard_size)
     _check_inputs(out, [prep.adapter.directory, prep.base_dir])
     check_free_space(out, prep.plan.total_bytes)
-    with sigterm_as_interrupt(), atomic_directory(out, overwrite) as tmp:
-        with progress(prep.plan.total_bytes, "merging", quiet) as update:
-            write_plan(prep.plan, prep.by_name, tmp, update)
-        write_config(prep.expected.config, prep.dtype, tmp)
-        generation = list(dict.fromkeys([prep.config_source, str(prep.base_dir)]))
-        if not write_generation_config(generation, tmp):
-            (tmp / "generation_config.json").unlink(missing_ok=True)
-        if save_tokenizer:
-            write_tokenizer(
-                prep.tokenizer_source,
-                tmp,
-                config.trust_remote_code,
-                config.chat_template,
-                config.chat_template_jinja,
-            )
-        if verify:
-            with progress(prep.plan.total_bytes, "verifying", quiet) as update:
-                n = verify_output(prep.plan, prep.by_name, tmp, update, prep.expected.tied)
-            log.info("verified %d tensors: identical to the base model with the adapter fused", n)
+    companions = Companions(
+        prep.expected.config,
+        tuple(dict.fromkeys([prep.config_source, str(prep.base_dir)])),
+        prep.tokenizer_source if save_tokenizer else None,
+        config.trust_remote_code,
+        config.chat_template,
+        config.chat_template_jinja,
+    )
+    output = Output(
+        prep.plan,
+        prep.by_name,
+        prep.expected.tied,
+        prep.expected.total_parameters,
+        prep.dtype,
+        companions,
+    )
+    with sigterm_as_interrupt():
+        HfDirectorySink().write(output, out, WriteOptions(overwrite, verify, quiet))
     log.info("wrote %s (%.1f MB)", out, prep.plan.total_bytes / 1e6)
     return out
 

@@ -73,12 +73,10 @@ from shardforge.keymap.lora import has_lora
 from shardforge.layouts.catalog import Candidate
 from shardforge.merge.dtypes import CONFIG_DTYPE_KEYS, config_dtype_name, dtype_choice_name
 from shardforge.merge.locate import checkpoint_root, merge_sources, pick_inputs
-from shardforge.merge.plan import OutputPlan, PlannedFile, TensorSpec, layout_files
 from shardforge.merge.request import OPTION_NAMES, MergeRequest
+from shardforge.sinks.plan import OutputPlan, PlannedFile, TensorSpec, layout_files
 
 if TYPE_CHECKING:
-    import torch
-
     from shardforge.formats.sources import TensorSource
 
 log = logging.getLogger("shardforge")
@@ -359,13 +357,15 @@ class EarlyCopy:
                     return f"another source for {name}"
         return None
 
-    def move_into(self, directory: Path) -> None:
-        """Move the accepted files into the merge's hidden output directory."""
+    def take(self, directory: Path) -> dict[str, list[FileSlab]]:
+        """Move the accepted files into the merge's hidden output directory; the slabs they
+        hold (the sink writes the rest: `sinks.safetensors_files.finish_plan`)."""
         assert self.guess is not None and self.directory is not None
         for pf in self.guess.plan.files:
             os.rename(self.directory / pf.name, directory / pf.name)
         os.rmdir(self.directory)
         self.directory = None
+        return self.copied
 
     def discard(self) -> None:
         """Stop the copy and remove what it wrote (safe to call at any time, more than once)."""
@@ -394,44 +394,6 @@ def _other_layout(real: OutputPlan, early: OutputPlan) -> str | None:
         if a.header != b.header or places != [(t.spec.name, t.offset) for t in b.tensors]:
             return f"another layout of {a.name}"
     return None
-
-
-def finish_plan(
-    plan: OutputPlan,
-    sources: Mapping[str, TensorSource],
-    directory: Path,
-    copied: Mapping[str, list[FileSlab]],
-    progress: Progress,
-) -> None:
-    """Write every tensor the early copy did not into the existing planned files; fsync them
-    (the index is the caller's, as with `write_plan`)."""
-    progress(sum(len(f.header) for f in plan.files))
-    with ReadCache() as reader:
-        for pf in plan.files:
-            fd = os.open(directory / pf.name, os.O_WRONLY)
-            try:
-                jobs: list[CopyJob] = []
-                rest: list[tuple[int, TensorSource, torch.dtype]] = []
-                for planned in pf.tensors:
-                    name = planned.spec.name
-                    if name in copied:
-                        progress(planned.spec.nbytes)
-                        continue
-                    src = sources[name]
-                    slabs = src.slabs(reader) if src.dtype == planned.spec.dtype else None
-                    if slabs is None:
-                        rest.append((planned.offset, src, planned.spec.dtype))
-                        continue
-                    jobs += [
-                        CopyJob(s.path, s.src_offset, fd, planned.offset + s.dst_offset, s.nbytes)
-                        for s in slabs
-                    ]
-                copy_jobs(jobs, copy_range, progress)
-                for offset, src, dtype in rest:
-                    src.write_into(reader, fd, offset, dtype, progress)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
 
 def eligible(request: MergeRequest, inputs: Sequence[Candidate]) -> bool:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 Engine = Literal["stream", "transformers"]
 ENGINES: tuple[str, ...] = ("stream", "transformers")
-# --format values; each names a writer in `merge.api.FORMATS`
+# --format values; each names a sink in `sinks.registry.SINKS` (a test checks they agree)
 OUTPUT_FORMATS: tuple[str, ...] = ("hf", "safetensors", "torch")
 
 

@@ -16,8 +16,8 @@ from shardforge.formats.dcp.chunks import locate, read_full
 from shardforge.formats.dcp.metadata import Chunk, read_metadata
 from shardforge.formats.dcp.source import DcpSource
 from shardforge.io.copy import ReadCache
-from shardforge.merge.plan import TensorSpec, plan_output
-from shardforge.merge.sinks.hf_dir import write_plan
+from shardforge.sinks.plan import TensorSpec, plan_output
+from shardforge.sinks.safetensors_files import write_plan
 
 
 def originals() -> dict[str, torch.Tensor]:

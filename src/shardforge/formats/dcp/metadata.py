@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 from shardforge.errors import CheckpointError
 from shardforge.io.copy import file_fact, identity
-from shardforge.io.dtypes import is_dtype
+from shardforge.io.dtypes import DtypeName, is_dtype, resolve_dtype
 from shardforge.io.files import inside, open_regular
 from shardforge.io.unpickler import (
     BytesStorageMetadata,
@@ -69,6 +69,13 @@ class CheckpointMetadata:
     tensors: dict[str, TensorEntry]
     non_tensor_keys: tuple[str, ...]
     version: str | None = None  # the format version torch 2.9+ records in `.metadata`
+
+    def resolved(self) -> CheckpointMetadata:
+        """This metadata with torch's dtypes where it was read before torch's import."""
+        if not any(isinstance(e.dtype, DtypeName) for e in self.tensors.values()):
+            return self
+        tensors = {k: replace(e, dtype=resolve_dtype(e.dtype)) for k, e in self.tensors.items()}
+        return replace(self, tensors=tensors)
 
 
 def _safe_relative(directory: Path, relative: Any, key: str) -> Path:

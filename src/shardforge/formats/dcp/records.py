@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import io
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardforge.errors import CheckpointError
 from shardforge.formats.dcp.metadata import Chunk
+from shardforge.io.dtypes import DtypeName, resolve_dtype
 from shardforge.io.files import read_exact_into
 from shardforge.io.unpickler import (
     VALUES,
@@ -79,6 +80,12 @@ class ParsedRecord:
     record: ZipRecord
     tensor: StoredTensor | None  # None: not a plain little-endian tensor (torch.load reads it)
     storage: ZipMember | None
+
+    def resolved(self) -> ParsedRecord:
+        """This record with torch's dtype where it was parsed before torch's import."""
+        if self.tensor is None or not isinstance(self.tensor.dtype, DtypeName):
+            return self
+        return replace(self, tensor=replace(self.tensor, dtype=resolve_dtype(self.tensor.dtype)))
 
 
 def parse_record(file: Path, fd: int, byte_offset: int, byte_length: int) -> ParsedRecord:

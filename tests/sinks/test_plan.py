@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardforge.merge.plan import TensorSpec, default_max_shard_size, plan_output, save_order
+from shardforge.sinks.plan import TensorSpec, default_max_shard_size, plan_output, save_order
 
 
 def test_header_and_layout_match_the_safetensors_library(tmp_path: Path) -> None:

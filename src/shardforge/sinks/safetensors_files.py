@@ -1,5 +1,5 @@
-"""The Hugging Face weights sink: fill the planned safetensors files (and the index) from the
-sources, one tensor at a time.
+"""Fill planned safetensors files (and the index) from the sources, one tensor at a time (what
+every safetensors sink writes with).
 
 A source whose bytes are slabs of input files (no cast) is copied file to file by a few threads
 (`copy_file_range`, no bytes through Python); every other source writes itself into its planned
@@ -13,11 +13,15 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardforge.formats.sources import TensorSource
-from shardforge.io.copy import CopyJob, ReadCache, copy_jobs, copy_range, pwrite_all
+from shardforge.io.copy import CopyJob, FileSlab, ReadCache, copy_jobs, copy_range, pwrite_all
 from shardforge.io.fs import preallocate
-from shardforge.merge.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan
+from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan
+
+if TYPE_CHECKING:
+    import torch
 
 Progress = Callable[[int], None]
 
@@ -63,3 +67,41 @@ def write_index(plan: OutputPlan, directory: Path) -> None:
     if plan.index is not None:
         text = json.dumps(plan.index, indent=2, sort_keys=True) + "\n"
         (directory / SAFE_WEIGHTS_INDEX_NAME).write_text(text, encoding="utf-8")
+
+
+def finish_plan(
+    plan: OutputPlan,
+    sources: Mapping[str, TensorSource],
+    directory: Path,
+    copied: Mapping[str, list[FileSlab]],
+    progress: Progress,
+) -> None:
+    """Write every tensor the early copy did not into the existing planned files; fsync them
+    (the index is the caller's, as with `write_plan`)."""
+    progress(sum(len(f.header) for f in plan.files))
+    with ReadCache() as reader:
+        for pf in plan.files:
+            fd = os.open(directory / pf.name, os.O_WRONLY)
+            try:
+                jobs: list[CopyJob] = []
+                rest: list[tuple[int, TensorSource, torch.dtype]] = []
+                for planned in pf.tensors:
+                    name = planned.spec.name
+                    if name in copied:
+                        progress(planned.spec.nbytes)
+                        continue
+                    src = sources[name]
+                    slabs = src.slabs(reader) if src.dtype == planned.spec.dtype else None
+                    if slabs is None:
+                        rest.append((planned.offset, src, planned.spec.dtype))
+                        continue
+                    jobs += [
+                        CopyJob(s.path, s.src_offset, fd, planned.offset + s.dst_offset, s.nbytes)
+                        for s in slabs
+                    ]
+                copy_jobs(jobs, copy_range, progress)
+                for offset, src, dtype in rest:
+                    src.write_into(reader, fd, offset, dtype, progress)
+                os.fsync(fd)
+            finally:
+                os.close(fd)

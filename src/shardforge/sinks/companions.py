@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardforge")
 
+GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 
 
@@ -24,7 +25,7 @@ def has_tokenizer(directory: Path) -> bool:
 
 def write_config(config: Any, dtype: torch.dtype | None, out: Path) -> None:
     """Save `config` with its dtype set to the output dtype (a copy is changed: the caller's
-    config is shared by later merges in this process, `merge.api._architecture`)."""
+    config is shared by later merges in this process, `merge.prepare._architecture`)."""
     if dtype is not None:
         config = copy.deepcopy(config)
         if hasattr(config, "dtype"):
@@ -39,11 +40,15 @@ def write_generation_config(sources: list[str], out: Path) -> bool:
     from transformers import GenerationConfig
 
     for src in sources:
-        if Path(src).is_dir() and not (Path(src) / "generation_config.json").is_file():
+        where = Path(src) / GENERATION_CONFIG
+        if Path(src).is_dir() and not where.is_file():
             continue
         try:
             gen = GenerationConfig.from_pretrained(src)
-        except Exception:
+        except (OSError, ValueError) as exc:  # absent (a hub id offline), unreadable, not JSON
+            if where.is_file():
+                reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+                log.warning("%s: not copied (%s: %s)", where, type(exc).__name__, reason)
             continue
         gen.save_pretrained(out)
         return True

@@ -38,7 +38,7 @@ from shardforge.formats.reference import verify_failed as _fail
 from shardforge.formats.registry import format_named
 from shardforge.formats.sources import TensorSource
 from shardforge.io.dtypes import safetensors_code
-from shardforge.merge.plan import (
+from shardforge.sinks.plan import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     OutputPlan,

@@ -22,10 +22,10 @@ from shardforge.formats.sources import (
     TensorSource,
     TransformedSource,
 )
-from shardforge.merge.plan import TensorSpec, plan_output
-from shardforge.merge.sinks.hf_dir import write_plan
-from shardforge.merge.sinks.torch_file import verify_torch_file, write_torch_file
-from shardforge.merge.verify import verify_output
+from shardforge.sinks.plan import TensorSpec, plan_output
+from shardforge.sinks.safetensors_files import write_plan
+from shardforge.sinks.torch_file import verify_torch_file, write_torch_file
+from shardforge.sinks.verify import verify_output
 
 
 def _full(seed: int) -> dict[str, torch.Tensor]:

@@ -13,9 +13,9 @@ from shardforge.errors import MergeError
 from shardforge.formats.dcp.metadata import read_metadata
 from shardforge.formats.dcp.source import DcpSource
 from shardforge.formats.sources import TensorSource
-from shardforge.merge.plan import OutputPlan, TensorSpec, plan_output
-from shardforge.merge.sinks.hf_dir import write_plan
-from shardforge.merge.verify import verify_output
+from shardforge.sinks.plan import OutputPlan, TensorSpec, plan_output
+from shardforge.sinks.safetensors_files import write_plan
+from shardforge.sinks.verify import verify_output
 
 Written = tuple[Path, OutputPlan, dict[str, TensorSource]]
 

@@ -1,0 +1,129 @@
+"""The merge on the ranks of a process group (`--nproc_per_node`, `--nnodes`, or `group=`): every
+rank prepares the same plan and writes its share of the bytes (`merge.distributed`); rank 0
+creates the hidden directory, writes the index and the companions, and publishes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import MergeError, ShardforgeError
+from shardforge.io.publish import atomic_directory, check_free_space, check_output_path
+from shardforge.merge.distributed import (
+    broadcast,
+    create_files,
+    gather_status,
+    owner,
+    raise_failures,
+    shares,
+    write_shares,
+)
+from shardforge.merge.prepare import Prepared, deliverable, prepare
+from shardforge.merge.request import MergeRequest
+from shardforge.sinks.hf_dir import write_companions
+from shardforge.sinks.progress import progress
+from shardforge.sinks.safetensors_files import write_index
+from shardforge.sinks.verify import verify_output
+
+log = logging.getLogger("shardforge")
+
+
+def _rows(t: Any) -> int:
+    return t.spec.shape[0] if t.spec.shape else 1
+
+
+@contextmanager
+def _no_directory() -> Iterator[None]:
+    yield None
+
+
+def on_every_rank(step: Callable[[], object]) -> None:
+    """Run `step` here, then stop every rank with the first failure any rank had."""
+    error: BaseException | None = None
+    try:
+        step()
+    except (ShardforgeError, OSError) as exc:
+        error = exc
+    raise_failures(gather_status(error))
+
+
+def _prepared(config: ShardforgeConfig, request: MergeRequest, out: Path) -> Prepared:
+    """The same plan on every rank, checked; every rank raises the first failure."""
+    rank = dist.get_rank()
+    error: BaseException | None = None
+    prep: Prepared | None = None
+    try:
+        if rank == 0:
+            check_output_path(out, request.overwrite, [])
+        prep = prepare(config, request)
+        if prep.adapter_config is not None or prep.expected.renamed_on_save:
+            raise MergeError(
+                "a distributed merge writes complete models of the stream engine; merge this "
+                "checkpoint on one rank"
+            )
+        if rank == 0:
+            check_output_path(out, request.overwrite, [c.model_dir for c in prep.sources.inputs])
+            check_free_space(out, prep.plan.total_bytes)
+    except (ShardforgeError, OSError) as exc:
+        error = exc
+    raise_failures(gather_status(error))
+    assert prep is not None
+    return prep
+
+
+def _write_share(prep: Prepared, directory: Path, request: MergeRequest) -> None:
+    """This rank's bytes, and its share of the verification."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = shares(prep.plan, rank, world)
+    quiet = request.quiet or rank != 0
+    on_every_rank(lambda: create_files(prep.plan, directory) if rank == 0 else None)
+    mine_bytes = sum(
+        (s.rows[1] - s.rows[0]) * (s.tensor.spec.nbytes // max(1, _rows(s.tensor))) for s in mine
+    )
+    with progress(mine_bytes, "merging", quiet) as update:
+        on_every_rank(lambda: write_shares(mine, prep.by_name, directory, update))
+    if request.verifies:
+        owners = owner(prep.plan, world)
+        on_every_rank(
+            lambda: verify_output(
+                prep.plan,
+                prep.by_name,
+                directory,
+                tied=prep.expected.tied,
+                only=lambda name: owners[name] == rank,
+            )
+        )
+
+
+def merge_on_ranks(config: ShardforgeConfig, request: MergeRequest) -> Path:
+    """This rank's part of a distributed merge; every rank returns the output path or raises
+    the same MergeError."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = request.output_path
+    assert out is not None  # the request requires it for --format hf
+    prep = _prepared(config, request, out)
+    output, _ = deliverable(prep, request, config)
+    if rank == 0:
+        each = f"{prep.plan.total_bytes // world:,}"
+        log.info("distributed merge on %d ranks: %s bytes each", world, each)
+    published: BaseException | None = None
+    try:
+        with atomic_directory(out, request.overwrite) if rank == 0 else _no_directory() as tmp:
+            directory = Path(broadcast(str(tmp) if rank == 0 else None))
+            _write_share(prep, directory, request)
+            if rank == 0:
+                write_index(prep.plan, directory)
+                assert output.companions is not None
+                write_companions(output.companions, output.dtype, directory)
+    except (ShardforgeError, OSError) as exc:
+        published = exc
+    raise_failures(gather_status(published))
+    if rank == 0:
+        log.info("wrote %s (%.1f MB) on %d ranks", out, prep.plan.total_bytes / 1e6, world)
+    return out
