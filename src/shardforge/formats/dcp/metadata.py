@@ -10,14 +10,14 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 from shardforge.errors import CheckpointError
-from shardforge.io.dtypes import is_dtype
-from shardforge.io.files import inside, open_regular
-from shardforge.io.unpickler import (
+from shardforge.formats.dcp.pickles import (
     BytesStorageMetadata,
     Metadata,
     TensorStorageMetadata,
     load_metadata_pickle,
 )
+from shardforge.io.dtypes import is_dtype
+from shardforge.io.files import inside, open_regular
 
 if TYPE_CHECKING:
     import torch
