@@ -15,6 +15,7 @@ from pathlib import Path, PurePath
 from shardforge.errors import CheckpointError
 from shardforge.formats.dcp.metadata import METADATA_FILE
 from shardforge.formats.kinds import DCP, RANK_FILES
+from shardforge.formats.lightning_meta import read_lightning_meta
 from shardforge.keymap.keys import TORCHTITAN, is_optimizer_key
 
 log = logging.getLogger("shardforge")
@@ -202,16 +203,15 @@ def _accelerate(root: Path, dirname: str | None) -> list[Candidate]:
 
 
 def lightning_step(meta_pt: Path) -> int:
-    """`global_step` from a Lightning meta.pt, read with torch's allow-list unpickler
-    (weights_only); -1 when it cannot be read safely."""
-    import torch
-
+    """`global_step` from a Lightning meta.pt, read through the allow-list unpickler
+    (`formats.lightning_meta`); -1 when it cannot be read safely."""
     try:
-        meta = torch.load(meta_pt, weights_only=True, map_location="cpu")
-    except Exception as exc:
-        log.warning("%s: not read (%s); step unknown", meta_pt, str(exc).splitlines()[0][:200])
+        meta = read_lightning_meta(meta_pt)
+    except CheckpointError as exc:
+        reason = str(exc).removeprefix(f"{meta_pt}: ")[:200]  # the message names the file too
+        log.warning("%s: not read (%s); step unknown", meta_pt, reason)
         return -1
-    step = meta.get("global_step") if isinstance(meta, dict) else None
+    step = meta.get("global_step")
     return int(step) if isinstance(step, int) else -1
 
 
