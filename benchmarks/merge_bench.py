@@ -165,7 +165,7 @@ def make_checkpoint(root: Path, size_bytes: int, dtype: str, ranks: int) -> tupl
 
     from helpers.dist import run_on_ranks
     from helpers.tiny import make_tokenizer
-    from shardforge.io.unpickler import load_metadata_pickle
+    from shardforge.formats.dcp.pickles import load_metadata_pickle
 
     cfg = llama_config_for(size_bytes, dtype)
     base = root / "base"

@@ -22,8 +22,8 @@ import torch
 from helpers.dist import run_on_ranks
 from helpers.tiny import make_model
 from shardforge.errors import CheckpointError
+from shardforge.formats.dcp.pickles import load_metadata_pickle
 from shardforge.inspection import inspect_checkpoint, inspect_path_or_config
-from shardforge.io.unpickler import load_metadata_pickle
 
 WORLD = 3
 OURS_STEPS = (2, 4)

@@ -7,7 +7,7 @@ writer versions, model tensors, optimizer contents.
 
 Nothing is written and nothing is unpickled outside the existing allow-list readers
 (`formats.dcp.metadata` for DCP, `formats.rankfiles` for per-rank DTensor files; Lightning's `meta.pt`
-through ``torch.load(weights_only=True)``).
+through the allow-list unpickler, `formats.lightning_meta`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from shardforge.errors import CheckpointError
 from shardforge.formats.base import Contents, StateSummary, TensorFact
 from shardforge.formats.dcp.format import DISTCP_FILE, state_summary
 from shardforge.formats.dcp.metadata import METADATA_FILE, read_metadata
+from shardforge.formats.lightning_meta import read_lightning_meta
 from shardforge.formats.rankfiles.names import parse_rank_name
 from shardforge.formats.registry import detect
 from shardforge.io.copy import fact_session
@@ -285,18 +286,14 @@ def _recorded_json(directory: Path) -> dict[str, Any]:
 
 
 def _lightning_versions(ckpt_dir: Path) -> dict[str, str]:
-    """`*_version` strings of a Lightning `meta.pt`, loaded with weights_only=True only."""
-    import torch
-
+    """`*_version` strings of a Lightning `meta.pt`, read through the allow-list unpickler."""
     meta_pt = ckpt_dir / LIGHTNING_META
     if not meta_pt.is_file():
         return {}
     try:
-        meta = torch.load(meta_pt, weights_only=True, map_location="cpu")
-    except Exception as exc:  # the allow-list refused it, or it is damaged: report nothing
-        log.info("%s: not read (%s)", meta_pt, str(exc).splitlines()[0][:200])
-        return {}
-    if not isinstance(meta, dict):
+        meta = read_lightning_meta(meta_pt)
+    except CheckpointError as exc:  # the allow-list refused it, or it is damaged: report nothing
+        log.info("%s: not read (%s)", meta_pt, str(exc).removeprefix(f"{meta_pt}: ")[:200])
         return {}
     return {
         str(k).removesuffix("_version"): v

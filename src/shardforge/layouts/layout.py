@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardforge.errors import CheckpointError
+from shardforge.formats.lightning_meta import read_lightning_meta
 from shardforge.formats.registry import DCP, RANK_FILES, detect
 from shardforge.keymap.keys import TORCHTITAN
 
@@ -121,16 +123,15 @@ def find_steps(layout: Layout, root: Path, dirname: str | None) -> list[Candidat
 
 
 def lightning_step(meta_pt: Path) -> int:
-    """`global_step` from a Lightning meta.pt, read with torch's allow-list unpickler
-    (weights_only); -1 when it cannot be read safely."""
-    import torch
-
+    """`global_step` from a Lightning meta.pt, read through the allow-list unpickler
+    (`formats.lightning_meta`); -1 when it cannot be read safely."""
     try:
-        meta = torch.load(meta_pt, weights_only=True, map_location="cpu")
-    except Exception as exc:
-        log.warning("%s: not read (%s); step unknown", meta_pt, str(exc).splitlines()[0][:200])
+        meta = read_lightning_meta(meta_pt)
+    except CheckpointError as exc:
+        reason = str(exc).removeprefix(f"{meta_pt}: ")[:200]  # the message names the file too
+        log.warning("%s: not read (%s); step unknown", meta_pt, reason)
         return -1
-    step = meta.get("global_step") if isinstance(meta, dict) else None
+    step = meta.get("global_step")
     return int(step) if isinstance(step, int) else -1
 
 

@@ -10,15 +10,15 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 from shardforge.errors import CheckpointError
-from shardforge.io.copy import file_fact, identity
-from shardforge.io.dtypes import DtypeName, is_dtype, resolve_dtype
-from shardforge.io.files import inside, open_regular
-from shardforge.io.unpickler import (
+from shardforge.formats.dcp.pickles import (
     BytesStorageMetadata,
     Metadata,
     TensorStorageMetadata,
     load_metadata_pickle,
 )
+from shardforge.io.copy import file_fact, identity
+from shardforge.io.dtypes import DtypeName, is_dtype, resolve_dtype
+from shardforge.io.files import inside, open_regular
 
 if TYPE_CHECKING:
     import torch

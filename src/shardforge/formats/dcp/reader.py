@@ -5,7 +5,7 @@ metadata names without checking it, and its default load planner reads non-tenso
 ``torch.load(weights_only=False)``. Two readers replace it:
 
 * `SafeFileSystemReader` reads `.metadata` through the allow-list unpickler
-  (`shardforge.io.unpickler`: plain records first, torch's dataclasses then built from checked
+  (`formats.dcp.pickles`: plain records first, torch's dataclasses then built from checked
   fields) and leaves the tensor bytes to torch (``torch.load(weights_only=True)``). `--verify`
   uses it: the checkpoint is then read by other code than the merge's record parser.
 * `CheckedFileSystemReader` (resume in `train`, `--engine transformers`) reads every record
@@ -32,6 +32,7 @@ from torch.futures import Future
 
 from shardforge.errors import CheckpointError
 from shardforge.formats.dcp.metadata import METADATA_FILE, Chunk
+from shardforge.formats.dcp.pickles import load_metadata_pickle
 from shardforge.formats.dcp.records import (
     check_record,
     check_record_crcs,
@@ -40,7 +41,7 @@ from shardforge.formats.dcp.records import (
     read_value,
 )
 from shardforge.io.files import open_regular
-from shardforge.io.unpickler import load_metadata_pickle, sanitize
+from shardforge.io.unpickler import sanitize
 
 
 def read_dcp_metadata(directory: str | Path) -> Metadata:

@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING
 
 from shardforge.errors import CheckpointError
 from shardforge.formats.dcp.metadata import Chunk
-from shardforge.io.dtypes import DtypeName, resolve_dtype
-from shardforge.io.files import read_exact_into
-from shardforge.io.unpickler import (
+from shardforge.formats.dcp.pickles import (
     VALUES,
     StoredTensor,
     UnsupportedRecord,
     parse_tensor_record,
-    unpickle,
 )
+from shardforge.io.dtypes import DtypeName, resolve_dtype
+from shardforge.io.files import read_exact_into
+from shardforge.io.unpickler import unpickle
 from shardforge.io.zip_record import (
     ZipMember,
     ZipRecord,

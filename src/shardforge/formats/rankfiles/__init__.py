@@ -17,7 +17,7 @@ _EXPORTS = {
     "RankFile": "rank_file",
     "TensorRecord": "rank_file",
     "read_rank_file": "rank_file",
-    "Placement": "rank_file",
+    "Placement": "pickles",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,7 +1,7 @@
 """Read one per-rank ``model_world_size_W_rank_R.pt`` file without unpickling arbitrary code.
 
 The file is a ``torch.save`` zip (records stored uncompressed): ``<root>/data.pkl`` (the state
-dict, parsed by `shardforge.io.unpickler`), ``<root>/byteorder`` and one ``<root>/data/<key>`` record
+dict, parsed by `formats.rankfiles.pickles`), ``<root>/byteorder`` and one ``<root>/data/<key>`` record
 per storage. `read_rank_file` turns it into plain per-key records that say where each local
 shard's bytes are in the file; `read_local` reads just those bytes.
 """
@@ -17,8 +17,13 @@ import torch
 
 from shardforge.errors import CheckpointError
 from shardforge.formats.rankfiles.names import parse_rank_name
+from shardforge.formats.rankfiles.pickles import (
+    DTensorRecord,
+    LocalTensor,
+    Placement,
+    load_rank_pickle,
+)
 from shardforge.io.files import open_regular, read_exact_into
-from shardforge.io.unpickler import DTensorRecord, LocalTensor, Placement, load_rank_pickle
 from shardforge.io.zip_record import ZipMember, check_view, read_member, read_zip_record
 
 # a state dict's pickle holds a few hundred bytes per tensor; anything this large is not one

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 
 from shardforge.errors import CheckpointError
+from shardforge.formats.rankfiles.pickles import Placement
 from shardforge.formats.rankfiles.rank_file import (
     RankFile,
     TensorRecord,
     parse_rank_name,
     read_rank_file,
 )
-from shardforge.io.unpickler import Placement
 
 
 @dataclass(frozen=True)
