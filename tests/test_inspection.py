@@ -19,11 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import children
 from helpers.dist import run_on_ranks
 from helpers.tiny import make_model
 from shardforge.errors import CheckpointError
 from shardforge.inspection import inspect_checkpoint, inspect_path_or_config
 from shardforge.io.unpickler import load_metadata_pickle
+
+# the checkpoints are written by gloo ranks (build_checkpoints)
+pytestmark = pytest.mark.slow
 
 WORLD = 3
 OURS_STEPS = (2, 4)
@@ -125,6 +129,8 @@ def build_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
             base = make_model(root / "base", "llama", vocab_size=331, intermediate_size=101)
             run_on_ranks(write_checkpoints, WORLD, str(base), str(root))
             (root / "DONE").touch()
+        else:  # written by ranks that another test (or xdist worker) started
+            children.started("run_on_ranks, shared: build_checkpoints")
     from transformers import AutoModelForCausalLM
 
     sd = AutoModelForCausalLM.from_pretrained(root / "base").state_dict()

@@ -22,6 +22,9 @@ from helpers.tiny import make_model
 from shardforge.errors import CheckpointError, MergeError, ShardforgeError
 from shardforge.merge.api import merge_fsdp_weights
 
+# the checkpoints are written by gloo ranks
+pytestmark = pytest.mark.slow
+
 WORLD_SIZE = 2
 # uneven shards over 2 ranks (vocab 331, intermediate 101)
 SHAPES: dict[str, Any] = {
