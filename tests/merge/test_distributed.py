@@ -46,17 +46,11 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
 
 @pytest.fixture(scope="module")
 def titan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(base model, torchtitan checkpoint root) as test_merge_sources writes them."""
-    from test_merge_sources import SHAPES, WORLD_SIZE, save_layouts
+    """(base model, torchtitan checkpoint root): test_merge_sources's, shared."""
+    from test_merge_sources import build_sources
 
-    from helpers.dist import run_on_ranks
-    from helpers.tiny import make_model
-
-    root = tmp_path_factory.mktemp("titan")
-    base = make_model(root / "base", "llama", seed=3, **SHAPES)
-    other = make_model(root / "other", "llama", seed=4, **{**SHAPES, "intermediate_size": 99})
-    run_on_ranks(save_layouts, WORLD_SIZE, str(base), str(other), str(root / "trees"))
-    return base, root / "trees" / "titan"
+    sources = build_sources(tmp_path_factory)
+    return sources.base, sources.root / "titan"
 
 
 def _tree(root: Path) -> dict[str, str]:
