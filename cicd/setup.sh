@@ -12,4 +12,8 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -c cicd/constraints.txt torch
 "$VENV/bin/python" -m pip install -q -c cicd/constraints.txt -e '.[dev]'
+# torchtitan for its parity test, without its requirements: it pins datasets<4.8 and asks for
+# torchdata and torch_checkpointing, which the model code the test imports does not use (its
+# imports tyro and einops come with the dev extra)
+"$VENV/bin/python" -m pip install -q --no-deps -c cicd/constraints.txt torchtitan spmd_types
 touch "$stamp"

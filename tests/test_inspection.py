@@ -10,7 +10,6 @@ the CLI tests use the same ones (`from test_inspection import build_checkpoints`
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from dataclasses import dataclass
@@ -20,10 +19,14 @@ import pytest
 import torch
 
 from helpers.dist import run_on_ranks
+from helpers.shared import shared_folder
 from helpers.tiny import make_model
 from shardforge.errors import CheckpointError
 from shardforge.formats.dcp.pickles import load_metadata_pickle
 from shardforge.inspection import inspect_checkpoint, inspect_path_or_config
+
+# the checkpoints are written by gloo ranks (build_checkpoints)
+pytestmark = pytest.mark.slow
 
 WORLD = 3
 OURS_STEPS = (2, 4)
@@ -112,19 +115,15 @@ class Built:
         return self.root / "ours"
 
 
+def _write_all(root: Path) -> None:
+    # vocab 331 and intermediate 101 do not split evenly over 3 ranks
+    base = make_model(root / "base", "llama", vocab_size=331, intermediate_size=101)
+    run_on_ranks(write_checkpoints, WORLD, str(base), str(root))
+
+
 def build_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
     """Write the checkpoints once for the whole session (every xdist worker shares them)."""
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # this run's folder, the same for every xdist worker
-    root = shared / "inspect-checkpoints"
-    with (shared / "inspect-checkpoints.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / "DONE").exists():
-            # vocab 331 and intermediate 101 do not split evenly over 3 ranks
-            base = make_model(root / "base", "llama", vocab_size=331, intermediate_size=101)
-            run_on_ranks(write_checkpoints, WORLD, str(base), str(root))
-            (root / "DONE").touch()
+    root = shared_folder(tmp_path_factory, "inspect-checkpoints", _write_all)
     from transformers import AutoModelForCausalLM
 
     sd = AutoModelForCausalLM.from_pretrained(root / "base").state_dict()

@@ -31,6 +31,9 @@ from shardforge.io.zip_record import check_crc
 from shardforge.merge.api import merge_fsdp_weights
 from test_inspection import LMMS_STEP, WORLD, Built, build_checkpoints
 
+# the checkpoints are written by gloo ranks (build_checkpoints)
+pytestmark = pytest.mark.slow
+
 SEED = 20240610
 CASES = {"metadata": 100, "distcp": 80, "rank": 90}  # mutations per target
 FULL_MERGES = 3  # per target: cases also run through the whole merge

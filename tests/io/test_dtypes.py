@@ -142,6 +142,7 @@ def test_with_torch_loaded_a_name_is_torchs_own_dtype() -> None:
     assert dtype_name(torch.half) == "float16"
 
 
+@pytest.mark.slow
 def test_before_torch_is_imported_a_name_is_a_dtype_name() -> None:
     """In a fresh interpreter (as the merge's head start runs): no torch is imported, and the
     stand-in has torch's canonical name, element size and kind."""

@@ -112,6 +112,7 @@ def _holder(out: Path) -> tuple[subprocess.Popen[str], Path]:
     return proc, Path(proc.stdout.readline().strip())
 
 
+@pytest.mark.slow
 def test_a_killed_merges_temporary_is_removed_by_the_next(tmp_path: Path) -> None:
     out = tmp_path / "out"
     killed, stale = _holder(out)
@@ -144,6 +145,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     return build_checkpoints(tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_two_concurrent_merges_to_one_path(built: Built, tmp_path: Path) -> None:
     """Two merges through the Python API at once, to one output: exactly one publishes, the
     other fails with one clear error (at the start or at the rename) and leaves nothing."""

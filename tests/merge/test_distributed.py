@@ -16,16 +16,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 from click.testing import CliRunner
 
+from helpers.gate import Gate
 from shardforge.cli.main import cli
 from shardforge.merge.distributed import shares
 from test_inspection import Built, build_checkpoints
+
+# the checkpoints are written by gloo ranks; the merges run under torchrun
+pytestmark = pytest.mark.slow
 
 LAYOUTS = {  # layout -> its tree in test_inspection's checkpoints
     "ours": "ours",
@@ -43,17 +46,11 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
 
 @pytest.fixture(scope="module")
 def titan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(base model, torchtitan checkpoint root) as test_merge_sources writes them."""
-    from test_merge_sources import SHAPES, WORLD_SIZE, save_layouts
+    """(base model, torchtitan checkpoint root): test_merge_sources's, shared."""
+    from test_merge_sources import build_sources
 
-    from helpers.dist import run_on_ranks
-    from helpers.tiny import make_model
-
-    root = tmp_path_factory.mktemp("titan")
-    base = make_model(root / "base", "llama", seed=3, **SHAPES)
-    other = make_model(root / "other", "llama", seed=4, **{**SHAPES, "intermediate_size": 99})
-    run_on_ranks(save_layouts, WORLD_SIZE, str(base), str(other), str(root / "trees"))
-    return base, root / "trees" / "titan"
+    sources = build_sources(tmp_path_factory)
+    return sources.base, sources.root / "titan"
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -84,7 +81,6 @@ def _same_bytes_at_two_and_three_ranks(base: Path, checkpoint: Path, tmp_path: P
     assert _tree(checkpoint) == before
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_and_three_ranks_write_the_single_process_bytes(
     built: Built, tmp_path: Path, layout: str
@@ -92,7 +88,6 @@ def test_two_and_three_ranks_write_the_single_process_bytes(
     _same_bytes_at_two_and_three_ranks(built.base, built.root / LAYOUTS[layout], tmp_path)
 
 
-@pytest.mark.slow
 def test_a_torchtitan_step_on_two_and_three_ranks(titan: tuple[Path, Path], tmp_path: Path) -> None:
     _same_bytes_at_two_and_three_ranks(*titan, tmp_path)
 
@@ -129,42 +124,30 @@ def test_shares_cover_every_byte_once_and_split_large_tensors(built: Built, tmp_
 def test_a_rank_killed_mid_merge_leaves_nothing(built: Built, tmp_path: Path) -> None:
     """SIGKILL of rank 1 once rank 0 has created the hidden output directory: torchrun stops
     the job, the command fails, nothing is at the output path and the checkpoint is unchanged.
-    (The tiny merge is quick; a run that finishes before the kill lands is tried again.)"""
+    Rank 0 pauses right after creating that directory (a test gate on `os.mkdir`), so the kill
+    always lands mid-merge, however quick the tiny merge is."""
     before = _tree(built.ours)
     cfg = tmp_path / "cfg.yml"
     cfg.write_text(yaml.safe_dump({"base_model": str(built.base), "output_dir": "unused"}))
-    for attempt in range(4):
-        out = tmp_path / f"out{attempt}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "shardforge",
-            "merge-sharded-fsdp-weights",
-            str(cfg),
-            "--output_path",
-            str(out),
-            "--checkpoint",
-            str(built.ours),
-            "--nproc_per_node",
-            "2",
-            "--verify",
-        ]
-        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-        victim = None
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            victim = victim or _rank_pid(proc.pid, rank=1)
-            if victim and any(p.name.startswith(f".{out.name}") for p in tmp_path.iterdir()):
-                os.kill(victim, signal.SIGKILL)
-                break
-            time.sleep(0.002)
-        _, err = proc.communicate(timeout=120)
-        if proc.returncode == 0:
-            continue  # finished before the kill: try again
-        assert not out.exists(), err
-        assert _tree(built.ours) == before
-        return
-    pytest.fail("the merge always finished before rank 1 could be killed")
+    out = tmp_path / "out"
+    gate = Gate(tmp_path / "gate", "os:mkdir", r"/\.out\.tmp-[^/]+$")
+    cmd = [sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(cfg),
+           "--output_path", str(out), "--checkpoint", str(built.ours), "--nproc_per_node", "2",
+           "--verify"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=gate.env())
+    try:
+        (paused,) = gate.wait(proc)
+        victim = _rank_pid(proc.pid, rank=1)
+        assert victim is not None and _rank_pid(proc.pid, rank=0) == paused
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        gate.open()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, err
+    assert not out.exists(), err
+    assert _tree(built.ours) == before
 
 
 def _rank_pid(launcher: int, rank: int) -> int | None:

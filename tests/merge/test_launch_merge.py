@@ -18,6 +18,9 @@ from shardforge.errors import MergeError, ShardforgeError
 from shardforge.merge import launch
 from shardforge.merge.request import MergeRequest
 
+# each test starts the ranks' stand-in processes
+pytestmark = pytest.mark.slow
+
 RANK_END = r"""
 import os, pathlib, sys
 what, status, done_env, error_env = sys.argv[1:]

@@ -184,6 +184,7 @@ def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"cfg": cfg, "model": model.eval(), "base": base}
 
 
+@pytest.mark.slow
 def test_a_trainer_peft_checkpoint_merges_to_an_adapter(
     trainer_run: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -200,6 +201,7 @@ def test_a_trainer_peft_checkpoint_merges_to_an_adapter(
         )
 
 
+@pytest.mark.slow
 def test_a_trainer_peft_checkpoint_merges_fused(
     trainer_run: dict[str, Any], tmp_path: Path
 ) -> None:

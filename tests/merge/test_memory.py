@@ -16,14 +16,17 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from helpers.dist import run_on_ranks
+from helpers.gate import Gate
 from helpers.tiny import make_config, make_tokenizer
+
+# the checkpoint is written by gloo ranks; the merges run in subprocesses
+pytestmark = pytest.mark.slow
 
 # about 155M parameters, fp32: embeddings and lm_head 32000 x 1024, 8 decoder layers
 BIG: dict[str, int] = {
@@ -149,39 +152,40 @@ def _tree_signature(root: Path) -> list[tuple[str, int, int]]:
     ]
 
 
+def _default_sigint() -> None:
+    # a child of a background job (`make test &`, nohup, some CI runners) inherits an ignored
+    # SIGINT, and Python then leaves Ctrl-C ignored: give the merge the terminal's default
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_mid_merge_leaves_nothing(big: Path, tmp_path: Path, sig: signal.Signals) -> None:
     """SIGTERM or Ctrl-C while writing: non-zero exit, no output, no temp directory, input
-    untouched."""
+    untouched. A writer of the merge pauses once it has cast and written a block of tensor
+    bytes into the hidden output's safetensors file (a test gate on `os.pwrite`): the signal
+    comes mid-merge however fast the merge runs (the main thread cannot get past that block
+    to publish), and the gate opens only once the signal is sent."""
     before = _tree_signature(big / "run")
     out = tmp_path / "merged"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "shardforge",
-            "merge-sharded-fsdp-weights",
-            str(big / "cfg.yml"),
-            "--output_path",
-            str(out),
-            "--dtype",
-            "bfloat16",
-            "--verify",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stderr is not None
-    line = proc.stderr.readline()
-    while line and not line.startswith("checkpoint:"):
-        line = proc.stderr.readline()
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".merged.tmp-*/model*.safetensors")):  # writing has begun
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.02)
-    proc.send_signal(sig)
-    rest = proc.stderr.read()
-    assert proc.wait(timeout=60) != 0
+    written = r"/\.merged\.tmp-[^/]+/model[^/]*\.safetensors$"  # the hidden output's weights
+    gate = Gate(tmp_path / "gate", "os:pwrite", written, thread="MainThread|shardforge-cast")
+    cmd = [sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(big / "cfg.yml"),
+           "--output_path", str(out), "--dtype", "bfloat16", "--verify"]  # fmt: skip
+    with (tmp_path / "stderr").open("w+") as err:
+        proc = subprocess.Popen(cmd, stderr=err, env=gate.env(), preexec_fn=_default_sigint)
+        try:
+            gate.wait(proc)
+            # mid-merge: a partly written file in the hidden directory, nothing published
+            assert list(tmp_path.glob(".merged.tmp-*/model*.safetensors")) and not out.exists()
+            proc.send_signal(sig)
+            gate.open()
+            assert proc.wait(timeout=300) != 0
+        finally:
+            gate.open()
+            if proc.poll() is None:
+                proc.kill()
+        err.seek(0)
+        rest = err.read()
     assert "error: interrupted" in rest
     assert "Traceback" not in rest
     assert not out.exists()

@@ -18,9 +18,13 @@ import pytest
 import torch
 
 from helpers.dist import run_on_ranks
+from helpers.shared import shared_folder
 from helpers.tiny import make_model
 from shardforge.errors import CheckpointError, MergeError, ShardforgeError
 from shardforge.merge.api import merge_fsdp_weights
+
+# the checkpoints are written by gloo ranks
+pytestmark = pytest.mark.slow
 
 WORLD_SIZE = 2
 # uneven shards over 2 ranks (vocab 331, intermediate 101)
@@ -157,13 +161,22 @@ class Built:
     other: Path
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
-    root = tmp_path_factory.mktemp("sources")
+def _write_sources(root: Path) -> None:
     base = make_model(root / "base", "llama", seed=3, **SHAPES)
     other = make_model(root / "other", "llama", seed=4, **{**SHAPES, "intermediate_size": 99})
     run_on_ranks(save_layouts, WORLD_SIZE, str(base), str(other), str(root / "trees"))
-    return Built(root / "trees", base, other)
+
+
+def build_sources(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    """Every layout's checkpoint of one tiny model, written once per run (test_distributed
+    merges its torchtitan step too); tests copy what they change."""
+    root = shared_folder(tmp_path_factory, "merge-sources", _write_sources)
+    return Built(root / "trees", root / "base", root / "other")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return build_sources(tmp_path_factory)
 
 
 def expected_state(base: Path, amount: float) -> dict[str, torch.Tensor]:

@@ -27,11 +27,15 @@ import pytest
 import yaml
 
 from helpers.dist import run_on_ranks
+from helpers.gate import Gate
 from helpers.tiny import make_model
 from shardforge.errors import CheckpointError, MergeError
 from shardforge.layouts.catalog import resolve_checkpoint
 from shardforge.merge import overlap
 from shardforge.merge.api import merge_fsdp_weights
+
+# the checkpoints are written by gloo ranks
+pytestmark = pytest.mark.slow
 
 SHAPES: dict[str, Any] = {
     "vocab_size": 331,
@@ -293,29 +297,33 @@ def test_an_early_copy_discarded_before_its_thread_runs(
 
 
 def test_sigterm_while_starting_up_leaves_nothing(built: Built, tmp_path: Path) -> None:
-    """SIGTERM once the early copy's hidden directory exists (the merge is still importing
-    transformers): the command stops, nothing is left beside the output path."""
+    """SIGTERM once the early copy's hidden directory exists (the merge is still starting up):
+    the command stops, nothing is left beside the output path. The merge's main thread pauses
+    right after starting the early copy's thread (a test gate on `Thread.start`), so the
+    signal always comes before the merge could take the copy over."""
     run = built.root / "ckpt" / "llama" / "hf-trainer"
     cfg = tmp_path / "cfg.yml"
     cfg.write_text(yaml.safe_dump(_cfg(built.bases["llama"], run)))
-    for attempt in range(4):
-        out = tmp_path / f"out{attempt}"
-        cmd = [sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(cfg),
-               "--output_path", str(out), "--quiet"]  # fmt: skip
-        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if _leftovers(out):
-                proc.send_signal(signal.SIGTERM)
-                break
-            time.sleep(0.002)
+    out = tmp_path / "out"
+    gate = Gate(tmp_path / "gate", "threading:Thread.start", "shardforge-early")
+    cmd = [sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(cfg),
+           "--output_path", str(out), "--quiet"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=gate.env())
+    try:
+        gate.wait(proc)
+        deadline = time.monotonic() + 120  # only a bound on a hang: the merge is paused
+        while not _leftovers(out):  # the early copy's thread creates its hidden directory
+            assert time.monotonic() < deadline and proc.poll() is None, "no early copy began"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
-        if proc.returncode == 0:
-            shutil.rmtree(out)
-            continue  # finished before the signal: try again
-        assert not out.exists() and not _leftovers(out), err
-        return
-    pytest.fail("the merge always finished before it could be stopped")
+    finally:
+        gate.open()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, err
+    assert "error: interrupted" in err and "Traceback" not in err, err
+    assert not out.exists() and not _leftovers(out), err
 
 
 # A merge run as the command line runs it: the head start entered before torch is imported.

@@ -28,6 +28,9 @@ from shardforge.merge.api import merge_fsdp_weights
 from shardforge.merge.remove import plan_removal, remove_shards
 from test_inspection import HF_STEP, LMMS_STEP, WORLD, Built, build_checkpoints
 
+# the checkpoints are written by gloo ranks (build_checkpoints)
+pytestmark = pytest.mark.slow
+
 SHARED = "in the same files as the model weights; removing the shards would delete it"
 DISTCP = [f"__{r}_0.distcp" for r in range(WORLD)]
 RANK_FILES = [f"model_world_size_{WORLD}_rank_{r}.pt" for r in range(WORLD)]

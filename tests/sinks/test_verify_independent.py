@@ -125,6 +125,7 @@ def rank_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_rank_files_wrong_locate_is_caught(rank_dir: Path, tmp_path: Path) -> None:
     from shardforge.formats.rankfiles import plan_rank_files
 

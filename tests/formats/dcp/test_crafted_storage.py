@@ -34,6 +34,9 @@ from shardforge.formats.dcp.metadata import Chunk, read_metadata
 from shardforge.io.copy import ReadCache
 from test_inspection import LMMS_STEP, WORLD, Built, build_checkpoints
 
+# every test copies the checkpoints that gloo ranks write (build_checkpoints)
+pytestmark = pytest.mark.slow
+
 # -- torch.save records with chosen values ------------------------------------------------------
 
 

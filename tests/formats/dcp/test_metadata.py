@@ -56,6 +56,7 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_reads_every_kind_of_chunk(sharded: Path) -> None:
     meta = read_metadata(sharded)
     assert meta.non_tensor_keys == ("step",)
@@ -71,6 +72,7 @@ def test_reads_every_kind_of_chunk(sharded: Path) -> None:
             assert got.dtype == ref.dtype and torch.equal(got, ref), key
 
 
+@pytest.mark.slow
 def test_streams_every_kind_of_chunk_into_safetensors(sharded: Path, tmp_path: Path) -> None:
     """Slabs are copied, column shards assembled, a cast applied; safetensors reads it back."""
     from safetensors.torch import load_file
@@ -106,6 +108,7 @@ def _rewrite(directory: Path, edit: object, protocol: int = 4) -> None:
     path.write_bytes(pickle.dumps(meta, protocol=protocol))
 
 
+@pytest.mark.slow
 def test_older_pickles_without_new_fields_and_old_module_paths(
     sharded: Path, tmp_path: Path
 ) -> None:
@@ -136,6 +139,7 @@ def test_older_pickles_without_new_fields_and_old_module_paths(
         assert torch.equal(read_full(reader, meta.tensors["rows"]), originals()["rows"])
 
 
+@pytest.mark.slow
 def test_compressed_items_are_refused(sharded: Path, tmp_path: Path) -> None:
     ckpt = tmp_path / "z"
     shutil.copytree(sharded, ckpt)
@@ -160,6 +164,7 @@ def test_safetensors_format_distcp_is_refused(tmp_path: Path) -> None:
         read_metadata(tmp_path / "s")
 
 
+@pytest.mark.slow
 def test_incomplete_tiling_is_refused(sharded: Path, tmp_path: Path) -> None:
     ckpt = tmp_path / "holes"
     shutil.copytree(sharded, ckpt)
@@ -172,6 +177,7 @@ def test_incomplete_tiling_is_refused(sharded: Path, tmp_path: Path) -> None:
         read_metadata(ckpt)
 
 
+@pytest.mark.slow
 def test_missing_data_file_is_refused(sharded: Path, tmp_path: Path) -> None:
     ckpt = tmp_path / "gone"
     shutil.copytree(sharded, ckpt)
@@ -180,6 +186,7 @@ def test_missing_data_file_is_refused(sharded: Path, tmp_path: Path) -> None:
         read_metadata(ckpt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/etc/passwd", "../x.distcp", "a/../../x.distcp"])
 def test_storage_paths_leaving_the_directory_are_refused(
     sharded: Path, tmp_path: Path, path: str

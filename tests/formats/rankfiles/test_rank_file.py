@@ -19,6 +19,7 @@ from shardforge.errors import CheckpointError
 from shardforge.formats.rankfiles import Placement, plan_rank_files, read_rank_file
 
 
+@pytest.mark.slow
 def test_records_describe_local_shards(ranks_2_fp32: tuple[Path, Path]) -> None:
     model_dir, rank_dir = ranks_2_fp32
     original = load_file(model_dir / "model.safetensors")
@@ -69,6 +70,7 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 def test_code_execution_payload_is_refused(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -97,6 +99,7 @@ def _replace_pickle(src: Path, dst: Path, payload: bytes) -> None:
             zout.writestr(info.filename, data)
 
 
+@pytest.mark.slow
 def test_hostile_pickles_inside_a_real_rank_file(
     ranks_2_fp32: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -121,6 +124,7 @@ def test_hostile_pickles_inside_a_real_rank_file(
         assert str(dst) in str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", [0.5, 0.999])
 def test_truncated_file(ranks_2_fp32: tuple[Path, Path], tmp_path: Path, keep: float) -> None:
     src = ranks_2_fp32[1] / "model_world_size_2_rank_1.pt"

@@ -13,8 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers.dist import run_on_ranks
 from helpers.tiny import make_config
+
+# the rank files are written by gloo ranks
+pytestmark = pytest.mark.slow
 
 # about 66M parameters, fp32; the largest tensors (embeddings, lm_head) are 32000 x 512
 BIG = {

@@ -45,6 +45,7 @@ def _check_round_trip(
         assert torch.equal(rebuilt, original[key]), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["ranks_2_fp32", "ranks_3_bf16"])
 def test_round_trip_bit_exact(fixture: str, request: pytest.FixtureRequest) -> None:
     model_dir, rank_dir = request.getfixturevalue(fixture)
@@ -52,6 +53,7 @@ def test_round_trip_bit_exact(fixture: str, request: pytest.FixtureRequest) -> N
     _check_round_trip(model_dir, rank_dir, dtype)
 
 
+@pytest.mark.slow
 def test_plan_describes_uneven_shards(ranks_3_bf16: tuple[Path, Path]) -> None:
     _, rank_dir = ranks_3_bf16
     plan = plan_rank_files(rank_dir)
@@ -69,6 +71,7 @@ def test_plan_describes_uneven_shards(ranks_3_bf16: tuple[Path, Path]) -> None:
     assert emb.nbytes == 331 * 70 * 2
 
 
+@pytest.mark.slow
 def test_hsdp_replicate_shard_mesh(tmp_path: Path) -> None:
     """HSDP: mesh (2 replicas, 2 shards), placements (Replicate(), Shard(0)); the replicas'
     copies are read once (from the lowest rank)."""
@@ -92,6 +95,7 @@ def test_hsdp_replicate_shard_mesh(tmp_path: Path) -> None:
         plan_rank_files(half)
 
 
+@pytest.mark.slow
 def test_shard_dim_1(tmp_path: Path) -> None:
     """FSDP2 with shard_placement_fn -> Shard(1) for matrices: column blocks, assembled in memory."""
     model_dir, rank_dir = make_rank_files(tmp_path, 2, "float32", matrix_shard_dim=1)
@@ -120,6 +124,7 @@ def test_local_box_matches_torch_chunking() -> None:
             assert torch.equal(t[off : off + size], expected)
 
 
+@pytest.mark.slow
 def test_missing_rank_file(ranks_2_fp32: tuple[Path, Path], tmp_path: Path) -> None:
     _, rank_dir = ranks_2_fp32
     partial = tmp_path / "partial"
@@ -129,6 +134,7 @@ def test_missing_rank_file(ranks_2_fp32: tuple[Path, Path], tmp_path: Path) -> N
         plan_rank_files(partial)
 
 
+@pytest.mark.slow
 def test_mixed_world_sizes(
     ranks_2_fp32: tuple[Path, Path], ranks_3_bf16: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -139,6 +145,7 @@ def test_mixed_world_sizes(
         plan_rank_files(mixed)
 
 
+@pytest.mark.slow
 def test_files_of_different_runs_disagree(ranks_3_bf16: tuple[Path, Path], tmp_path: Path) -> None:
     """A rank file renamed into another run's set: its metadata disagrees and is reported."""
     other = tmp_path / "other"
@@ -175,6 +182,7 @@ def test_no_rank_files(tmp_path: Path) -> None:
         plan_rank_files(tmp_path / "nope")
 
 
+@pytest.mark.slow
 def test_verl_layout_round_trip(ranks_2_fp32: tuple[Path, Path], tmp_path: Path) -> None:
     """global_step_N/actor/ rank files + huggingface/ config, latest from the latest file."""
     model_dir, rank_dir = ranks_2_fp32

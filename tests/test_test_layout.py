@@ -1,0 +1,85 @@
+"""The tests mirror src/: a module `src/shardforge/a/b.py` has its tests in `tests/a/test_b.py`,
+or an entry in `TESTED_ELSEWHERE` saying where it is tested instead and why.
+
+`__init__.py`, `__main__.py` and `version.py` need neither. A new module without a test file
+fails here: add `tests/a/test_b.py`, or a line below. An entry fails too once its module is
+gone or has its own test file, or when the file it names does not exist, so the list stays
+true. (pytest imports test files by their base name: two test files of one name in different
+folders clash, which is why some tests of `merge/` carry a longer name.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "shardforge"
+EXEMPT = {"__init__.py", "__main__.py", "version.py"}
+
+# module (relative to src/shardforge) -> "the test file that exercises it: why not its own"
+TESTED_ELSEWHERE: dict[str, str] = {
+    "errors.py": "tests/cli/test_error_lines.py: format_error and the one-line rule, as printed",
+    "cli/_common.py": "tests/cli/test_error_lines.py: the shared wrapper, through every command",
+    "cli/inspect.py": "tests/cli/test_inspect_cli.py: named after the command",
+    "cli/merge_lora.py": "tests/cli/test_merge_lora_cli.py: named after the command",
+    "cli/merge_rank.py": "tests/merge/test_distributed.py: the entry of each torchrun merge rank",
+    "cli/merge_sharded_fsdp_weights.py": "tests/cli/test_merge_cli.py: named after the command",
+    "cli/train.py": "tests/cli/test_train_cli.py: named after the command",
+    "cli/train_rank.py": "tests/train/test_launch.py: the entry of each torchrun training rank",
+    "config/axolotl_keys.py": "tests/config/test_axolotl.py: the key table, with its users",
+    "config/chat_templates.py": "tests/train/test_data_templates.py: the templates as rendered",
+    "config/errors.py": "tests/config/test_loader.py: pydantic errors as the user's key lines",
+    "config/peft.py": "tests/merge/test_lora_checkpoint.py: the LoraConfig training and merge share",
+    "formats/dcp/chunks.py": "tests/formats/dcp/test_metadata.py: ChunkReader on real chunks",
+    "formats/kinds.py": "tests/layouts/test_steps.py: names only (the kinds of a candidate)",
+    "formats/registry.py": "tests/merge/test_merge_sources.py: opening every format by its kind",
+    "io/dist.py": "tests/merge/test_distributed.py: ranks ending a job together (gloo)",
+    "io/fs.py": "tests/io/test_publish.py: fsync and preallocation under the atomic outputs",
+    "keymap/lora.py": "tests/keymap/test_lora_names.py: test_lora.py is tests/train/'s name",
+    "keymap/names.py": "tests/merge/test_merge_sources.py: name adapters on torchtitan steps",
+    "keymap/titan/tables.py": "tests/keymap/titan/test_adapter.py: the tables, via the adapter",
+    "merge/companions.py": "tests/merge/test_api.py: config, generation config and tokenizer",
+    "merge/dtypes.py": "tests/merge/test_api.py: dtype choices (test_dtypes.py is tests/io/'s)",
+    "merge/launch.py": "tests/merge/test_launch_merge.py: test_launch.py is tests/train/'s name",
+    "merge/locate.py": "tests/merge/test_merge_sources.py: what each layout's merge reads",
+    "merge/lora.py": "tests/merge/test_merge_lora.py: test_lora.py is tests/train/'s name",
+    "merge/plan_report.py": "tests/merge/test_merge_sources.py: --dry_run's report",
+    "merge/request.py": "tests/cli/test_merge_cli.py: every option conflict, as the CLI reports",
+    "merge/sinks/engine.py": "tests/merge/test_api.py: --engine transformers equals the stream",
+    "merge/sinks/hf_dir.py": "tests/merge/test_api.py: every merge's HF directory output",
+    "merge/sinks/torch_file.py": "tests/merge/test_merge_sources.py: --format torch",
+    "train/saving.py": "tests/train/test_checkpointing.py: saves, async saves and rotation",
+    "train/torchrun.py": "tests/train/test_launch.py: the torchrun command line",
+}
+
+
+def _modules() -> list[str]:
+    return sorted(p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py") if p.name not in EXEMPT)
+
+
+def _mirror(module: str) -> Path:
+    path = Path(module)
+    return ROOT / "tests" / path.parent / f"test_{path.name}"
+
+
+def test_every_module_has_its_test_file_or_says_where_it_is_tested() -> None:
+    missing = [
+        f"src/shardforge/{m}: add {_mirror(m).relative_to(ROOT)} or an entry in TESTED_ELSEWHERE"
+        for m in _modules()
+        if not _mirror(m).is_file() and m not in TESTED_ELSEWHERE
+    ]
+    assert not missing, "\n".join(missing)
+
+
+def test_every_entry_is_still_true() -> None:
+    modules = set(_modules())
+    wrong = []
+    for module, where in TESTED_ELSEWHERE.items():
+        test_file, _, reason = where.partition(": ")
+        if module not in modules:
+            wrong.append(f"{module}: no such module any more; remove its entry")
+        elif _mirror(module).is_file():
+            wrong.append(f"{module}: has {_mirror(module).relative_to(ROOT)}; remove its entry")
+        if not (ROOT / test_file).is_file() or not reason:
+            wrong.append(f"{module}: name an existing test file and a reason, 'FILE: why'")
+    assert not wrong, "\n".join(wrong)
