@@ -20,7 +20,7 @@ from shardforge.errors import CheckpointError
 from shardforge.formats.lightning_meta import LIGHTNING_META, read_lightning_meta
 from shardforge.formats.torchsave import LocalTensor
 from shardforge.inspection import _lightning_versions
-from shardforge.layouts.steps import lightning_step
+from shardforge.layouts.layout import lightning_step
 
 CALLBACK = (
     "ModelCheckpoint{'monitor': 'val_loss', 'mode': 'min', 'every_n_train_steps': 0, "
