@@ -22,6 +22,8 @@ def _entry(
     import torch
     import torch.distributed as dist
 
+    from shardforge.io.dist import finish_together
+
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -33,7 +35,10 @@ def _entry(
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
-        dist.barrier()
+        # every rank out of its last gloo collective before any tears the group down (a
+        # barrier here let a fast rank's teardown abort a peer still inside it: SIGABRT,
+        # "terminate called without an active exception", seen under load)
+        finish_together()
     finally:
         dist.destroy_process_group()
 
