@@ -217,6 +217,18 @@ def restore_rng(path: Path, rank: int, same_world: bool, seed: int, step: int) -
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _start_folder(output_dir: Path, step: int) -> tuple[Path, Path]:
+    """Every rank: (`checkpoint-<step>.tmp`, `checkpoint-<step>`) once rank 0 has made the
+    first one fresh and empty (a `.tmp` left by an interrupted save of that step is removed)."""
+    final = output_dir / f"checkpoint-{step}"
+    tmp = output_dir / f"checkpoint-{step}.tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    return tmp, final
+
+
 def save_checkpoint(
     output_dir: Path,
     state: TrainerState,
@@ -235,12 +247,7 @@ def save_checkpoint(
     )
 
     rank = dist.get_rank()
-    final = output_dir / f"checkpoint-{state.step}"
-    tmp = output_dir / f"checkpoint-{state.step}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    tmp, final = _start_folder(output_dir, state.step)
     dcp.save(_model_state(model, adapter_only), checkpoint_id=str(tmp / MODEL_DIR))
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_DIR))
     torch.save(rng_state(), tmp / RNG_FILE.format(rank=rank))
@@ -329,12 +336,7 @@ def start_async_save(
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     rank = dist.get_rank()
-    final = output_dir / f"checkpoint-{state.step}"
-    tmp = output_dir / f"checkpoint-{state.step}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    tmp, final = _start_folder(output_dir, state.step)
     started = time.perf_counter()
     # before this rank joins the writes' collectives: rank 0 sees the writes finish (their
     # last collective) only after every rank's RNG file exists
