@@ -116,7 +116,7 @@ def _check_sharded_model(rank: int, world_size: int, base: str, out: str) -> Non
         assert torch.equal(p.grad.to_local(), q.grad.to_local()), name  # type: ignore[union-attr]
 
     # FULL_STATE_DICT's final save: a regular (here: sharded, indexed) HF directory
-    from shardforge.train.checkpointing import save_full_model
+    from shardforge.train.full_save import save_full_model
 
     Path(out).mkdir(exist_ok=True)
     save_full_model(Path(out), model, reference.config, max_shard_size="40KB")

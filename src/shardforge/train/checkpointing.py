@@ -441,35 +441,3 @@ def load_checkpoint(
     set_optimizer_state_dict(model, optimizer, optim_sd)
     return state
 
-
-def save_full_model(
-    output_dir: Path, model: torch.nn.Module, model_config: Any, max_shard_size: str = "5GB"
-) -> None:
-    """FULL_STATE_DICT: gather the full model on rank 0 and write it as a regular HF directory
-    (safetensors shards of at most `max_shard_size`, with an index when there are several)."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from shardforge.keymap.keys import check_tied_copies, stored_once, tied_pairs
-
-    full = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    if dist.get_rank() != 0:
-        return
-    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
-    dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), torch.float32)
-    tied = tied_pairs(model, model_config)
-    weights = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
-    check_tied_copies(tied, weights, lambda t: t, "the model's full state dict")
-    tensors = {k: weights[k].detach().to(dtype).contiguous() for k in stored_once(weights, tied)}
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
-    for filename, keys in split.filename_to_tensors.items():
-        tmp = output_dir / f"{filename}.tmp"
-        save_file({k: tensors[k] for k in keys}, str(tmp), metadata={"format": "pt"})
-        tmp.rename(output_dir / filename)
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        _write_json(output_dir / "model.safetensors.index.json", index)
-    log.info("saved the full model to %s (%d file(s))", output_dir, len(split.filename_to_tensors))

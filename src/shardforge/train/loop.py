@@ -35,6 +35,7 @@ from shardforge.train.data import (
 )
 from shardforge.train.diagnostics import StepMemory, report_sharding
 from shardforge.train.eval import Evaluator, build_datasets
+from shardforge.train.full_save import save_full_model
 from shardforge.train.lora import prepare_lora, save_adapter
 from shardforge.train.model import (
     build_meta_model,
@@ -269,7 +270,7 @@ def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
                 save_adapter(out, model, cfg)  # the PEFT adapter directory in output_dir
             if final and cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
                 if not cfg.adapter:
-                    ckpt.save_full_model(out, model, model_config)
+                    save_full_model(out, model, model_config)
                 dist.barrier()
             elif final or (every is not None and step % every == 0):
                 state = ckpt.TrainerState(
