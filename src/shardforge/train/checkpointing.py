@@ -440,4 +440,3 @@ def load_checkpoint(
     load_checked(optim_sd, path / OPTIMIZER_DIR)
     set_optimizer_state_dict(model, optimizer, optim_sd)
     return state
-
