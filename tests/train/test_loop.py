@@ -8,6 +8,9 @@ from typing import Any
 
 from train_helpers import read_metrics, run_train, write_config
 
+from shardforge.config import validate_cfg
+from shardforge.train.loop import Callback, Trainer, run_training
+
 # fp32 on CPU: 1-rank and 2-rank runs differ only in the order of floating-point reductions
 # (gradient reduce-scatter, loss all-reduce), measured at about 1e-7 relative.
 RTOL = 1e-6
@@ -35,3 +38,52 @@ def test_two_ranks_match_one_rank(base_cfg: dict[str, Any], tmp_path: Path) -> N
     # the model learns, and clipping was active (norms above max_grad_norm 1.0)
     assert one[-1]["loss"] < one[0]["loss"] - 0.5
     assert max(m["grad_norm"] for m in one) > 1.0
+
+
+class _StopAt(Callback):
+    """Records every hook it sees; stops the run after step `at`."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.seen: list[tuple[str, Any]] = []
+
+    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        self.seen.append(("step", record["step"]))
+        trainer.stop = record["step"] == self.at
+
+    def on_evaluate(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        self.seen.append(("eval", record["step"]))
+
+    def before_save(self, trainer: Trainer) -> None:
+        self.seen.append(("save", trainer.global_step))
+
+    def on_end(self, trainer: Trainer, failed: bool) -> None:
+        self.seen.append(("end", failed))
+
+
+def test_a_callback_sees_every_seam_and_can_end_the_run(
+    base_cfg: dict[str, Any], tmp_path: Path
+) -> None:
+    """A feature added as a Callback (here: an early stop at step 3 of 6) gets each step's and
+    evaluation's record in order; the run ends with its final evaluation and final save."""
+    out = tmp_path / "out"
+    cfg = {**base_cfg, "output_dir": str(out), "val_set_size": 6, "eval_steps": 2}
+    stop = _StopAt(3)
+    result = run_training(validate_cfg(cfg), [stop])  # one rank, in this process (gloo)
+    assert stop.seen == [
+        ("eval", 0),
+        ("step", 1),
+        ("save", 1),
+        ("step", 2),
+        ("eval", 2),
+        ("save", 2),
+        ("step", 3),
+        ("eval", 3),  # the last step's evaluation
+        ("save", 3),
+        ("end", False),
+    ]
+    assert result.steps == 3 and [m["step"] for m in result.metrics] == [1, 2, 3]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [0, 2, 3]

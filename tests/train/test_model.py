@@ -69,7 +69,7 @@ def _check_sharded_model(rank: int, world_size: int, base: str, out: str) -> Non
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from shardforge.train.loop import _grad_norm_and_clip, _loss_sum
+    from shardforge.train.step import grad_norm_and_clip, loss_sum
 
     cfg = _cfg(Path(base))
     model = build_meta_model(cfg)
@@ -91,9 +91,9 @@ def _check_sharded_model(rank: int, world_size: int, base: str, out: str) -> Non
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
 
     # the norm used for clipping is the global one over all shards (= the unsharded norm)
-    _loss_sum(model, batch, torch.device("cpu")).backward()
-    norm = _grad_norm_and_clip(model, None)
-    _loss_sum(reference, batch, torch.device("cpu")).backward()
+    loss_sum(model, batch, torch.device("cpu")).backward()
+    norm = grad_norm_and_clip(model, None)
+    loss_sum(reference, batch, torch.device("cpu")).backward()
     want = float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
     assert math.isclose(norm, want, rel_tol=1e-6), (norm, want)
     local = [p.grad.to_local() for p in model.parameters()]  # type: ignore[union-attr]
@@ -107,16 +107,16 @@ def _check_sharded_model(rank: int, world_size: int, base: str, out: str) -> Non
     ac.train()
     assert all(getattr(layer, "gradient_checkpointing", False) for layer in ac.model.layers)
     model.zero_grad()
-    loss = _loss_sum(model, batch, torch.device("cpu"))
+    loss = loss_sum(model, batch, torch.device("cpu"))
     loss.backward()
-    ac_loss = _loss_sum(ac, batch, torch.device("cpu"))
+    ac_loss = loss_sum(ac, batch, torch.device("cpu"))
     ac_loss.backward()
     assert torch.equal(loss, ac_loss)
     for (name, p), q in zip(model.named_parameters(), ac.parameters(), strict=True):
         assert torch.equal(p.grad.to_local(), q.grad.to_local()), name  # type: ignore[union-attr]
 
     # FULL_STATE_DICT's final save: a regular (here: sharded, indexed) HF directory
-    from shardforge.train.checkpointing import save_full_model
+    from shardforge.train.full_save import save_full_model
 
     Path(out).mkdir(exist_ok=True)
     save_full_model(Path(out), model, reference.config, max_shard_size="40KB")

@@ -31,7 +31,6 @@ from shardforge.train.data import (
     to_sequences,
 )
 from shardforge.train.eval import build_datasets
-from shardforge.train.loop import _loss_sum
 from shardforge.train.model import (
     build_meta_model,
     load_model_config,
@@ -40,6 +39,7 @@ from shardforge.train.model import (
 )
 from shardforge.train.packing import check_packing, plan_windows
 from shardforge.train.runtime import Runtime, device_mesh, init_distributed
+from shardforge.train.step import loss_sum
 from shardforge.train.vocab import grow_vocab_size
 
 CPU = torch.device("cpu")
@@ -144,7 +144,7 @@ def test_a_packed_window_equals_its_samples_run_one_by_one(
     assert len(several) >= 4 and batch.position_ids is not None
     with torch.no_grad():
         packed = model(**model_inputs(batch, CPU)).logits
-        loss = float(_loss_sum(model, batch, CPU))
+        loss = float(loss_sum(model, batch, CPU))
         # the same windows with one causal mask over each (no isolation): visibly different
         crosstalk = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
 

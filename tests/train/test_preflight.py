@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +11,11 @@ import torch
 from train_helpers import run_train, write_config
 
 from shardforge.config import validate_cfg
+from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
+from shardforge.train import preflight as preflight_module
 from shardforge.train.launch import LaunchOptions, do_train
-from shardforge.train.preflight import preflight
+from shardforge.train.preflight import CHECKS, Problem, check_attention, preflight
 
 
 def _bad(cfg: dict[str, Any], tmp: Path, name: str) -> dict[str, Any]:
@@ -82,9 +85,38 @@ def test_every_problem_is_reported_at_once(base_cfg: dict[str, Any], tmp_path: P
         assert key in text
 
 
-def test_auto_detected_wrap_class_and_a_good_config_pass(base_cfg: dict[str, Any]) -> None:
-    cfg = {**base_cfg, "fsdp": {}}
-    preflight(validate_cfg(cfg))
+def _passing_checks(cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Run preflight on `cfg`, which must pass: what each of its checks returned, by name."""
+    results: dict[str, Any] = {}
+
+    def recorded(check: Callable[[ShardforgeConfig], list[Problem]]) -> Any:
+        def run(cfg: ShardforgeConfig) -> list[Problem]:
+            results[check.__name__] = check(cfg)
+            return results[check.__name__]
+
+        return run
+
+    monkeypatch.setattr(preflight_module, "CHECKS", tuple(map(recorded, CHECKS)))
+    assert preflight(validate_cfg(cfg), "cfg.yml") is None  # raises on any problem
+    return results
+
+
+def test_auto_detected_wrap_class_and_a_good_config_pass(
+    base_cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without fsdp.transformer_layer_cls_to_wrap the model check finds the block class in
+    the model's _no_split_modules; every check runs and finds nothing."""
+    real, detected = preflight_module.wrap_classes, []
+
+    def wrap_classes(model: Any, names: list[str] | None) -> Any:
+        classes = real(model, names)
+        detected.append(({c.__name__ for c in classes}, names))
+        return classes
+
+    monkeypatch.setattr(preflight_module, "wrap_classes", wrap_classes)
+    results = _passing_checks({**base_cfg, "fsdp": {}}, monkeypatch)
+    assert detected == [({"LlamaDecoderLayer"}, None)]  # none named: found in the model
+    assert results == {check.__name__: [] for check in CHECKS}
 
 
 def test_an_error_found_by_the_ranks_is_printed_once_as_the_last_line(
@@ -130,7 +162,7 @@ def test_output_dir_is_never_the_base_model(base_cfg: dict[str, Any], tmp_path: 
     "saved", ["model.safetensors", "model.safetensors.index.json", "pytorch_model-00001.bin"]
 )
 def test_a_fresh_run_never_overwrites_a_saved_model(
-    base_cfg: dict[str, Any], tmp_path: Path, saved: str
+    base_cfg: dict[str, Any], tmp_path: Path, saved: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -140,14 +172,17 @@ def test_a_fresh_run_never_overwrites_a_saved_model(
         text.startswith("cfg.yml: output_dir: ")
         and f"already holds a saved model ({saved})" in text
     )
-    preflight(validate_cfg({**base_cfg, "output_dir": str(out), "resume_from_checkpoint": "auto"}))
+    resumed = {**base_cfg, "output_dir": str(out), "resume_from_checkpoint": "auto"}
+    results = _passing_checks(resumed, monkeypatch)  # resuming may keep a saved model
+    assert results["check_output"] == [] and results["check_resume"] == []
 
 
 def test_attn_implementation_is_checked(base_cfg: dict[str, Any]) -> None:
     text = _preflight_problem({**base_cfg, "attn_implementation": "flash"})
     assert "attn_implementation: unknown value 'flash'; transformers accepts eager, " in text
     assert "sdpa" in text and "flash_attention_2" in text
-    preflight(validate_cfg({**base_cfg, "attn_implementation": "eager"}))
+    for impl in ("eager", "sdpa"):
+        assert check_attention(validate_cfg({**base_cfg, "attn_implementation": impl})) == []
 
 
 @CPU_ONLY

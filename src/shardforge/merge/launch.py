@@ -11,20 +11,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 from shardforge.config.schema import ShardforgeConfig
-from shardforge.errors import MergeError, ShardforgeError
+from shardforge.errors import MergeError
+from shardforge.io.ranks import ERROR_FILE_ENV, raise_rank_error, run_ranks
 from shardforge.merge.request import MergeRequest
 
 log = logging.getLogger("shardforge")
 
-# set for the ranks: where the first rank that fails on a user error writes it
-ERROR_FILE_ENV = "SHARDFORGE_RANK_ERROR_FILE"
 # rank 0 creates this file once every rank has finished and the output is published
 DONE_FILE_ENV = "SHARDFORGE_MERGE_DONE_FILE"
 
@@ -69,14 +67,10 @@ def launch_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
         request_file = Path(tmp) / "request.json"
         write_request(config, request, request_file)
         error_file = Path(tmp) / "rank-error"
-        nproc = request.nproc_per_node or 1
-        env = {**os.environ, ERROR_FILE_ENV: str(error_file)}
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        cmd = torchrun_command(request, request_file)
-        log.info("launching: %s", " ".join(cmd))
         done_file = Path(tmp) / "published"
-        env[DONE_FILE_ENV] = str(done_file)
-        status = subprocess.call(cmd, env=env)
+        env = {**os.environ, ERROR_FILE_ENV: str(error_file), DONE_FILE_ENV: str(done_file)}
+        cmd = torchrun_command(request, request_file)
+        status = run_ranks(cmd, env, request.nproc_per_node or 1)
         if status != 0 and done_file.is_file():
             # every rank finished and rank 0 published; a rank died in torch's teardown after
             log.warning(
@@ -85,11 +79,8 @@ def launch_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
                 status,
             )
             status = 0
-        if status != 0 and error_file.is_file():
-            code, message = error_file.read_text(encoding="utf-8").split("\n", 1)
-            error = ShardforgeError(message)
-            error.exit_code = int(code)
-            raise error
+        if status != 0:
+            raise_rank_error(error_file)
     if status != 0:
         raise MergeError(
             f"the distributed merge failed (torchrun exit status {status}); nothing was "

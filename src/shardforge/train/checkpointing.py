@@ -220,6 +220,18 @@ def restore_rng(path: Path, rank: int, same_world: bool, seed: int, step: int) -
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _start_folder(output_dir: Path, step: int) -> tuple[Path, Path]:
+    """Every rank: (`checkpoint-<step>.tmp`, `checkpoint-<step>`) once rank 0 has made the
+    first one fresh and empty (a `.tmp` left by an interrupted save of that step is removed)."""
+    final = output_dir / f"checkpoint-{step}"
+    tmp = output_dir / f"checkpoint-{step}.tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    return tmp, final
+
+
 def save_checkpoint(
     output_dir: Path,
     state: TrainerState,
@@ -238,12 +250,7 @@ def save_checkpoint(
     )
 
     rank = dist.get_rank()
-    final = output_dir / f"checkpoint-{state.step}"
-    tmp = output_dir / f"checkpoint-{state.step}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    tmp, final = _start_folder(output_dir, state.step)
     dcp.save(_model_state(model, adapter_only), checkpoint_id=str(tmp / MODEL_DIR))
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_DIR))
     torch.save(rng_state(), tmp / RNG_FILE.format(rank=rank))
@@ -332,12 +339,7 @@ def start_async_save(
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     rank = dist.get_rank()
-    final = output_dir / f"checkpoint-{state.step}"
-    tmp = output_dir / f"checkpoint-{state.step}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    tmp, final = _start_folder(output_dir, state.step)
     started = time.perf_counter()
     # before this rank joins the writes' collectives: rank 0 sees the writes finish (their
     # last collective) only after every rank's RNG file exists
@@ -441,36 +443,3 @@ def load_checkpoint(
     load_checked(optim_sd, path / OPTIMIZER_DIR)
     set_optimizer_state_dict(model, optimizer, optim_sd)
     return state
-
-
-def save_full_model(
-    output_dir: Path, model: torch.nn.Module, model_config: Any, max_shard_size: str = "5GB"
-) -> None:
-    """FULL_STATE_DICT: gather the full model on rank 0 and write it as a regular HF directory
-    (safetensors shards of at most `max_shard_size`, with an index when there are several)."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from shardforge.keymap.keys import check_tied_copies, stored_once, tied_pairs
-
-    full = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    if dist.get_rank() != 0:
-        return
-    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
-    dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), torch.float32)
-    tied = tied_pairs(model, model_config)
-    weights = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
-    check_tied_copies(tied, weights, lambda t: t, "the model's full state dict")
-    tensors = {k: weights[k].detach().to(dtype).contiguous() for k in stored_once(weights, tied)}
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
-    for filename, keys in split.filename_to_tensors.items():
-        tmp = output_dir / f"{filename}.tmp"
-        save_file({k: tensors[k] for k in keys}, str(tmp), metadata={"format": "pt"})
-        tmp.rename(output_dir / filename)
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        _write_json(output_dir / "model.safetensors.index.json", index)
-    log.info("saved the full model to %s (%d file(s))", output_dir, len(split.filename_to_tensors))

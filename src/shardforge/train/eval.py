@@ -235,10 +235,14 @@ class Evaluator:
         """A periodic evaluation also runs before the first step (a fresh run's step 0)."""
         return self.seqs is not None and self.every is not None
 
-    def due(self, step: int) -> bool:
+    def due(self, step: int, last: bool = False) -> bool:
+        """Evaluate after `step`: every `every` steps and after the last step (`last`: the run
+        ends at `step`, also when a callback stopped it early)."""
         if self.seqs is None:
             return False
-        return step == self.total_steps or (self.every is not None and step % self.every == 0)
+        if last or step == self.total_steps:
+            return True
+        return self.every is not None and step % self.every == 0
 
     def run(self, model: torch.nn.Module, step: int) -> dict[str, Any]:
         assert self.seqs is not None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from typing import Literal
 from shardforge.config import load_cfg, parse_override_args
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ShardforgeError
+from shardforge.io.ranks import ERROR_FILE_ENV, leave_rank_error, raise_rank_error, run_ranks
 from shardforge.train.preflight import preflight
 from shardforge.train.runtime import local_world_size, under_torchrun
 
@@ -30,20 +30,14 @@ Launcher = Literal["torchrun", "python"]
 CPU_RANKS = 2
 # set by the launcher for the ranks it starts: the config was checked moments ago
 PREFLIGHT_DONE_ENV = "SHARDFORGE_PREFLIGHT_DONE"
-# set by the launcher: where rank 0 writes the user error that stopped it
-ERROR_FILE_ENV = "SHARDFORGE_RANK_ERROR_FILE"
 
 
 def report_rank_error(exc: ShardforgeError) -> None:
     """On a rank started by `do_train`: leave the error for the launcher, which prints it once,
     and exit quietly with its status. (The first rank to fail writes the file; elsewhere this
     returns and the rank prints the error itself.)"""
-    path = os.environ.get(ERROR_FILE_ENV)
-    if not path:
-        return
-    with contextlib.suppress(FileExistsError), open(path, "x", encoding="utf-8") as f:
-        f.write(f"{exc.exit_code}\n{exc}")
-    raise SystemExit(exc.exit_code)
+    if leave_rank_error(exc):
+        raise SystemExit(exc.exit_code)
 
 
 @contextlib.contextmanager
@@ -159,14 +153,9 @@ def do_train(
         env = {**os.environ, PREFLIGHT_DONE_ENV: "1"}
         if not debug:  # with --debug every rank shows its traceback, and torchrun its report
             env[ERROR_FILE_ENV] = str(error_file)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        log.info("launching: %s", " ".join(cmd))
-        status = subprocess.call(cmd, env=env)
-        if status != 0 and error_file.is_file():
-            code, message = error_file.read_text(encoding="utf-8").split("\n", 1)
-            error = ShardforgeError(message)
-            error.exit_code = int(code)
-            raise error
+        status = run_ranks(cmd, env, nproc)
+        if status != 0:
+            raise_rank_error(error_file)
     if status != 0:
         raise ShardforgeError(f"training failed (torchrun exit status {status}); see the log above")
     return 0

@@ -1,8 +1,14 @@
-"""One training rank from start to finish: set up, (resume,) step, log, checkpoint.
+"""One training rank from start to finish: a small trainer whose loop reads in `Trainer.fit`.
 
-The loss of an optimizer step is the mean over every target token of the whole global batch
-(all micro-batches on all ranks), so a run at any world size with the same global batch computes
-the same loss and the same gradients.
+    setup()      data, model, optimizer, resume, outputs (False: nothing left to train)
+    step()       one optimizer step over the next global batch -> its metrics record
+    evaluate()   the evaluation of this step (when due; before the save, so a checkpoint's step
+                 has its evaluation)
+    save()       the save due after this step: periodic checkpoint, or the final save
+
+A feature hooks in as a `Callback` (`on_step`, `on_evaluate`, `before_save`, `on_end`) given to
+`Trainer` / `run_training`; logging, the progress bar and the experiment trackers are callbacks
+themselves. The step itself (loss over the global batch, clipping) is `train/step.py`.
 """
 
 from __future__ import annotations
@@ -12,29 +18,22 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ShardforgeError
 from shardforge.io.dist import finish_together
 from shardforge.train import checkpointing as ckpt
-from shardforge.train.data import (
-    IGNORE_INDEX,
-    GlobalOrder,
-    Sequences,
-    load_tokenizer,
-    model_inputs,
-    rank_slice,
-)
+from shardforge.train.data import GlobalOrder, load_tokenizer
 from shardforge.train.diagnostics import StepMemory, report_sharding
 from shardforge.train.eval import Evaluator, build_datasets
+from shardforge.train.full_save import save_full_model
 from shardforge.train.lora import prepare_lora, save_adapter
 from shardforge.train.model import (
     build_meta_model,
@@ -59,7 +58,8 @@ from shardforge.train.runtime import (
     mesh_shape,
 )
 from shardforge.train.saving import Saver
-from shardforge.train.tracking import open_trackers
+from shardforge.train.step import micro_batches, train_step
+from shardforge.train.tracking import Trackers, open_trackers
 from shardforge.train.vocab import grow_vocab_size
 
 log = logging.getLogger("shardforge")
@@ -76,72 +76,86 @@ class TrainResult:
     saver: Saver | None = None  # its merges (merge_on_save) outlive the process group
 
 
-def write_output_metadata(cfg: ShardforgeConfig, model_config: Any, tokenizer: Any) -> None:
-    """config.json, generation_config.json (if the base has one) and the tokenizer (rank 0)."""
-    from transformers import GenerationConfig
+class Callback:
+    """A feature hooked into `Trainer.fit`; override the hooks you need (each does nothing by
+    default). Hooks run on every rank, in list order (`on_end` in reverse order). Setting
+    `trainer.stop = True` ends the run after this step, with the final save: decide it from
+    what every rank sees alike (the record's loss, the step), or the ranks part ways."""
 
-    out = Path(cfg.output_dir)
-    model_config.save_pretrained(out)
-    with contextlib.suppress(OSError):
-        GenerationConfig.from_pretrained(model_config_source(cfg)).save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        """After each optimizer step: its record (step, loss, lr, grad_norm, tokens, ...)."""
 
+    def on_evaluate(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        """After an evaluation: its record (step, eval_loss, ...)."""
 
-def _micro_batches(
-    seqs: Sequences, order: GlobalOrder, consumed: int, cfg: ShardforgeConfig, rt: Runtime
-) -> list[Sequences]:
-    out = []
-    for micro in range(cfg.gradient_accumulation_steps):
-        start, count = rank_slice(consumed, micro, rt.rank, rt.world_size, cfg.micro_batch_size)
-        out.append(seqs.select(order.indices(start, count)))
-    return out
+    def before_save(self, trainer: Trainer) -> None:
+        """After a step and its evaluation, before the save due then (if any)."""
+
+    def on_end(self, trainer: Trainer, failed: bool) -> None:
+        """The run ended; `failed`: by an exception."""
 
 
-def _loss_sum(model: torch.nn.Module, batch: Sequences, device: torch.device) -> torch.Tensor:
-    logits = model(**model_inputs(batch, device)).logits
-    labels = batch.labels.to(device)[:, 1:]
-    return F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-        labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+class Tracking(Callback):
+    """Every record to metrics.jsonl, TensorBoard and W&B (`tracking.py`), flushed before a
+    save."""
+
+    def __init__(self, trackers: Trackers) -> None:
+        self.trackers = trackers
+
+    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        self.trackers.log(record)
+
+    def on_evaluate(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        self.trackers.log(record)
+
+    def before_save(self, trainer: Trainer) -> None:
+        self.trackers.flush()
+
+    def on_end(self, trainer: Trainer, failed: bool) -> None:
+        self.trackers.close(failed)
 
 
-def _grad_norm_and_clip(model: torch.nn.Module, max_norm: float | None) -> float:
-    """Clip by the global L2 norm over all shards; return that norm."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    limit = max_norm if max_norm else math.inf
-    norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
-    full = getattr(norm, "full_tensor", None)
-    return float(full() if full is not None else norm)
+class StepLog(Callback):
+    """Rank 0: keeps the step records (`TrainResult.metrics`), logs every `logging_steps` and
+    the last step, and shows a tqdm bar when stderr is a TTY."""
 
-
-class _Progress:
-    """tqdm bar on rank 0 when stderr is a TTY; otherwise nothing."""
-
-    def __init__(self, rt: Runtime, total: int, initial: int) -> None:
+    def __init__(self, trainer: Trainer) -> None:
         self.bar: Any = None
-        if rt.is_main and sys.stderr.isatty():
+        if trainer.rt.is_main and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step")
+            self.bar = tqdm(
+                total=trainer.total_steps, initial=trainer.global_step, desc="train", unit="step"
+            )
 
-    def update(self, loss: float) -> None:
+    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if trainer.rt.is_main:
+            trainer.result.metrics.append(record)
+            if step % trainer.cfg.logging_steps == 0 or trainer.final:
+                log.info(
+                    "step %d/%d  loss %.4f  lr %.3g  grad_norm %.4f  tokens/s %.0f",
+                    step,
+                    trainer.total_steps,
+                    record["loss"],
+                    record["lr"],
+                    record["grad_norm"],
+                    record["tokens_per_s"],
+                )
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}")
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}")
             self.bar.update(1)
 
-    def close(self) -> None:
+    def on_end(self, trainer: Trainer, failed: bool) -> None:
         if self.bar is not None:
             self.bar.close()
 
 
-def run_training(cfg: ShardforgeConfig) -> TrainResult:
+def run_training(cfg: ShardforgeConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Train on this rank (joining or creating the process group); destroy the group after."""
     rt = init_distributed()
     try:
-        result = _train(cfg, rt)
+        result = Trainer(cfg, rt, callbacks).fit()
         # every rank is done with its last collective before any rank tears the group down
         # (gloo can abort a rank whose peer closes its connections while it still talks)
         finish_together()
@@ -152,146 +166,223 @@ def run_training(cfg: ShardforgeConfig) -> TrainResult:
     return result
 
 
-def _train(cfg: ShardforgeConfig, rt: Runtime) -> TrainResult:
-    torch.manual_seed(cfg.seed)
-    mesh = mesh_shape(cfg, rt.world_size, local_world_size())  # a bad size stops before any write
-    if cfg.tf32 and torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    out = Path(cfg.output_dir)
-    tokenizer = load_tokenizer(cfg)
-    model_config = load_model_config(cfg)
-    grow_vocab_size(model_config, tokenizer)  # a row per added token, before the model is built
+class Trainer:
+    """One rank's run: `fit()` is the loop, its methods the seams (see the module's doc)."""
 
-    data = build_datasets(cfg, tokenizer)  # training sequences (and held-out / test ones)
-    seqs = data.train
-    global_batch = cfg.micro_batch_size * rt.world_size * cfg.gradient_accumulation_steps
-    if len(seqs) < global_batch:
-        raise ShardforgeError(
-            f"datasets: {len(seqs)} sequences of sequence_len {cfg.sequence_len}, fewer than one "
-            f"global batch ({global_batch} = micro_batch_size x world size x "
-            "gradient_accumulation_steps); add data or lower micro_batch_size"
+    def __init__(
+        self, cfg: ShardforgeConfig, rt: Runtime, callbacks: Sequence[Callback] = ()
+    ) -> None:
+        self.cfg, self.rt = cfg, rt
+        self.out = Path(cfg.output_dir)
+        self.extra = list(callbacks)
+        self.callbacks: list[Callback] = []  # made by setup: built-in, then `callbacks`
+        self.global_step = 0  # optimizer steps done (a resumed run starts at its checkpoint's)
+        self.consumed = 0  # sequences of the global order used so far
+        self.stop = False  # set by a callback: end after this step, with the final save
+
+    @property
+    def final(self) -> bool:
+        """This step is the run's last."""
+        return self.global_step >= self.total_steps or self.stop
+
+    def fit(self) -> TrainResult:
+        if not self.setup():
+            return self.result
+        failed = True
+        try:
+            if self.resume is None and self.evaluator.at_start:
+                self.evaluate()
+            while not self.final:
+                self._emit("on_step", self.step())
+                if self.evaluator.due(self.global_step, last=self.final):
+                    self.evaluate()  # before the save: a checkpoint's step has its evaluation
+                self._emit("before_save")
+                self.saver.poll()  # a background save finished: publish it; merges
+                self.save()
+            self.saver.close()  # the last checkpoint is complete before the run ends
+            failed = False
+        finally:
+            if failed:
+                self.saver.abort()
+            for callback in reversed(self.callbacks):
+                callback.on_end(self, failed)
+        self.result.steps = self.global_step
+        return self.result
+
+    def _emit(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def setup(self) -> bool:
+        """Everything before the first step. False: the checkpoint to resume from already
+        reached the total number of steps (nothing to do; nothing is written)."""
+        cfg, rt = self.cfg, self.rt
+        torch.manual_seed(cfg.seed)
+        self.mesh = mesh_shape(cfg, rt.world_size, local_world_size())  # before any write
+        if cfg.tf32 and torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self._setup_data()
+        self.resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, self.out, announce=rt.is_main)
+        saved = ckpt.TrainerState.read(self.resume) if self.resume is not None else None
+        self.result = TrainResult(steps=0, output_dir=self.out, resumed_from=self.resume)
+        if saved is not None and saved.step >= self.total_steps:
+            if rt.is_main:
+                log.info(
+                    "nothing to do: %s already reached max_steps=%d (set a larger max_steps to "
+                    "train further)",
+                    self.resume,
+                    self.total_steps,
+                )
+            self.result.steps = saved.step
+            return False
+        self._setup_model()
+        self._setup_optimizer(saved)
+        self._setup_outputs()
+        return True
+
+    def _setup_data(self) -> None:
+        """Tokenizer, model config (grown for added tokens), data sets and the step counts."""
+        cfg, rt = self.cfg, self.rt
+        self.tokenizer = load_tokenizer(cfg)
+        self.model_config = load_model_config(cfg)
+        grow_vocab_size(self.model_config, self.tokenizer)  # before the model is built
+        self.data = build_datasets(cfg, self.tokenizer)  # training (and held-out / test) ones
+        self.seqs = self.data.train
+        self.global_batch = cfg.micro_batch_size * rt.world_size * cfg.gradient_accumulation_steps
+        if len(self.seqs) < self.global_batch:
+            raise ShardforgeError(
+                f"datasets: {len(self.seqs)} sequences of sequence_len {cfg.sequence_len}, fewer "
+                f"than one global batch ({self.global_batch} = micro_batch_size x world size x "
+                "gradient_accumulation_steps); add data or lower micro_batch_size"
+            )
+        self.total_steps = cfg.max_steps or math.ceil(
+            cfg.num_epochs * len(self.seqs) / self.global_batch
         )
-    total_steps = cfg.max_steps or math.ceil(cfg.num_epochs * len(seqs) / global_batch)
-    every = save_interval(cfg, len(seqs), global_batch)
+        self.every = save_interval(cfg, len(self.seqs), self.global_batch)
+        self.order = GlobalOrder(len(self.seqs), cfg.seed)
 
-    resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out, announce=rt.is_main)
-    saved = ckpt.TrainerState.read(resume) if resume is not None else None
-    if resume is not None and saved is not None and saved.step >= total_steps:
+    def _setup_model(self) -> None:
+        """The sharded model with its weights (and LoRA); rank 0 writes the run's config and
+        tokenizer into output_dir."""
+        cfg, rt = self.cfg, self.rt
+        model = build_meta_model(cfg, self.model_config)
+        check_packing(cfg, model)  # sample_packing needs attention that keeps samples apart
+        weights = prepare_lora(model, cfg, rt.is_main) if cfg.adapter else None
+        shard_model(model, cfg, device_mesh(rt, self.mesh))
+        materialize_and_load(model, cfg, rt.device, rt.rank, weights)
+        del weights
+        report_sharding(model, cfg, rt, self.mesh)
+        if rt.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            write_output_metadata(cfg, self.model_config, self.tokenizer)
+        dist.barrier()
+        model.train()
+        self.model = model
+
+    def _setup_optimizer(self, saved: ckpt.TrainerState | None) -> None:
+        """Optimizer and lr schedule; resuming: their states, the RNGs and the data position."""
+        cfg, rt = self.cfg, self.rt
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(params, cfg)
+        resumed = _continuation(saved, self.total_steps, cfg, rt)
+        self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps, resumed)
+        if self.resume is not None:
+            self.global_step, self.consumed = _resume(
+                self.resume, self.model, self.optimizer, self.scheduler, cfg, rt, self.global_batch
+            )
+        elif cfg.resume_from_checkpoint == "auto" and rt.is_main:
+            log.info(
+                "resume_from_checkpoint: auto found no checkpoint in %s; starting fresh", self.out
+            )
+        self.result.steps = self.global_step
+
+    def _setup_outputs(self) -> None:
+        """Trackers, evaluation, memory diagnostics, the saver and the callbacks."""
+        cfg, rt = self.cfg, self.rt
+        resumed_step = self.global_step if self.resume is not None else None
+        trackers = open_trackers(cfg, self.out, rt.is_main, resumed_step)
+        steps_per_epoch = math.ceil(len(self.seqs) / self.global_batch)
+        self.evaluator = Evaluator.of(cfg, self.data, rt, steps_per_epoch, self.total_steps)
+        self.memory = StepMemory.of(cfg, rt)
+        self.saver = self.result.saver = Saver(cfg, self.out, rt)  # async, rotation, merges
+        self.callbacks = [Tracking(trackers), StepLog(self), *self.extra]
         if rt.is_main:
             log.info(
-                "nothing to do: %s already reached max_steps=%d (set a larger max_steps to "
-                "train further)",
-                resume,
-                total_steps,
+                "training: %d sequences, %d steps, global batch %d on %d rank(s) (%s)",
+                len(self.seqs),
+                self.total_steps,
+                self.global_batch,
+                rt.world_size,
+                rt.device.type,
             )
-        return TrainResult(steps=saved.step, output_dir=out, resumed_from=resume)
+            if len(self.mesh) == 2:
+                log.info("HSDP: %d replicas of %d-rank shard groups", *self.mesh)
 
-    model = build_meta_model(cfg, model_config)
-    check_packing(cfg, model)  # sample_packing needs attention that keeps samples apart
-    weights = prepare_lora(model, cfg, rt.is_main) if cfg.adapter else None
-    shard_model(model, cfg, device_mesh(rt, mesh))
-    materialize_and_load(model, cfg, rt.device, rt.rank, weights)
-    del weights
-    report_sharding(model, cfg, rt, mesh)
-    if rt.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        write_output_metadata(cfg, model_config, tokenizer)
-    dist.barrier()
-    model.train()
-    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
-    scheduler = build_scheduler(
-        optimizer, cfg, total_steps, _continuation(saved, total_steps, cfg, rt)
-    )
+    # -- the loop's seams -----------------------------------------------------------------------
 
-    step, consumed = 0, 0
-    if resume is not None:
-        step, consumed = _resume(resume, model, optimizer, scheduler, cfg, rt, global_batch)
-    elif cfg.resume_from_checkpoint == "auto" and rt.is_main:
-        log.info("resume_from_checkpoint: auto found no checkpoint in %s; starting fresh", out)
-
-    order = GlobalOrder(len(seqs), cfg.seed)
-    result = TrainResult(steps=step, output_dir=out, resumed_from=resume)
-    trackers = open_trackers(cfg, out, rt.is_main, step if resume is not None else None)
-    evaluator = Evaluator.of(cfg, data, rt, math.ceil(len(seqs) / global_batch), total_steps)
-    memory = StepMemory.of(cfg, rt)
-    saver = result.saver = Saver(cfg, out, rt)  # async_save, save_total_limit, merge_on_save
-    failed = True
-    progress = _Progress(rt, total_steps, step)
-    if rt.is_main:
-        log.info(
-            "training: %d sequences, %d steps, global batch %d on %d rank(s) (%s)",
-            len(seqs),
-            total_steps,
-            global_batch,
-            rt.world_size,
-            rt.device.type,
+    def step(self) -> dict[str, Any]:
+        """One optimizer step over the next global batch; its metrics record."""
+        started = time.perf_counter()
+        batches = micro_batches(self.seqs, self.order, self.consumed, self.cfg, self.rt)
+        self.memory.start()
+        record = train_step(
+            self.model, self.optimizer, self.scheduler, batches, self.cfg, self.rt, self.memory.mark
         )
-        if len(mesh) == 2:
-            log.info("HSDP: %d replicas of %d-rank shard groups", *mesh)
-    try:
-        if resume is None and evaluator.at_start:
-            trackers.log(evaluator.run(model, 0))
-        while step < total_steps:
-            started = time.perf_counter()
-            batches = _micro_batches(seqs, order, consumed, cfg, rt)
-            memory.start()
-            record = _train_step(model, optimizer, scheduler, batches, cfg, rt, memory.mark)
-            step += 1
-            consumed += global_batch
-            record = {
-                "step": step,
-                **record,
-                "tokens_per_s": record["tokens"] / max(time.perf_counter() - started, 1e-9),
-                "epoch": consumed / len(seqs),
-            }
-            record["peak_memory_mib"] = memory.finish(step)
-            trackers.log(record)
-            if rt.is_main:
-                result.metrics.append(record)
-                if step % cfg.logging_steps == 0 or step == total_steps:
-                    log.info(
-                        "step %d/%d  loss %.4f  lr %.3g  grad_norm %.4f  tokens/s %.0f",
-                        step,
-                        total_steps,
-                        record["loss"],
-                        record["lr"],
-                        record["grad_norm"],
-                        record["tokens_per_s"],
-                    )
-            progress.update(record["loss"])
-            if evaluator.due(step):  # before the save: a checkpoint's step has its evaluation
-                trackers.log(evaluator.run(model, step))
-            trackers.flush()
-            saver.poll()  # a background save finished: publish it; merges
-            final = step == total_steps
-            if final and cfg.adapter:
-                save_adapter(out, model, cfg)  # the PEFT adapter directory in output_dir
-            if final and cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
-                if not cfg.adapter:
-                    ckpt.save_full_model(out, model, model_config)
-                dist.barrier()
-            elif final or (every is not None and step % every == 0):
-                state = ckpt.TrainerState(
-                    step=step,
-                    world_size=rt.world_size,
-                    consumed=consumed,
-                    global_batch_size=global_batch,
-                    total_steps=total_steps,
-                    seed=cfg.seed,
-                    scheduler=scheduler_state(scheduler),
-                    mesh_shape=list(mesh),
-                )
-                saver.save(ckpt.stamped(state), model, optimizer, final)
-        saver.close()  # the last checkpoint is complete before the run ends
-        failed = False
-    finally:
-        if failed:
-            saver.abort()
-        progress.close()
-        trackers.close(failed)
-    result.steps = step
-    return result
+        self.global_step += 1
+        self.consumed += self.global_batch
+        record = {
+            "step": self.global_step,
+            **record,
+            "tokens_per_s": record["tokens"] / max(time.perf_counter() - started, 1e-9),
+            "epoch": self.consumed / len(self.seqs),
+        }
+        record["peak_memory_mib"] = self.memory.finish(self.global_step)
+        return record
+
+    def evaluate(self) -> None:
+        """Evaluate the model at this step; the record goes to the callbacks."""
+        self._emit("on_evaluate", self.evaluator.run(self.model, self.global_step))
+
+    def save(self) -> None:
+        """The save due after this step: at the end the PEFT adapter directory (LoRA) and,
+        with FULL_STATE_DICT, the Hugging Face weights; else a checkpoint every `every` steps
+        and at the end."""
+        cfg, final = self.cfg, self.final
+        if final and cfg.adapter:
+            save_adapter(self.out, self.model, cfg)  # the PEFT adapter directory in output_dir
+        if final and cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
+            if not cfg.adapter:
+                save_full_model(self.out, self.model, self.model_config)
+            dist.barrier()
+        elif final or (self.every is not None and self.global_step % self.every == 0):
+            self.saver.save(ckpt.stamped(self.trainer_state()), self.model, self.optimizer, final)
+
+    def trainer_state(self) -> ckpt.TrainerState:
+        """What a checkpoint of this step records beside the model and optimizer."""
+        return ckpt.TrainerState(
+            step=self.global_step,
+            world_size=self.rt.world_size,
+            consumed=self.consumed,
+            global_batch_size=self.global_batch,
+            total_steps=self.total_steps,
+            seed=self.cfg.seed,
+            scheduler=scheduler_state(self.scheduler),
+            mesh_shape=list(self.mesh),
+        )
+
+
+def write_output_metadata(cfg: ShardforgeConfig, model_config: Any, tokenizer: Any) -> None:
+    """config.json, generation_config.json (if the base has one) and the tokenizer (rank 0)."""
+    from transformers import GenerationConfig
+
+    out = Path(cfg.output_dir)
+    model_config.save_pretrained(out)
+    with contextlib.suppress(OSError):
+        GenerationConfig.from_pretrained(model_config_source(cfg)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def save_interval(cfg: ShardforgeConfig, num_sequences: int, global_batch: int) -> int | None:
@@ -355,49 +446,3 @@ def _resume(
     if rt.is_main:
         log.info("resumed from %s at step %d", path, state.step)
     return state.step, state.consumed
-
-
-def _train_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    batches: list[Sequences],
-    cfg: ShardforgeConfig,
-    rt: Runtime,
-    mark: Callable[[str], None] = lambda phase: None,
-) -> dict[str, Any]:
-    """One optimizer step over this rank's micro-batches; the loss is the global-batch mean.
-    `mark(phase)` is called after each forward, backward and the optimizer step (diagnostics)."""
-    counts = torch.tensor(
-        [
-            float(sum(int((b.labels[:, 1:] != IGNORE_INDEX).sum()) for b in batches)),
-            float(sum(int(b.attention_mask.sum()) for b in batches)),
-        ],
-        device=rt.device,
-    )
-    dist.all_reduce(counts)  # target and input tokens of the whole global batch
-    targets = max(counts[0].item(), 1.0)
-    loss_total = torch.zeros((), device=rt.device)
-    for micro, batch in enumerate(batches):
-        model.set_requires_gradient_sync(micro == len(batches) - 1)  # type: ignore[operator]
-        loss_sum = _loss_sum(model, batch, rt.device)
-        mark("forward")
-        # FSDP averages gradients over all ranks (under HSDP: reduce-scatter within a shard
-        # group, all-reduce across replicas, divided by both sizes); scale back so they are
-        # exact sums / targets
-        (loss_sum * (rt.world_size / targets)).backward()
-        mark("backward")
-        loss_total += loss_sum.detach()
-    grad_norm = _grad_norm_and_clip(model, cfg.max_grad_norm)
-    lr = scheduler.get_last_lr()[0]
-    optimizer.step()
-    mark("optimizer")
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(loss_total)
-    return {
-        "loss": loss_total.item() / targets,
-        "lr": lr,
-        "grad_norm": grad_norm,
-        "tokens": int(counts[1].item()),
-    }

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from shardforge.train.launch import ERROR_FILE_ENV
+from shardforge.io.ranks import ERROR_FILE_ENV
 
 # where torchrun logs a worker's failure ("failed (exitcode: 1) local_rank: 0 ...")
 ELASTIC_LOGGERS = (
