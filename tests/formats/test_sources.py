@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shardforge.errors import MergeError
+from shardforge.formats.base import Destination
 from shardforge.formats.dcp.metadata import read_metadata
 from shardforge.formats.dcp.source import DcpSource
 from shardforge.formats.sources import (
@@ -28,13 +29,13 @@ def _save(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, DcpSource]:
 
 
 def _written(reader: ReadCache, src: object, dtype: torch.dtype, tmp: Path) -> torch.Tensor:
-    """Write `src` through its own `write_into` into a file and read the bytes back."""
+    """Write `src` through its own `write` into a file and read the bytes back."""
     assert hasattr(src, "shape")
     shape = src.shape  # type: ignore[attr-defined]
     nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        src.write_into(reader, fd, 8, dtype, lambda n: None)  # type: ignore[attr-defined]
+        src.write(reader, Destination(fd, 8, dtype, lambda n: None))  # type: ignore[attr-defined]
         data = bytearray(os.pread(fd, nbytes, 8))
     finally:
         os.close(fd)
@@ -128,7 +129,7 @@ def test_casts_go_through_memory_in_parallel_blocks(
         try:
             os.ftruncate(fd, t.numel() * 2)
             done: list[int] = []
-            src.write_rows(reader, fd, 0, torch.bfloat16, (100, 250), done.append)
+            src.write(reader, Destination(fd, 0, torch.bfloat16, done.append), (100, 250))
             data = bytearray(os.pread(fd, t.numel() * 2, 0))
         finally:
             os.close(fd)

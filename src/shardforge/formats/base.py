@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from shardforge.io.copy import FileSlab, ReadCache
 
@@ -30,11 +30,53 @@ if TYPE_CHECKING:
     import torch
 
 Progress = Callable[[int], None]
-Index = tuple[slice, ...]
+Rows = tuple[int, int]
 
 
 @dataclass(frozen=True)
-class StoredTensor:
+class Destination:
+    """Where a tensor's bytes go: byte `offset` of the open output file `fd`, in `dtype`;
+    `progress` hears every byte count written."""
+
+    fd: int
+    offset: int
+    dtype: torch.dtype
+    progress: Progress
+
+
+class Sized:
+    """`numel` and `nbytes` of anything with a `shape` and a `dtype` (an entry, a plan)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class Described:
+    """`shape` and `dtype` of the tensor `described` (a metadata entry, another source)."""
+
+    @property
+    def described(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.described.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.described.dtype
+
+
+@dataclass(frozen=True)
+class StoredTensor(Sized):
     """A tensor as its checkpoint stores it, named for a reader other than the merge's (the
     format's `reference`): the format's name, where it is (a folder, or a file for
     safetensors), the key there, dtype and shape."""
@@ -44,10 +86,6 @@ class StoredTensor:
     key: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @runtime_checkable
@@ -72,48 +110,23 @@ class TensorSource(Protocol):
         """This tensor (as `read` returns it) from its `stored()` tensors, read elsewhere."""
         ...
 
-    def write_into(
-        self,
-        reader: ReadCache,
-        out_fd: int,
-        offset: int,
-        out_dtype: torch.dtype,
-        progress: Progress,
-    ) -> None: ...
-
-    def blocks(
-        self, reader: ReadCache, dtype: torch.dtype, block_bytes: int
-    ) -> Iterator[tuple[Index, torch.Tensor]]: ...
-
-    def write_rows(
-        self,
-        reader: ReadCache,
-        out_fd: int,
-        offset: int,
-        out_dtype: torch.dtype,
-        rows: tuple[int, int],
-        progress: Progress,
-    ) -> None:
-        """Rows [start, stop) along dim 0 of the tensor (all of a 0-d one), cast, at their
-        place in the tensor written at byte `offset` (one rank's share of a distributed
-        merge)."""
+    def write(self, reader: ReadCache, dest: Destination, rows: Rows | None = None) -> None:
+        """The tensor cast to `dest.dtype` at byte `dest.offset` of `dest.fd`; with `rows`,
+        only rows [start, stop) along dim 0 (all of a 0-d tensor), at their place in it (one
+        rank's share of a distributed merge)."""
         ...
 
 
 @dataclass(frozen=True)
-class NamedSource:
+class NamedSource(Described):
     """One tensor of a checkpoint: its original path of keys (for key mapping) and its source."""
 
     path: tuple[str, ...]
     source: TensorSource
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self.source.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.source.dtype
+    def described(self) -> TensorSource:
+        return self.source
 
 
 # ------------------------------------------------------------------------------ describe

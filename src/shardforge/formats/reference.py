@@ -60,3 +60,19 @@ def check_zip_crcs(path: Path, root: Path, windows: Sequence[tuple[int, int]]) -
                 check_crc(fd, member, str(path))
     finally:
         os.close(fd)
+
+
+def torch_load(path: Path) -> object:
+    """``torch.load(path, weights_only=True, mmap=True)`` for verification (torch's own
+    allow-list, the file mapped, not read); a failure is a `MergeError` naming the file."""
+    import torch
+    import torch.distributed.tensor
+
+    try:
+        with torch_quiet():
+            return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except Exception as exc:
+        raise MergeError(
+            f"verification failed: torch.load(weights_only=True) cannot read {path} "
+            f"({short_reason(exc)})"
+        ) from None

@@ -8,22 +8,21 @@ and two ways to be read:
   bytes (zero-copy with `copy_file_range`), or None when the tensor must go through memory;
 * `read(reader)`: the whole tensor (in `dtype`, or float32 for an average);
 
-and two ways to be used: `write_into` (the tensor, cast, at a planned byte range of an output
-file) and `blocks` (the tensor in row blocks, for comparisons). A DCP entry does both chunk by
-chunk (memory: one chunk); the others through one whole tensor. Writers never ask which kind of
-source they have.
+and one way to be used: `write` (the tensor, or some of its rows, cast, at a planned byte range
+of an output file: a `Destination`). A DCP entry writes chunk by chunk (memory: one chunk); the
+others through one whole tensor. Writers never ask which kind of source they have.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from shardforge.errors import MergeError
-from shardforge.formats.base import Index, Progress, StoredTensor, TensorSource
+from shardforge.formats.base import Described, Destination, Rows, StoredTensor, TensorSource
 from shardforge.io.copy import FileSlab, ReadCache, copy_range, pwrite_all, tensor_bytes
 
 
@@ -32,96 +31,45 @@ def row_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def write_rows_whole(
-    source: TensorSource,
-    reader: ReadCache,
-    out_fd: int,
-    offset: int,
-    out_dtype: torch.dtype,
-    rows: tuple[int, int],
-    progress: Progress,
+    source: TensorSource, reader: ReadCache, dest: Destination, rows: Rows
 ) -> None:
-    """`write_rows` through one whole tensor in memory (sources without row access)."""
+    """`write` of some rows through one whole tensor in memory (sources without row access)."""
     start, stop = rows
-    full = source.read(reader).to(out_dtype)
+    full = source.read(reader).to(dest.dtype)
     part = full[start:stop] if source.shape else full
     data = tensor_bytes(part.contiguous())
-    pwrite_all(out_fd, data, offset + start * row_bytes(source.shape, out_dtype))
-    progress(data.nbytes)
+    pwrite_all(dest.fd, data, dest.offset + start * row_bytes(source.shape, dest.dtype))
+    dest.progress(data.nbytes)
 
 
-def _write_whole(
-    source: TensorSource,
-    reader: ReadCache,
-    out_fd: int,
-    offset: int,
-    out_dtype: torch.dtype,
-    progress: Progress,
-) -> None:
-    """Write a source's tensor, cast to `out_dtype`, at byte `offset` of `out_fd`: its slabs
-    file to file when it has them, else through memory (one tensor)."""
-    slabs = source.slabs(reader) if source.dtype == out_dtype else None
+def _write_whole(source: TensorSource, reader: ReadCache, dest: Destination) -> None:
+    """A source's whole tensor at `dest`: its slabs file to file when it has them (no cast),
+    else through memory (one tensor)."""
+    slabs = source.slabs(reader) if source.dtype == dest.dtype else None
     if slabs is not None:
         for s in slabs:
-            copy_range(reader.fd(s.path), out_fd, s.src_offset, offset + s.dst_offset, s.nbytes)
-            progress(s.nbytes)
+            copy_range(
+                reader.fd(s.path), dest.fd, s.src_offset, dest.offset + s.dst_offset, s.nbytes
+            )
+            dest.progress(s.nbytes)
         return
-    data = tensor_bytes(source.read(reader).to(out_dtype))
-    pwrite_all(out_fd, data, offset)
-    progress(data.nbytes)
-
-
-def _blocks_whole(
-    source: TensorSource, reader: ReadCache, dtype: torch.dtype, block_bytes: int
-) -> Iterator[tuple[Index, torch.Tensor]]:
-    """The whole tensor read once (one tensor in memory), yielded in row blocks."""
-    full = source.read(reader).to(dtype)
-    shape = source.shape
-    if not shape:
-        yield (), full
-        return
-    row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
-    step = max(1, block_bytes // row_bytes)
-    for start in range(0, shape[0], step):
-        stop = min(shape[0], start + step)
-        yield _rows(shape, start, stop), full[start:stop]
+    data = tensor_bytes(source.read(reader).to(dest.dtype))
+    pwrite_all(dest.fd, data, dest.offset)
+    dest.progress(data.nbytes)
 
 
 class WholeTensor:
-    """`write_into` and `blocks` through `slabs` / `read` (every source but a DCP entry)."""
+    """`write` through `slabs` / `read` (every source but a DCP entry)."""
 
-    def write_into(
-        self,
-        reader: ReadCache,
-        out_fd: int,
-        offset: int,
-        out_dtype: torch.dtype,
-        progress: Progress,
-    ) -> None:
-        _write_whole(self, reader, out_fd, offset, out_dtype, progress)  # type: ignore[arg-type]
-
-    def blocks(
-        self, reader: ReadCache, dtype: torch.dtype, block_bytes: int
-    ) -> Iterator[tuple[Index, torch.Tensor]]:
-        return _blocks_whole(self, reader, dtype, block_bytes)  # type: ignore[arg-type]
-
-    def write_rows(
-        self,
-        reader: ReadCache,
-        out_fd: int,
-        offset: int,
-        out_dtype: torch.dtype,
-        rows: tuple[int, int],
-        progress: Progress,
-    ) -> None:
-        write_rows_whole(self, reader, out_fd, offset, out_dtype, rows, progress)  # type: ignore[arg-type]
-
-
-def _rows(shape: tuple[int, ...], start: int, stop: int) -> Index:
-    return (slice(start, stop), *(slice(0, n) for n in shape[1:])) if shape else ()
+    def write(self, reader: ReadCache, dest: Destination, rows: Rows | None = None) -> None:
+        if rows is None:
+            _write_whole(self, reader, dest)  # type: ignore[arg-type]
+        else:
+            write_rows_whole(self, reader, dest, rows)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
-class TransformedSource(WholeTensor):
+class TransformedSource(Described, WholeTensor):
     """Another source's tensor reordered by `transform` (e.g. torchtitan's RoPE q/k rows);
     never zero-copy."""
 
@@ -129,12 +77,8 @@ class TransformedSource(WholeTensor):
     transform: Callable[[torch.Tensor], torch.Tensor]
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self.inner.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.inner.dtype
+    def described(self) -> TensorSource:
+        return self.inner
 
     def slabs(self, reader: ReadCache) -> list[FileSlab] | None:
         return None

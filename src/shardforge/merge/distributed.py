@@ -24,7 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardforge.errors import MergeError
-from shardforge.formats.sources import TensorSource
+from shardforge.formats.base import Destination, TensorSource
 from shardforge.io.copy import ReadCache, copy_range, pwrite_all
 from shardforge.sinks.plan import OutputPlan, PlannedFile, PlannedTensor
 
@@ -105,7 +105,9 @@ def write_shares(
                 src, spec = sources[s.tensor.spec.name], s.tensor.spec
                 slabs = src.slabs(reader) if src.dtype == spec.dtype else None
                 if slabs is None:
-                    src.write_rows(reader, fd, s.tensor.offset, spec.dtype, s.rows, progress)
+                    src.write(
+                        reader, Destination(fd, s.tensor.offset, spec.dtype, progress), s.rows
+                    )
                     continue
                 row = spec.nbytes // _rows_of(s.tensor)
                 lo, hi = s.rows[0] * row, s.rows[1] * row

@@ -456,12 +456,7 @@ def prepare_lora(
         for n in expected.saved_names
     ]
     shard = max_shard_size or default_max_shard_size()
-    try:
-        plan = plan_output(specs, shard, expected.total_parameters)
-    except ValueError as exc:
-        if isinstance(exc, MergeError):
-            raise
-        raise MergeError(f"--max_shard_size {shard!r}: {exc}") from None
+    plan = plan_output(specs, shard, expected.total_parameters)
     return LoraMerge(
         adapter,
         base_dir,

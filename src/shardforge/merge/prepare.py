@@ -123,12 +123,7 @@ def prepare(
         for n in expected.saved_names
     ]
     shard = None if request.single_file else request.max_shard_size or default_max_shard_size()
-    try:
-        plan = plan_output(specs, shard, expected.total_parameters)
-    except ValueError as exc:
-        if isinstance(exc, MergeError):
-            raise
-        raise MergeError(f"--max_shard_size {shard!r}: {exc}") from None
+    plan = plan_output(specs, shard, expected.total_parameters)
     plain = len(inputs) == 1 and all(
         isinstance(src, DcpSource) and src.entry.key == key
         for key, src in ((k, by_name[hf]) for k, hf in keymap.to_hf.items())

@@ -143,7 +143,15 @@ def plan_output(
 
         raise MergeError(f"dtypes {unknown} cannot be stored in safetensors")
     by_name = {s.name: s for s in specs}
-    files, split = layout_files({n: by_name[n] for n in save_order(list(by_name))}, max_shard_size)
+    ordered = {n: by_name[n] for n in save_order(list(by_name))}
+    try:
+        files, split = layout_files(ordered, max_shard_size)
+    except ValueError as exc:  # huggingface_hub's words for a size it cannot parse
+        from shardforge.errors import MergeError
+
+        if isinstance(exc, MergeError):
+            raise
+        raise MergeError(f"--max_shard_size {max_shard_size!r}: {exc}") from None
     index = None
     if split is not None and split.is_sharded:
         index = {

@@ -3,7 +3,7 @@ every safetensors sink writes with).
 
 A source whose bytes are slabs of input files (no cast) is copied file to file by a few threads
 (`copy_file_range`, no bytes through Python); every other source writes itself into its planned
-byte range (`TensorSource.write_into`: a DCP entry chunk by chunk). Peak memory is therefore
+byte range (`TensorSource.write`: a DCP entry chunk by chunk). Peak memory is therefore
 about one tensor, whatever the model size.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardforge.formats.sources import TensorSource
+from shardforge.formats.base import Destination, TensorSource
 from shardforge.io.copy import CopyJob, FileSlab, ReadCache, copy_jobs, copy_range, pwrite_all
 from shardforge.io.fs import preallocate
 from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan
@@ -55,7 +55,7 @@ def write_plan(
                     ]
                 copy_jobs(jobs, copy_range, progress)
                 for planned, src in through_memory:
-                    src.write_into(reader, fd, planned.offset, planned.spec.dtype, progress)
+                    src.write(reader, Destination(fd, planned.offset, planned.spec.dtype, progress))
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -101,7 +101,7 @@ def finish_plan(
                     ]
                 copy_jobs(jobs, copy_range, progress)
                 for offset, src, dtype in rest:
-                    src.write_into(reader, fd, offset, dtype, progress)
+                    src.write(reader, Destination(fd, offset, dtype, progress))
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from shardforge.errors import MergeError
+from shardforge.formats.reference import torch_load
 from shardforge.formats.sources import TensorSource
 from shardforge.io.copy import ReadCache
 from shardforge.io.dtypes import STORAGE_CLASSES, torch_dtype
@@ -156,13 +157,7 @@ def verify_torch_file(
 
 
 def _load_state(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        loaded = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
-    except Exception as exc:
-        raise MergeError(
-            f"verification failed: torch.load(weights_only=True) cannot read {path} "
-            f"({type(exc).__name__})"
-        ) from None
+    loaded = torch_load(path)
     state = loaded.get(STATE_DICT_KEY) if isinstance(loaded, dict) else None
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
         raise MergeError(f"verification failed: {path} does not hold {{'state_dict': tensors}}")

@@ -10,6 +10,7 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 from shardforge.errors import CheckpointError
+from shardforge.formats.base import Sized
 from shardforge.formats.dcp.pickles import (
     BytesStorageMetadata,
     Metadata,
@@ -43,7 +44,7 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(Sized):
     """One tensor of the checkpoint under its flat DCP key."""
 
     key: str
@@ -51,14 +52,6 @@ class TensorEntry:
     dtype: torch.dtype  # a `DtypeName` when read before torch is imported (io.dtypes)
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

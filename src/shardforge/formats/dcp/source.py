@@ -7,16 +7,15 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from shardforge.formats.base import StoredTensor
+from shardforge.formats.base import Described, Destination, Progress, Rows, StoredTensor
 from shardforge.formats.dcp.chunks import (
-    chunk_slices,
     entry_slabs,
     locate,
     read_full,
@@ -24,12 +23,7 @@ from shardforge.formats.dcp.chunks import (
 )
 from shardforge.formats.dcp.metadata import Chunk, TensorEntry
 from shardforge.formats.dcp.records import RawChunk
-from shardforge.formats.sources import (
-    Index,
-    Progress,
-    row_bytes,
-    write_rows_whole,
-)
+from shardforge.formats.sources import row_bytes, write_rows_whole
 from shardforge.io.copy import FileSlab, ReadCache, copy_range, pwrite_all, tensor_bytes
 from shardforge.io.files import read_exact_into
 
@@ -38,19 +32,15 @@ DCP = "dcp"
 
 
 @dataclass(frozen=True)
-class DcpSource:
+class DcpSource(Described):
     """A tensor of a DCP checkpoint, stored in chunks."""
 
     entry: TensorEntry
     directory: Path | None = None  # the DCP directory (default: its first data file's folder)
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self.entry.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.entry.dtype
+    def described(self) -> TensorEntry:
+        return self.entry
 
     @property
     def path(self) -> tuple[str, ...]:
@@ -70,60 +60,33 @@ class DcpSource:
     def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return tensors[0]
 
-    def write_into(
-        self,
-        reader: ReadCache,
-        out_fd: int,
-        offset: int,
-        out_dtype: torch.dtype,
-        progress: Progress,
-    ) -> None:
+    def write(self, reader: ReadCache, dest: Destination, rows: Rows | None = None) -> None:
         """Chunk by chunk: a slab along dim 0 lands in its own byte range (copied file to file
-        without a cast, else converted in blocks); other chunk shapes assemble the tensor."""
+        without a cast, else converted in blocks; only the rows asked for are read); other
+        chunk shapes assemble the tensor."""
         if self.shape and self._slabs_only():
-            self._write_slab_rows(reader, out_fd, offset, out_dtype, (0, self.shape[0]), progress)
-            return
-        full = read_full(reader, self.entry).to(out_dtype)
-        pwrite_all(out_fd, tensor_bytes(full), offset)
-        progress(full.numel() * out_dtype.itemsize)
-
-    def write_rows(
-        self,
-        reader: ReadCache,
-        out_fd: int,
-        offset: int,
-        out_dtype: torch.dtype,
-        rows: tuple[int, int],
-        progress: Progress,
-    ) -> None:
-        """Only the rows' bytes of the slab chunks they cross are read (or copied file to file
-        without a cast); other chunk shapes go through the whole tensor."""
-        if not self.shape or not self._slabs_only():
-            write_rows_whole(self, reader, out_fd, offset, out_dtype, rows, progress)
-            return
-        self._write_slab_rows(reader, out_fd, offset, out_dtype, rows, progress)
+            self._write_slab_rows(reader, dest, rows or (0, self.shape[0]))
+        elif rows is not None:
+            write_rows_whole(self, reader, dest, rows)
+        else:
+            full = read_full(reader, self.entry).to(dest.dtype)
+            pwrite_all(dest.fd, tensor_bytes(full), dest.offset)
+            dest.progress(full.numel() * dest.dtype.itemsize)
 
     def _slabs_only(self) -> bool:
         return all(_is_slab(c, self.shape) for c in self.entry.chunks if c.numel)
 
-    def _write_slab_rows(
-        self,
-        reader: ReadCache,
-        out_fd: int,
-        offset: int,
-        out_dtype: torch.dtype,
-        rows: tuple[int, int],
-        progress: Progress,
-    ) -> None:
+    def _write_slab_rows(self, reader: ReadCache, dest: Destination, rows: Rows) -> None:
         """Rows [start, stop) of a tensor stored as slabs along dim 0, at their byte range:
         copied file to file without a cast, converted in blocks (`cast_slab`) with one, read
         through the record otherwise (a stored layout that is not contiguous)."""
+        out_fd, out_dtype, progress = dest.fd, dest.dtype, dest.progress
         row = row_bytes(self.shape, out_dtype)
         for c in self.entry.chunks:
             lo, hi = max(rows[0], c.offsets[0]), min(rows[1], c.offsets[0] + c.sizes[0])
             if not c.numel or lo >= hi:
                 continue
-            first, last, dst = lo - c.offsets[0], hi - c.offsets[0], offset + lo * row
+            first, last, dst = lo - c.offsets[0], hi - c.offsets[0], dest.offset + lo * row
             fd, raw = locate(reader, c)
             if raw is not None and raw.contiguous and raw.dtype == out_dtype:
                 copy_range(fd, out_fd, raw.data_offset + first * row, dst, (hi - lo) * row)
@@ -134,14 +97,6 @@ class DcpSource:
                 part = read_rows(reader, c, first, last).to(out_dtype)
                 pwrite_all(out_fd, tensor_bytes(part.contiguous()), dst)
                 progress((hi - lo) * row)
-
-    def blocks(
-        self, reader: ReadCache, dtype: torch.dtype, block_bytes: int
-    ) -> Iterator[tuple[Index, torch.Tensor]]:
-        """Chunk by chunk, in row blocks of about `block_bytes` (memory: one block)."""
-        for chunk in self.entry.chunks:
-            if chunk.numel:
-                yield from _chunk_blocks(reader, chunk, dtype, block_bytes)
 
 
 # a cast goes through memory in blocks of about this many input bytes, several at a time
@@ -215,21 +170,3 @@ def cast_slab(
 
 def _is_slab(c: Chunk, shape: tuple[int, ...]) -> bool:
     return len(shape) == 0 or (all(o == 0 for o in c.offsets[1:]) and c.sizes[1:] == shape[1:])
-
-
-def _chunk_blocks(
-    reader: ReadCache, chunk: Chunk, dtype: torch.dtype, block_bytes: int
-) -> Iterator[tuple[Index, torch.Tensor]]:
-    rows = chunk.sizes[0] if chunk.sizes else 1
-    row_bytes = max(1, math.prod(chunk.sizes[1:]) * dtype.itemsize)
-    step = max(1, block_bytes // row_bytes)
-    for start in range(0, rows, step):
-        stop = min(rows, start + step)
-        expected = read_rows(reader, chunk, start, stop).to(dtype)
-        if not chunk.sizes:
-            yield (), expected
-            continue
-        index = list(chunk_slices(chunk))
-        o0 = chunk.offsets[0]
-        index[0] = slice(o0 + start, o0 + stop)
-        yield tuple(index), expected

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from shardforge.errors import CheckpointError
+from shardforge.formats.base import Sized
 from shardforge.formats.rankfiles.pickles import Placement
 from shardforge.formats.rankfiles.rank_file import (
     RankFile,
@@ -53,7 +54,7 @@ class Slab:
 
 
 @dataclass(frozen=True)
-class TensorPlan:
+class TensorPlan(Sized):
     """How one full tensor is assembled: its metadata and the distinct pieces to read."""
 
     key: str
@@ -62,14 +63,6 @@ class TensorPlan:
     placements: tuple[Placement, ...]
     mesh_shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
     def slabs(self) -> list[Slab] | None:
         """The pieces as verbatim byte copies, when every piece is a contiguous slab along dim 0

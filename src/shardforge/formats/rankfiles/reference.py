@@ -14,7 +14,7 @@ import torch
 
 from shardforge.errors import MergeError
 from shardforge.formats.base import ReferenceReader, StoredTensor
-from shardforge.formats.reference import check_zip_crcs, short_reason, torch_quiet, verify_failed
+from shardforge.formats.reference import check_zip_crcs, torch_load, verify_failed
 
 
 @dataclass
@@ -40,16 +40,7 @@ class RankFilesReference(ReferenceReader):
         self.crc_checked = True
 
     def _open(self, path: Path) -> dict[str, Any]:
-        import torch.distributed.tensor  # lets weights_only load DTensors
-
-        try:
-            with torch_quiet():
-                loaded = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
-        except Exception as exc:
-            raise MergeError(
-                f"verification failed: torch.load(weights_only=True) cannot read {path} "
-                f"({short_reason(exc)})"
-            ) from None
+        loaded = torch_load(path)
         if not isinstance(loaded, dict):
             raise MergeError(f"verification failed: {path} does not hold a state dict")
         return loaded

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from shardforge.formats.base import StoredTensor
+from shardforge.formats.base import Described, StoredTensor
 from shardforge.formats.sources import WholeTensor
 from shardforge.io.copy import FileSlab, ReadCache
 
@@ -18,18 +18,14 @@ RANK_FILES = "rank-files"
 
 
 @dataclass(frozen=True)
-class RankFileSource(WholeTensor):
+class RankFileSource(Described, WholeTensor):
     """A tensor assembled from per-rank DTensor files (`shardforge.formats.rankfiles.TensorPlan`)."""
 
     plan: Any  # rankfiles.TensorPlan (imported lazily: the DCP path never loads rankfiles)
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.plan.shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.plan.dtype
+    def described(self) -> Any:
+        return self.plan
 
     @property
     def path(self) -> tuple[str, ...]:
