@@ -21,6 +21,7 @@ from shardforge.config.axolotl import (
     sort_keys,
     unsupported_problem,
 )
+from shardforge.config.axolotl_keys import AXOLOTL_VERSION
 from shardforge.config.errors import describe_validation_error
 from shardforge.config.normalize import normalize_axolotl
 from shardforge.config.schema import ShardforgeConfig
@@ -203,6 +204,12 @@ def _notices(found: Sorted, command: str, total: int) -> list[str]:
         out.append(
             f"{len(found.ignored)} key(s) cannot change the result here and are ignored: "
             f"{_listing(found.ignored)} (see docs/config.md)"
+        )
+    if found.undefined:
+        out.append(
+            f"{len(found.undefined)} key(s) are neither shardforge's nor Axolotl "
+            f"{AXOLOTL_VERSION}'s and are ignored, as Axolotl ignores keys it does not define: "
+            f"{_listing(found.undefined)}"
         )
     if command == "all" and found.unsupported:
         keys = [k for k, _ in found.unsupported]
