@@ -27,7 +27,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "cli/train.py": "tests/cli/test_train_cli.py: named after the command",
     "cli/train_rank.py": "tests/train/test_launch.py: the entry of each torchrun training rank",
     "config/axolotl_keys.py": "tests/config/test_axolotl.py: the key table, with its users",
-    "config/chat_templates.py": "tests/train/test_data_templates.py: the templates as rendered",
     "config/errors.py": "tests/config/test_loader.py: pydantic errors as the user's key lines",
     "config/peft.py": "tests/merge/test_lora_checkpoint.py: the LoraConfig training and merge share",
     "formats/base.py": "tests/formats/test_contract.py: the protocol, run on every row",

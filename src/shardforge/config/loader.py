@@ -22,6 +22,7 @@ from shardforge.config.axolotl import (
     unsupported_problem,
 )
 from shardforge.config.axolotl_keys import AXOLOTL_VERSION
+from shardforge.config.chat_templates import template_problem
 from shardforge.config.errors import describe_validation_error
 from shardforge.config.normalize import normalize_axolotl
 from shardforge.config.schema import ShardforgeConfig
@@ -220,6 +221,15 @@ def _notices(found: Sorted, command: str, total: int) -> list[str]:
     return out
 
 
+def _template_problem(data: Mapping[str, Any]) -> str | None:
+    """What is wrong with the config's chat template name, if anything (train refuses it; the
+    other commands use it only where they write a tokenizer)."""
+    value, text = data.get("chat_template"), data.get("chat_template_jinja")
+    if not isinstance(value, str | None) or not isinstance(text, str | None):
+        return None  # a wrong type: the schema says so
+    return template_problem(value, text)
+
+
 def _prepare(
     data: Mapping[str, Any], source: str, command: str, overrides: Mapping[str, Any]
 ) -> ShardforgeConfig:
@@ -243,6 +253,11 @@ def _prepare(
         _set_dotted(normalized, dotted, value)
     found = sort_keys(normalized, command)
     problems = problems + found.problems
+    template = _template_problem(found.data)
+    if template and command == "train":
+        problems.append(template)
+    elif template and command == "all":
+        notices.append(f"{template} (train refuses it; the merge keeps the tokenizer's own)")
     problems += [unsupported_problem(key, feature) for key, feature in found.unsupported]
     for notice in [*notices, *_notices(found, command, total)]:
         log.warning("%s: notice: %s", source, notice)
