@@ -229,10 +229,18 @@ def expectation(path: Path) -> tuple[str, list[str]]:
     return "unsupported", [k.strip() for k in (m.group(2) or "").split(",") if k.strip()]
 
 
-def materialize(path: Path, tmp_path: Path) -> Path:
+def materialize(
+    path: Path,
+    tmp_path: Path,
+    base: Path | None = None,
+    output_dir: Path | None = None,
+    chat_template: str = "chatml",
+) -> Path:
+    """The corpus file with its placeholders filled in, written to `tmp_path`."""
     text = path.read_text()
-    text = text.replace("TINY_MODEL", str(tmp_path / "base"))
-    text = text.replace("OUTPUT_DIR", str(tmp_path / "out")).replace("DATA_DIR", str(tmp_path))
+    text = text.replace("TINY_MODEL", str(base or tmp_path / "base"))
+    text = text.replace("OUTPUT_DIR", str(output_dir or tmp_path / "out"))
+    text = text.replace("DATA_DIR", str(tmp_path)).replace("CHAT_TEMPLATE", chat_template)
     out = tmp_path / path.name
     out.write_text(text)
     return out

@@ -36,36 +36,45 @@ from shardforge.config.axolotl_status import (
 from shardforge.config.errors import did_you_mean
 from shardforge.config.schema import DatasetConfig, FsdpConfig, ShardforgeConfig
 
-Command = Literal["train", "merge", "inspect", "all"]
-COMMANDS: tuple[str, ...] = ("train", "merge", "inspect", "all")
+Command = Literal["train", "merge", "merge-lora", "inspect", "all"]
+COMMANDS: tuple[str, ...] = ("train", "merge", "merge-lora", "inspect", "all")
 
-# The keys each command reads (None: every key). The merge does not need the fsdp block: how
-# the shards were cut is in the checkpoint's own metadata.
+# What every merge reads (the chat template only where it writes a tokenizer). Not the fsdp
+# block: how the shards were cut is in the checkpoint's own metadata.
+_MERGE_KEYS = frozenset(
+    {
+        "base_model",
+        "base_model_config",
+        "tokenizer_config",
+        "output_dir",
+        "trust_remote_code",
+        "chat_template",
+        "chat_template_jinja",
+    }
+)
+# A LoRA run's checkpoint without its own adapter_config.json: the merge writes one from these,
+# so it reads them only when the config says the run trained a LoRA adapter (`adapter: lora`)
+LORA_RUN_KEYS = frozenset(
+    {
+        "adapter",
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_target_modules",
+        "lora_target_linear",
+        "lora_modules_to_save",
+        "peft_use_rslora",
+        "peft_use_dora",
+    }
+)
+
+# The keys each command reads (None: every key).
 COMMAND_KEYS: dict[str, frozenset[str] | None] = {
     "train": None,
     "all": None,
-    "merge": frozenset(
-        {
-            "base_model",
-            "base_model_config",
-            "tokenizer_config",
-            "output_dir",
-            "trust_remote_code",
-            "chat_template",
-            "chat_template_jinja",
-            # a LoRA run's checkpoint: its adapter_config.json comes from these
-            "adapter",
-            "lora_r",
-            "lora_alpha",
-            "lora_dropout",
-            "lora_target_modules",
-            "lora_target_linear",
-            "lora_modules_to_save",
-            "peft_use_rslora",
-            "peft_use_dora",
-            "lora_model_dir",
-        }
-    ),
+    "merge": _MERGE_KEYS | LORA_RUN_KEYS,
+    # merge-lora reads the adapter's settings from its adapter_config.json
+    "merge-lora": _MERGE_KEYS | {"lora_model_dir"},
     "inspect": frozenset({"base_model", "output_dir"}),
 }
 # Commands that read only their own keys: everything else in the config is left unread.
@@ -185,12 +194,20 @@ def _refused(value: Any, refused: tuple[Any, ...]) -> bool:
     return any(type(value) is type(r) and value == r for r in refused)
 
 
+def command_scope(command: str, data: Mapping[str, Any]) -> frozenset[str] | None:
+    """The keys `command` reads of this config (None: every key)."""
+    scope = COMMAND_KEYS[command]
+    if command == "merge" and scope is not None and data.get("adapter") != "lora":
+        return scope - LORA_RUN_KEYS
+    return scope
+
+
 def sort_keys(data: Mapping[str, Any], command: str) -> Sorted:
     """Sort a normalized config (fsdp already in shardforge's block form) for `command`."""
     if command not in COMMAND_KEYS:
         raise ValueError(f"unknown command {command!r}; expected one of {', '.join(COMMANDS)}")
     out = Sorted(data={})
-    scope = COMMAND_KEYS[command]
+    scope = command_scope(command, data)
     if scope is not None:
         out.unused = [str(k) for k in data if k not in scope]
         nullable = _nullable(ShardforgeConfig)

@@ -23,6 +23,7 @@ from shardforge.config.axolotl import (
 )
 from shardforge.config.axolotl_keys import AXOLOTL_VERSION
 from shardforge.config.chat_templates import template_problem
+from shardforge.config.dict_default import DictDefault, config_file
 from shardforge.config.errors import describe_validation_error
 from shardforge.config.normalize import normalize_axolotl
 from shardforge.config.schema import ShardforgeConfig
@@ -294,18 +295,35 @@ def load_cfg(path: str | Path, command: str = "all", **overrides: Any) -> Shardf
     return _prepare(read_yaml(path), str(path), command, overrides)
 
 
+def read_cfg(config: str | Path | Mapping[str, Any], **overrides: Any) -> DictDefault:
+    """The config as written (a YAML file, the one YAML file of a directory, or a mapping) with
+    `overrides` applied, not validated: what Axolotl's `load_cfg` gives its callers. An
+    override's nested key is dotted or, as Axolotl spells it, `parent__child`. Each command
+    validates what it reads of it (`coerce_cfg`)."""
+    if isinstance(config, Mapping):
+        data, source = DictDefault(config).to_dict(), getattr(config, "source", "<config>")
+    else:
+        path = config_file(config)
+        data, source = read_yaml(path), str(path)
+    for dotted, value in _flatten(overrides).items():
+        _set_dotted(data, dotted.replace("__", "."), value)
+    return DictDefault(data, source)
+
+
 # what commands and the Python API accept as a config
 ConfigLike = ShardforgeConfig | Mapping[str, Any] | str | Path
 
 
 def coerce_cfg(cfg: ConfigLike, command: str = "all") -> ShardforgeConfig:
     """Accept what users pass as `cfg`: load_cfg's result or a `ShardforgeConfig` (handed on as
-    it is: it was validated once already), a mapping or a path (read and validated for
-    `command`)."""
+    it is: it was validated once already), a mapping (an Axolotl-style `DictDefault` among
+    them) or a path (read and validated for `command`)."""
     if isinstance(cfg, ShardforgeConfig):
         return cfg
     if isinstance(cfg, str | Path):
         return load_cfg(cfg, command=command)
+    if isinstance(cfg, DictDefault):
+        return validate_cfg(cfg.to_dict(), cfg.source, command)
     if isinstance(cfg, Mapping):
         return validate_cfg(cfg, command=command)
     raise TypeError(f"cfg must be a config path, a mapping or load_cfg()'s result, got {type(cfg)}")

@@ -3,7 +3,7 @@ Hugging Face model directory, streamed one tensor at a time.
 
     from shardforge.config import load_cfg
     from shardforge.merge.lora import merge_lora
-    merge_lora(load_cfg("cfg.yml", command="merge"), "out/merged", verify=True)
+    merge_lora(load_cfg("cfg.yml", command="merge-lora"), "out/merged", verify=True)
 
 Every output tensor is a source (`shardforge.formats.sources`): an untouched base tensor is
 copied file to file from the base model's safetensors; an adapted weight is a
@@ -360,7 +360,7 @@ def merge_lora(
         MergeError: the adapter does not fit the base model, the output exists, no disk space,
             failed verification.
     """
-    config = coerce_cfg(cfg, command="merge")
+    config = coerce_cfg(cfg, command="merge-lora")
     out = Path(output_path if output_path is not None else default_output_path(config))
     out = out.absolute()
     check_output_path(out, overwrite, [])  # fail fast, before reading anything

@@ -92,18 +92,12 @@ def chat_template_for(
     try:
         return resolve_chat_template(chat_template, chat_template_jinja, own)
     except ConfigError as exc:
-        if (chat_template, chat_template_jinja) not in _NOTICED:
-            _NOTICED.add((chat_template, chat_template_jinja))
-            reason = exc.problems[0]
-            if reason.startswith("unknown template name"):  # not the whole list of names here
-                reason = f"unknown template name {shown(chat_template, 80)} (docs/config.md)"
-            log.warning(
-                "notice: chat_template: %s; the tokenizer keeps its own chat template (%s)",
-                reason,
-                "it has one" if own else "it has none",
-            )
+        reason = exc.problems[0]
+        if reason.startswith("unknown template name"):  # not the whole list of names here
+            reason = f"unknown template name {shown(chat_template, 80)} (docs/config.md)"
+        log.warning(
+            "notice: chat_template: %s; the tokenizer keeps its own chat template (%s)",
+            reason,
+            "it has one" if own else "it has none",
+        )
         return own
-
-
-# (chat_template, chat_template_jinja) values already noticed in this process
-_NOTICED: set[tuple[str | None, str | None]] = set()
