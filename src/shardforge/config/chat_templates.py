@@ -15,6 +15,8 @@ write a tokenizer (the merge keeps the tokenizer's own template then, with a not
 
 from __future__ import annotations
 
+import difflib
+import textwrap
 from pathlib import Path
 
 from shardforge.config.chat_formats import FORMATS
@@ -64,11 +66,20 @@ def template_problem(value: str | None, jinja_text: str | None) -> str | None:
     named = value.removeprefix(FALLBACK_PREFIX)
     if named != value and named in CHAT_TEMPLATES:
         return None
-    return (
-        f"chat_template: unknown template name {shown(value, 80)}: use one of "
-        f"{', '.join(CHAT_TEMPLATE_NAMES)}, {FALLBACK_PREFIX}<name>, or Jinja text (with {{% or "
-        "{{)"
+    close = difflib.get_close_matches(value, CHAT_TEMPLATE_NAMES, n=1, cutoff=0.75)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    names = textwrap.fill(
+        ", ".join(CHAT_TEMPLATE_NAMES) + f", {FALLBACK_PREFIX}<name>, or Jinja text (with {{% or "
+        "{{)",
+        width=_WIDTH,
+        initial_indent="    ",
+        subsequent_indent="    ",
     )
+    return f"chat_template: unknown template name {shown(value, 80)}{hint}; use one of\n{names}"
+
+
+# the list of names goes on lines of at most this many characters (an error's detail lines)
+_WIDTH = 100
 
 
 def _jinja_text(jinja_text: str) -> str:
