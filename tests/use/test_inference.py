@@ -101,3 +101,17 @@ def test_the_chat_template_renders_the_prompt_as_a_user_turn(tmp_path: Path) -> 
     plain.write_text(yaml.safe_dump({"base_model": str(BASE)}))
     ids = encode_prompt(load_cfg(plain), tok, "Hi there")["input_ids"][0].tolist()
     assert ids == tok("Hi there")["input_ids"]
+
+
+def test_eot_tokens_end_the_answer(tmp_path: Path) -> None:
+    """A config's eot_tokens stop generation as the model's EOS does: made the first token the
+    model answers with, the answer is that token alone."""
+    path = tmp_path / "cfg.yml"
+    path.write_text(yaml.safe_dump({"base_model": str(BASE), "output_dir": str(tmp_path)}))
+    cfg = load_cfg(path)
+    base = _load(cfg, model_dir=BASE)
+    free = _greedy(base, cfg, "The robot")
+    assert len(free) == 16
+    first = base.tokenizer.convert_ids_to_tokens(free[0])
+    stopped = load_cfg(path, eot_tokens=[first])
+    assert _greedy(base, stopped, "The robot") == free[:1]

@@ -83,3 +83,17 @@ def test_every_problem_at_once() -> None:
         "- --model_dir and --checkpoint/--step each name the model; give one of them",
         "- --max_new_tokens 0",
     ]
+
+
+@pytest.mark.parametrize(
+    "page,request_class", [("inference.md", InferenceRequest), ("evaluate.md", ModelRequest)]
+)
+def test_the_docs_tables_are_made_from_the_fields(page: str, request_class: type) -> None:
+    from shardforge.merge.options import markdown_table
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / page).read_text()
+    assert markdown_table(request_class) in text, (
+        f"docs/{page} is stale: replace its options table with the output of\n  python -c "
+        "'from shardforge.merge.options import markdown_table; from shardforge.use.request "
+        f"import {request_class.__name__}; print(markdown_table({request_class.__name__}))'"
+    )

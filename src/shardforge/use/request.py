@@ -38,6 +38,7 @@ class ModelRequest:
             "A Hugging Face model directory (e.g. the output of merge-sharded-fsdp-weights or "
             "merge-lora).",
             metavar="DIR",
+            doc="Safetensors weights only.",
             parse=parse_path,
         ),
     )
@@ -48,6 +49,7 @@ class ModelRequest:
             "for a run with `adapter`: the config's lora_model_dir, else output_dir when it "
             "holds the adapter).",
             metavar="DIR",
+            doc="`PeftModel.from_pretrained`: unfused, as training ran it.",
             parse=parse_path,
         ),
     )
@@ -58,6 +60,7 @@ class ModelRequest:
             "directory, read as merge-sharded-fsdp-weights --checkpoint reads it (default: the "
             "run's latest, when output_dir holds no final model).",
             metavar="PATH",
+            doc="See [Which model](inference.md#which-model).",
             parse=parse_path,
         ),
     )
@@ -120,22 +123,33 @@ class InferenceRequest(ModelRequest):
     max_new_tokens: int | None = field(
         default=None,
         metadata=option(
-            f"Most tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}).", type=int, metavar="N"
+            f"Most tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}).",
+            type=int,
+            metavar="N",
+            doc="Generation also stops at the model's end-of-sequence tokens and the config's "
+            "`eot_tokens`.",
         ),
     )
-    do_sample: bool = flag("Sample the next token (default: greedy decoding).")
+    do_sample: bool = flag(
+        "Sample the next token (default: greedy decoding).",
+        doc="Seeded by the config's `seed` (`--seed 3`): the same seed, the same answer.",
+    )
     temperature: float | None = field(
         default=None,
-        metadata=option("Sampling temperature (with --do_sample).", type=float, metavar="T"),
+        metadata=option(
+            "Sampling temperature, above 0 (with --do_sample).", type=float, metavar="T"
+        ),
     )
     top_k: int | None = field(
         default=None,
-        metadata=option("Sample among the K likeliest tokens (with --do_sample).", type=int),
+        metadata=option(
+            "Sample among the K likeliest tokens (with --do_sample).", type=int, metavar="K"
+        ),
     )
     top_p: float | None = field(
         default=None,
         metadata=option(
-            "Nucleus sampling: the smallest set of tokens holding probability P "
+            "Nucleus sampling: the smallest set of tokens holding probability P, P in (0, 1] "
             "(with --do_sample).",
             type=float,
             metavar="P",
@@ -144,7 +158,7 @@ class InferenceRequest(ModelRequest):
     min_p: float | None = field(
         default=None,
         metadata=option(
-            "Drop tokens less likely than P x the likeliest one (with --do_sample).",
+            "Drop tokens less likely than P x the likeliest one, P in [0, 1] (with --do_sample).",
             type=float,
             metavar="P",
         ),
@@ -152,7 +166,9 @@ class InferenceRequest(ModelRequest):
     repetition_penalty: float | None = field(
         default=None,
         metadata=option(
-            "Penalty on tokens already in the text (1.0: none).", type=float, metavar="X"
+            "Penalty on tokens already in the text, above 0 (1.0: none; greedy decoding too).",
+            type=float,
+            metavar="X",
         ),
     )
 
