@@ -6,6 +6,7 @@ sampling is seeded."""
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,9 @@ def _greedy(loaded: Loaded, cfg: ShardforgeConfig, prompt: str, **options: Any) 
 
 
 @pytest.mark.slow  # the runs are trained under torchrun
-def test_greedy_tokens_are_examples_generate_py_s(runs: Runs) -> None:
+def test_greedy_tokens_are_examples_generate_py_s(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     cfg = load_cfg(runs.full_cfg)
     merged = _load(cfg, model_dir=runs.merged)
     tok = AutoTokenizer.from_pretrained(runs.merged)
@@ -54,9 +57,14 @@ def test_greedy_tokens_are_examples_generate_py_s(runs: Runs) -> None:
         expected = reference(str(runs.merged), prompt, max_new_tokens=16)
         assert tok.decode(out.prompt_ids + out.new_ids, skip_special_tokens=True) == expected
         assert out.text == tok.decode(out.new_ids, skip_special_tokens=True)
-    # no option: the run's latest checkpoint, merged on the fly; the merged output is that one
-    latest = inference(cfg, PROMPTS[0], max_new_tokens=16)
+    # no option: the run's latest checkpoint, merged on the fly (into a temporary directory,
+    # gone once the model is loaded); the merged output is that one
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with caplog.at_level("INFO", logger="shardforge"):
+        latest = inference(cfg, PROMPTS[0], max_new_tokens=16)
     assert latest.new_ids == _greedy(merged, cfg, PROMPTS[0])
+    assert f"wrote {tmp_path}/shardforge-merged-" in caplog.text
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow  # the runs are trained under torchrun

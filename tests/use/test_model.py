@@ -110,3 +110,22 @@ def test_the_runs_own_weights(runs: Runs) -> None:
     assert _pick(lora) == Picked("adapter", runs.root / "lora", "the adapter in output_dir")
     named = load_cfg(runs.lora_cfg, lora_model_dir=str(runs.root / "lora"))
     assert _pick(named).how == "the config's lora_model_dir"
+
+
+def test_loaded_as_training_computes_remote_code_only_when_allowed(tmp_path: Path) -> None:
+    import torch
+
+    from shardforge.use.model import _model_kwargs
+
+    assert _model_kwargs(_cfg(tmp_path)) == {
+        "dtype": torch.float32,
+        "trust_remote_code": False,
+        "use_safetensors": True,
+    }
+    cfg = _cfg(tmp_path, bf16=True, attn_implementation="eager", trust_remote_code=True)
+    assert _model_kwargs(cfg) == {
+        "dtype": torch.bfloat16,
+        "trust_remote_code": True,
+        "use_safetensors": True,
+        "attn_implementation": "eager",
+    }

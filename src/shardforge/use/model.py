@@ -26,6 +26,7 @@ from shardforge.config.chat_templates import resolve_chat_template
 from shardforge.config.peft import ADAPTER_CONFIG
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import CheckpointError, ShardforgeError
+from shardforge.io.publish import sigterm_as_interrupt
 from shardforge.layouts.catalog import FULL_WEIGHTS, LAST, resolve_checkpoint
 from shardforge.merge.api import merge_fsdp_weights
 from shardforge.merge.lora import read_adapter
@@ -173,7 +174,8 @@ def _load(cfg: ShardforgeConfig, picked: Picked) -> tuple[Any, Any]:
         return model, tokenizer_of(cfg, picked.path)
     if picked.kind == "model":
         return _from_pretrained(cfg, picked.path), tokenizer_of(cfg, picked.path)
-    with tempfile.TemporaryDirectory(prefix="shardforge-merged-") as tmp:
+    # SIGTERM too ends in the block's cleanup: no merged copy is left behind
+    with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="shardforge-merged-") as tmp:
         merged = merge_fsdp_weights(
             cfg,
             Path(tmp) / "model",
