@@ -91,8 +91,10 @@ def _adapter(path: Path, how: str) -> Picked:
     return Picked("adapter", path, how)
 
 
-def _checkpoint(root: Path, step: int | None, how: str) -> Picked:
-    hint = [NAME_ONE] if how == "the run's latest" else []
+def _checkpoint(root: Path, step: int | None, how: str, named: bool = True) -> Picked:
+    """Checkpoint `step` (None: the latest) under `root`; `named`: the options named it (else
+    the error says how to name a model)."""
+    hint = [] if named else [NAME_ONE]
     if not root.exists():
         raise CheckpointError(f"{root}: no such directory, so no checkpoint to merge", hint)
     try:
@@ -120,7 +122,7 @@ def pick(cfg: ShardforgeConfig, request: ModelRequest) -> Picked:
             return _adapter(out, "the adapter in output_dir")
     elif any((out / name).is_file() for name in FULL_WEIGHTS):
         return _model_dir(out, "the full-model save in output_dir")
-    return _checkpoint(out, None, "the run's latest")
+    return _checkpoint(out, None, "the run's latest", named=False)
 
 
 def _model_kwargs(cfg: ShardforgeConfig) -> dict[str, Any]:
