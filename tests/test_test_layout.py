@@ -20,6 +20,8 @@ EXEMPT = {"__init__.py", "__main__.py", "version.py"}
 TESTED_ELSEWHERE: dict[str, str] = {
     "errors.py": "tests/cli/test_error_lines.py: format_error and the one-line rule, as printed",
     "cli/_common.py": "tests/cli/test_error_lines.py: the shared wrapper, through every command",
+    "cli/evaluate.py": "tests/cli/test_evaluate_cli.py: test_evaluate.py is tests/use/'s name",
+    "cli/inference.py": "tests/cli/test_inference_cli.py: test_inference.py is tests/use/'s",
     "cli/inspect.py": "tests/cli/test_inspect_cli.py: named after the command",
     "cli/merge_lora.py": "tests/cli/test_merge_lora_cli.py: named after the command",
     "cli/merge_rank.py": "tests/merge/test_distributed.py: the entry of each torchrun merge rank",
