@@ -129,15 +129,26 @@ class S3Server:
         self._buckets.append(name)
         return name
 
-    def received_bytes(self, bucket: str) -> int:
-        """The bytes the server received for `bucket` (its Prometheus counter)."""
+    def metric(self, name: str, **labels: str) -> int:
+        """A counter of the server's Prometheus metrics (0 when it has not counted yet)."""
         with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
             text = r.read().decode()
-        pattern = (
-            rf'^SeaweedFS_s3_bucket_traffic_received_bytes_total\{{bucket="{bucket}"\}} (\S+)$'
-        )
-        m = re.search(pattern, text, re.M)
-        return int(float(m.group(1))) if m else 0
+        total = 0.0
+        for m in re.finditer(
+            rf"^SeaweedFS_{name}\{{(?P<labels>[^}}]*)\}} (?P<value>\S+)$", text, re.M
+        ):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"]))
+            if all(found.get(k) == v for k, v in labels.items()):
+                total += float(m["value"])
+        return int(total)
+
+    def received_bytes(self, bucket: str) -> int:
+        """The bytes the server received for `bucket` (uploads)."""
+        return self.metric("s3_bucket_traffic_received_bytes_total", bucket=bucket)
+
+    def ranged_gets(self, bucket: str) -> int:
+        """The ranged GETs (206 answers) the server served for `bucket`."""
+        return self.metric("s3_request_total", bucket=bucket, code="206", type="GET")
 
     def stop(self) -> None:
         if self.process.poll() is None:

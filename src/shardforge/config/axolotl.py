@@ -46,6 +46,7 @@ COMMAND_KEYS: dict[str, frozenset[str] | None] = {
             "base_model_config",
             "tokenizer_config",
             "output_dir",
+            "storage_options",
             "trust_remote_code",
             "chat_template",
             "chat_template_jinja",
@@ -62,7 +63,7 @@ COMMAND_KEYS: dict[str, frozenset[str] | None] = {
             "lora_model_dir",
         }
     ),
-    "inspect": frozenset({"base_model", "output_dir"}),
+    "inspect": frozenset({"base_model", "output_dir", "storage_options"}),
 }
 # Commands that read only their own keys: everything else in the config is left unread.
 SCOPED: frozenset[str] = frozenset(c for c, keys in COMMAND_KEYS.items() if keys is not None)
