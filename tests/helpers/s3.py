@@ -82,6 +82,7 @@ class S3Server:
     data: Path
     process: subprocess.Popen[bytes]
     log: Path
+    cmd: list[str] = field(default_factory=list)
     access_key: str = ACCESS_KEY
     secret_key: str = SECRET_KEY
     _buckets: list[str] = field(default_factory=list)
@@ -150,10 +151,26 @@ class S3Server:
         """The ranged GETs (206 answers) the server served for `bucket`."""
         return self.metric("s3_request_total", bucket=bucket, code="206", type="GET")
 
-    def stop(self) -> None:
+    def kill(self) -> None:
+        """An outage: the server dies at once (its data stays for `restart`)."""
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=30)
+
+    def restart(self) -> None:
+        """The killed server again, on its ports and data."""
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                self.cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self.data.parent,
+            )
+        _wait_ready(self)
+
+    def stop(self) -> None:
+        self.kill()
         shutil.rmtree(self.data, ignore_errors=True)
 
 
@@ -220,6 +237,7 @@ def start_server(folder: Path, volume_size_mb: int = 256) -> S3Server:
         data,
         process,
         log,
+        cmd,
     )
     _wait_ready(server)
     return server

@@ -20,6 +20,7 @@ Nothing here imports s3fs until a remote path is used (the `s3` extra installs i
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import threading
@@ -83,7 +84,7 @@ class RemoteURI:
 # ------------------------------------------------------------------------------ file system
 
 # botocore's retries: a few, so that an outage is an error in seconds, not minutes
-DEFAULT_CONFIG = {"retries": {"max_attempts": 3, "mode": "standard"}, "connect_timeout": 10}
+DEFAULT_CONFIG = {"retries": {"max_attempts": 3, "mode": "standard"}, "connect_timeout": 5}
 
 
 def filesystem(storage_options: Mapping[str, Any] | None = None) -> Any:
@@ -94,6 +95,8 @@ def filesystem(storage_options: Mapping[str, Any] | None = None) -> Any:
         import s3fs
     except ImportError:
         raise StorageError("s3:// paths need s3fs: pip install 'shardforge[s3]'") from None
+    for name in ("botocore", "aiobotocore", "s3fs"):  # their notices name endpoints and ids
+        logging.getLogger(name).setLevel(logging.WARNING)
     options = dict(storage_options or {})
     config = {**DEFAULT_CONFIG, **dict(options.pop("config_kwargs", None) or {})}
     return s3fs.S3FileSystem(config_kwargs=config, **options)

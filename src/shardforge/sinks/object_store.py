@@ -126,14 +126,14 @@ class ObjectStoreSink(Sink):
         log.info("uploaded %s of parts to %s", human(self.uploaded), self.target.uri)
 
     def verify(self, output: Output, location: Path, progress: Progress | None = None) -> int:
-        """The written files read back into the staging area, then compared by the
-        safetensors library as a local output is (`sinks.verify`)."""
+        """The uploaded weight files read back into the staging area (with the index about to
+        be published), then compared by the safetensors library as a local output is
+        (`sinks.verify`)."""
         folder = self.target.staging / "verify"
         folder.mkdir(parents=True, exist_ok=True)
         names = [pf.name for pf in output.plan.files]
-        if output.plan.index is not None:
-            names.append(SAFE_WEIGHTS_INDEX_NAME)
         try:
+            write_index(output.plan, folder)  # the index to publish (not uploaded yet)
             with storage_errors(self.target.uri, self.target.storage_options):
                 self.target.fs.get(
                     [self.target.uri.child(n).path for n in names], [str(folder / n) for n in names]
@@ -304,8 +304,8 @@ class ObjectStoreSink(Sink):
 
     def _remove(self, done: list[str]) -> None:
         """Remove what this merge completed or put (best effort: a failure is on its way)."""
-        for name in done:
-            with contextlib.suppress(Exception):  # a failure is on its way already
+        with contextlib.suppress(Exception):  # a failure is on its way already
+            for name in done:
                 self.store.delete(self.store.key(name))
 
 

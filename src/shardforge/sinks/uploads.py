@@ -130,7 +130,13 @@ class Store:
             token = {"ContinuationToken": page["NextContinuationToken"]}
 
     def head_bucket(self) -> None:
-        self.call("head_bucket", where=f"s3://{self.uri.bucket}", Bucket=self.uri.bucket)
+        where = f"s3://{self.uri.bucket}"
+        try:
+            self.call("head_bucket", where=where, Bucket=self.uri.bucket)
+        except StorageError as exc:
+            if ": not found" in exc.message:
+                raise StorageError(f"{where}: no such bucket; create it or fix the URI") from None
+            raise
 
     def put(self, name: str, body: bytes) -> None:
         self.call(
@@ -270,13 +276,12 @@ class Journal:
         return data if isinstance(data, dict) else None
 
     def abort_all(self) -> None:
-        """Abort every upload not completed; remove the journal (best effort: called while a
-        failure is already on its way)."""
-        for name, f in self.files.items():
-            if f.completed is None:
-                with contextlib.suppress(Exception):  # a failure is on its way already
+        """Abort every upload not completed; remove the journal (best effort, stopped at the
+        first failed request: called while a failure is already on its way)."""
+        with contextlib.suppress(Exception):  # the store is down: a later merge cleans up
+            for name, f in self.files.items():
+                if f.completed is None:
                     self.store.abort(name, f.upload_id)
-        with contextlib.suppress(Exception):
             self.delete()
 
 
