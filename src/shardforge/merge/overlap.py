@@ -405,6 +405,7 @@ def eligible(request: MergeRequest, inputs: Sequence[Candidate]) -> bool:
         and request.output_format == "hf"
         and request.engine == "stream"
         and not request.dry_run
+        and not request.resume
         and len(inputs) == 1
     )
 

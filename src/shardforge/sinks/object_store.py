@@ -38,7 +38,7 @@ from shardforge.io.fs import punch_hole
 from shardforge.io.mirror import RemoteTarget
 from shardforge.io.remote import storage_errors
 from shardforge.sinks.base import Output, Progress, Sink, WriteOptions, human
-from shardforge.sinks.hf_dir import HfDirectorySink, write_companions
+from shardforge.sinks.hf_dir import HfDirectorySink, resume_fingerprint, write_companions
 from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, PlannedFile
 from shardforge.sinks.progress import progress
 from shardforge.sinks.safetensors_files import write_index
@@ -48,7 +48,6 @@ from shardforge.sinks.uploads import (
     PartSizer,
     Store,
     abort_left,
-    fingerprint,
     owner_alive,
     part_ranges,
 )
@@ -163,8 +162,7 @@ class ObjectStoreSink(Sink):
     # ----------------------------------------------------------------------------- upload
 
     def _journal(self, output: Output, resume: bool) -> Journal:
-        inputs = [str(s.directory) for src in output.sources.values() for s in src.stored()]
-        fp = fingerprint(output.plan, inputs)
+        fp = resume_fingerprint(output)
         left = Journal.load(self.store) if resume else None
         journal = Journal(self.store, fp)
         if left is not None:

@@ -11,7 +11,6 @@ each file's upload id and part size, so `--resume` finds the parts a killed merg
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -22,9 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardforge.errors import StorageError
-from shardforge.io.mirror import RemoteTarget, public_name
+from shardforge.io.mirror import RemoteTarget
 from shardforge.io.remote import RemoteURI, storage_errors
-from shardforge.sinks.plan import OutputPlan
 
 # S3's limits: every part but the last at least 5 MiB, at most 10,000 parts
 MIN_PART = 5 << 20
@@ -59,17 +57,6 @@ class PartSizer:
 def part_ranges(size: int, part_size: int) -> list[tuple[int, int]]:
     """(start, stop) of each part of a `size`-byte file (at least one)."""
     return [(s, min(size, s + part_size)) for s in range(0, max(size, 1), part_size)]
-
-
-def fingerprint(plan: OutputPlan, inputs: list[str]) -> str:
-    """What a resumed merge must share with the interrupted one: the planned files (names,
-    headers, sizes) and the checkpoint folders read."""
-    h = hashlib.sha256()
-    for pf in plan.files:
-        h.update(pf.name.encode() + b"\0" + pf.header + str(pf.size).encode() + b"\0")
-    for name in sorted(set(public_name(i) for i in inputs)):
-        h.update(name.encode() + b"\0")
-    return h.hexdigest()
 
 
 def owner() -> dict[str, Any]:
