@@ -99,3 +99,32 @@ def test_a_missing_prefix_and_wrong_credentials_are_one_line(
     assert "access denied" in line and "credentials" in line and "\n" not in line
     assert "not-the-secret-key" not in line and s3_server.secret_key not in line
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_inspect_and_validate_know_s3(
+    checkpoints: Built, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import json
+
+    import yaml
+
+    from shardforge.cli.inspect import do_inspect
+    from shardforge.cli.validate import do_validate
+
+    bucket = s3_server.bucket("inspect-run")
+    uri = upload(s3_server, bucket, checkpoints.root / "hf", "runs/hf")
+    for key, value in s3_server.env({}).items():
+        monkeypatch.setenv(key, value)
+    facts = json.loads(do_inspect(uri, as_json=True))
+    local = json.loads(do_inspect(str(checkpoints.root / "hf"), as_json=True))
+    assert facts["model_dir"] == f"{uri}/checkpoint-{HF_STEP}/pytorch_model_fsdp_0"
+    assert facts["model"] == local["model"] and facts["world_size"] == local["world_size"]
+    text = do_inspect(uri)
+    assert uri in text and "shardforge-staging" not in text
+    # the config names the store; validate shows the URI and hides the secret
+    cfg = {"base_model": str(checkpoints.base), "output_dir": uri}
+    cfg["storage_options"] = s3_server.storage_options
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump(cfg))
+    shown = do_validate(tmp_path / "cfg.yml", for_command="inspect")
+    assert uri in shown and s3_server.secret_key not in shown and "'***'" in shown
+    assert json.loads(do_inspect(tmp_path / "cfg.yml", as_json=True))["model_dir"].startswith(uri)

@@ -154,6 +154,13 @@ def remote_target(path: Path | None) -> RemoteTarget | None:
     return None
 
 
+def mirrored(text: str, storage_options: Mapping[str, Any] | None = None) -> Path:
+    """The local mirror of the prefix `text` in the innermost active staging area."""
+    if not _ACTIVE:
+        raise RuntimeError("mirrored() needs an active staging() block")
+    return _ACTIVE[-1].mirror(text, storage_options)
+
+
 def public_name(text: str) -> str:
     """`text` with every active staging folder written as the URI it stands for."""
     for area in _ACTIVE:
