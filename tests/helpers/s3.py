@@ -196,7 +196,7 @@ def _wait_ready(server: S3Server) -> None:
         if code is not None:
             tail = server.log.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"weed server exited with status {code}:\n{tail}")
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(Exception):  # refused, or the filer not up yet
             server.fs().ls("")
             return
         time.sleep(0.2)
@@ -241,6 +241,41 @@ def start_server(folder: Path, volume_size_mb: int = 256) -> S3Server:
     )
     _wait_ready(server)
     return server
+
+
+# the checkpoints of `test_inspection.build_checkpoints` the object-storage tests merge
+LAYOUTS = ("dcp", "rankfiles")
+
+
+def layout_folder(root: Path, layout: str) -> Path:
+    """A DCP (HF Trainer layout) or rank-file (verl) checkpoint folder of those checkpoints."""
+    from test_inspection import HF_STEP, VERL_STEPS
+
+    sub = {
+        "dcp": f"hf/checkpoint-{HF_STEP}/pytorch_model_fsdp_0",
+        "rankfiles": f"verl/global_step_{VERL_STEPS[-1]}/actor",
+    }
+    return root / sub[layout]
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    """Every file below `root` by relative name: what two outputs are compared by."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def killed_at(gate: Any, cmd: list[str], env: Mapping[str, str]) -> None:
+    """Run `cmd` until it waits at `gate` (a `helpers.gate.Gate`), then SIGKILL it."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env=dict(env), stderr=subprocess.PIPE, text=True)
+    try:
+        gate.wait(proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        gate.open()
+        if proc.poll() is None:
+            proc.kill()
 
 
 @pytest.fixture(scope="session")

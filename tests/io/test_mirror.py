@@ -8,19 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers.s3 import S3Server
+from helpers.s3 import LAYOUTS, S3Server, layout_folder, tree_bytes
 from shardforge.errors import CheckpointError, ShardforgeError
 from shardforge.io import mirror
 from shardforge.merge.api import merge_fsdp_weights
-from test_inspection import HF_STEP, VERL_STEPS, Built, build_checkpoints
+from test_inspection import HF_STEP, Built, build_checkpoints
 
 # the checkpoints are written by gloo ranks; the store is a child process
 pytestmark = pytest.mark.slow
-
-LAYOUTS = {
-    "dcp": f"hf/checkpoint-{HF_STEP}/pytorch_model_fsdp_0",
-    "rankfiles": f"verl/global_step_{VERL_STEPS[-1]}/actor",
-}
 
 
 @pytest.fixture(scope="module")
@@ -34,20 +29,16 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mirror, "DOWNLOAD_LIMIT", 0)
 
 
-def tree_bytes(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
-
-
 def upload(server: S3Server, bucket: str, folder: Path, prefix: str) -> str:
     server.fs().put(str(folder), f"{bucket}/{prefix}", recursive=True)
     return f"s3://{bucket}/{prefix}"
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_s3_to_local_is_the_local_merge(
     layout: str, checkpoints: Built, s3_server: S3Server, stand_ins: None, tmp_path: Path
 ) -> None:
-    folder = checkpoints.root / LAYOUTS[layout]
+    folder = layout_folder(checkpoints.root, layout)
     bucket = s3_server.bucket(f"src-{layout}")
     uri = upload(s3_server, bucket, folder, "run/model")
     cfg = {"base_model": str(checkpoints.base), "storage_options": s3_server.storage_options}

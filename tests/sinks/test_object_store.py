@@ -6,7 +6,6 @@ nothing published."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
@@ -17,28 +16,19 @@ import pytest
 import yaml
 
 from helpers.gate import Gate
-from helpers.s3 import S3Server, start_server
+from helpers.s3 import LAYOUTS, S3Server, killed_at, layout_folder, start_server, tree_bytes
 from shardforge.errors import MergeError, StorageError
 from shardforge.io import mirror
 from shardforge.merge.api import merge_fsdp_weights
-from test_inspection import HF_STEP, VERL_STEPS, Built, build_checkpoints
+from test_inspection import Built, build_checkpoints
 
 # gloo ranks write the checkpoints; the store is a child process
 pytestmark = pytest.mark.slow
-
-LAYOUTS = {
-    "dcp": f"hf/checkpoint-{HF_STEP}/pytorch_model_fsdp_0",
-    "rankfiles": f"verl/global_step_{VERL_STEPS[-1]}/actor",
-}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
     return build_checkpoints(tmp_path_factory)
-
-
-def tree_bytes(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 def stored(server: S3Server, prefix: str, into: Path) -> dict[str, bytes]:
@@ -63,7 +53,7 @@ def cfg(checkpoints: Built, server: S3Server, **more: Any) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_local_to_s3_and_s3_to_s3_are_the_local_merge(
     layout: str,
     checkpoints: Built,
@@ -72,7 +62,7 @@ def test_local_to_s3_and_s3_to_s3_are_the_local_merge(
     tmp_path: Path,
 ) -> None:
     monkeypatch.setattr(mirror, "DOWNLOAD_LIMIT", 0)  # every data file read by ranges
-    folder = checkpoints.root / LAYOUTS[layout]
+    folder = layout_folder(checkpoints.root, layout)
     bucket = s3_server.bucket(f"out-{layout}")
     config = cfg(checkpoints, s3_server)
     local = merge_fsdp_weights(
@@ -100,7 +90,7 @@ def test_local_to_s3_and_s3_to_s3_are_the_local_merge(
 def test_killed_mid_upload_leaves_no_model_and_resume_uploads_the_rest(
     checkpoints: Built, s3_server: S3Server, tmp_path: Path
 ) -> None:
-    folder = checkpoints.root / LAYOUTS["dcp"]
+    folder = layout_folder(checkpoints.root, "dcp")
     bucket = s3_server.bucket("out-resume")
     config = cfg(checkpoints, s3_server)
     local = merge_fsdp_weights(
@@ -117,15 +107,7 @@ def test_killed_mid_upload_leaves_no_model_and_resume_uploads_the_rest(
         "--output_path", f"s3://{bucket}/model", "--checkpoint", str(folder),
         "--max_shard_size", "150KB", "--quiet",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=gate.env(s3_server.env()), stderr=subprocess.PIPE, text=True)
-    try:
-        gate.wait(proc)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        gate.open()
-        if proc.poll() is None:
-            proc.kill()
+    killed_at(gate, cmd, gate.env(s3_server.env()))
     assert keys(s3_server, f"{bucket}/model") == []  # no index, no shard, nothing
     assert keys(s3_server, f"{bucket}/.model.shardforge-merge.json")  # the journal beside it
     before = s3_server.received_bytes(bucket)
@@ -143,7 +125,7 @@ def test_killed_mid_upload_leaves_no_model_and_resume_uploads_the_rest(
 def test_credentials_bucket_and_an_outage_are_one_line_with_nothing_published(
     checkpoints: Built, s3_server: S3Server, tmp_path: Path
 ) -> None:
-    folder = checkpoints.root / LAYOUTS["rankfiles"]
+    folder = layout_folder(checkpoints.root, "rankfiles")
     config = cfg(checkpoints, s3_server)
     wrong = cfg(
         checkpoints, s3_server, storage_options={**s3_server.storage_options, "secret": "x" * 20}

@@ -5,8 +5,6 @@ inode: not rewritten), rewrites a damaged one, and publishes what a merge in one
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 import yaml
 
 from helpers.gate import Gate
+from helpers.s3 import killed_at, tree_bytes
 from shardforge.errors import MergeError
 from shardforge.merge.api import merge_fsdp_weights
 from shardforge.sinks.resume import JOURNAL_NAME
@@ -26,10 +25,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
     return build_checkpoints(tmp_path_factory)
-
-
-def tree_bytes(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 def test_a_killed_merge_resumes_keeping_its_finished_files(
@@ -49,15 +44,7 @@ def test_a_killed_merge_resumes_keeping_its_finished_files(
         "--output_path", str(out), "--checkpoint", str(folder), "--max_shard_size", "150KB",
         "--quiet",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=gate.env(), stderr=subprocess.PIPE, text=True)
-    try:
-        gate.wait(proc)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        gate.open()
-        if proc.poll() is None:
-            proc.kill()
+    killed_at(gate, cmd, gate.env())
     assert not out.exists()
     (hidden,) = tmp_path.glob(".out.tmp-*")
     finished = json.loads((hidden / JOURNAL_NAME).read_text())["files"]

@@ -145,19 +145,17 @@ class ObjectStoreSink(Sink):
         return HfDirectorySink().files(output, out)
 
     def describe(self, output: Output, out: Path) -> list[str]:
-        lines = [f"output: {self.target.uri} (format hf, multipart uploads)"]
-        for name, count, size in self.files(output, out):
-            what = [f"{count} tensors" if count is not None else "", human(size) if size else ""]
-            detail = ", ".join(w for w in what if w)
-            lines.append(f"  {name}: {detail}" if detail else f"  {name}")
-        total = self.total_bytes(output)
-        lines.append(f"parameters: {output.parameters:,}")
-        lines.append(f"total bytes: {total:,} ({human(total)})")
+        """The local directory's description, for the prefix: no free disk to check there,
+        the local staging instead."""
+        lines = [
+            line for line in super().describe(output, out)[1:] if not line.startswith("free disk")
+        ]
         largest = max((t.spec.nbytes for _, t in output.plan.tensors()), default=0)
-        lines.append(
-            f"local staging: up to {human(largest)} (the largest tensor) + {UPLOADS} parts"
-        )
-        return lines
+        return [
+            f"output: {self.target.uri} (format hf, multipart uploads)",
+            *lines,
+            f"local staging: up to {human(largest)} (the largest tensor) + {UPLOADS} parts",
+        ]
 
     # ----------------------------------------------------------------------------- upload
 
