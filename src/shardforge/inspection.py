@@ -26,6 +26,8 @@ from shardforge.formats.lightning_meta import read_lightning_meta
 from shardforge.formats.rankfiles.names import parse_rank_name
 from shardforge.formats.registry import detect
 from shardforge.io.copy import fact_session
+from shardforge.io.mirror import mirrored
+from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import resolve_checkpoint, scan
 from shardforge.layouts.layout import LAST, OPTIMIZER_DIRS, Candidate, format_of, is_step_folder
 
@@ -371,7 +373,10 @@ def inspect_path_or_config(
     override_args: list[str] | None = None,
     state_dict_dirname: str | None = None,
 ) -> Inspection:
-    """`inspect_checkpoint` of a checkpoint path, or of a YAML config's `output_dir`."""
+    """`inspect_checkpoint` of a checkpoint path, or of a YAML config's `output_dir` (an
+    s3:// URI is read through its mirror in the caller's staging area, `io.mirror`)."""
+    if is_remote(str(path_or_config)):
+        path_or_config = mirrored(str(path_or_config))
     if not is_config_path(path_or_config):
         if override_args:
             raise CheckpointError(
@@ -386,6 +391,8 @@ def inspect_path_or_config(
         raise CheckpointError(f"{cfg_path}: config file does not exist")
     cfg = load_cfg(cfg_path, command="inspect", **parse_override_args(override_args or []))
     out_dir = Path(cfg.output_dir)
+    if is_remote(cfg.output_dir):
+        out_dir = mirrored(cfg.output_dir, cfg.storage_options)
     if not out_dir.exists():
         raise CheckpointError(
             f"{cfg_path}: output_dir {out_dir} does not exist; train first, or give the "

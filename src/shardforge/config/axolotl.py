@@ -47,6 +47,7 @@ _MERGE_KEYS = frozenset(
         "base_model_config",
         "tokenizer_config",
         "output_dir",
+        "storage_options",
         "trust_remote_code",
         "chat_template",
         "chat_template_jinja",
@@ -75,7 +76,7 @@ COMMAND_KEYS: dict[str, frozenset[str] | None] = {
     "merge": _MERGE_KEYS | LORA_RUN_KEYS,
     # merge-lora reads the adapter's settings from its adapter_config.json
     "merge-lora": _MERGE_KEYS | {"lora_model_dir"},
-    "inspect": frozenset({"base_model", "output_dir"}),
+    "inspect": frozenset({"base_model", "output_dir", "storage_options"}),
 }
 # Commands that read only their own keys: everything else in the config is left unread.
 SCOPED: frozenset[str] = frozenset(c for c, keys in COMMAND_KEYS.items() if keys is not None)

@@ -8,13 +8,16 @@ like Axolotl's ``DictDefault`` as well (``cfg.fsdp.offload_params``, ``cfg["base
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_serializer, field_validator, model_validator
 
 from shardforge.config.view import ConfigView
 
 DType = Literal["float32", "bfloat16", "float16"]
+
+# the keys of `storage_options` whose values are secrets (never shown, never dumped)
+STORAGE_SECRET_KEYS = ("secret", "token", "aws_secret_access_key", "aws_session_token", "password")
 
 # what a value of 1 or more must be instead (below 1 it is a fraction), per key
 _WHOLE_OR_FRACTION = {
@@ -214,6 +217,14 @@ class ShardforgeConfig(ConfigView):
     output_dir: str = Field(
         "./model-out",
         description="Where training writes checkpoints; where the merge looks for them.",
+    )
+    storage_options: dict[str, Any] | None = Field(
+        None,
+        description="Options of the object store for s3:// paths (output_dir, --checkpoint, "
+        "--output_path): s3fs keywords such as endpoint_url, key, secret, client_kwargs; what "
+        "is not set comes from the AWS environment variables (AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL). Secrets are never shown: a dump of the "
+        "config (validate, tracking) has *** in their place; prefer the environment for them.",
     )
     seed: int = Field(42, description="Random seed for model init, data order and dropout.")
 
@@ -452,6 +463,13 @@ class ShardforgeConfig(ConfigView):
         description="Most merge_on_save merges running at once; later checkpoints wait in a "
         "queue (and are not pruned by save_total_limit until merged).",
     )
+
+    @field_serializer("storage_options")
+    def _secrets_hidden(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A dump (validate, tracking, a saved config) never holds a secret."""
+        if value is None:
+            return None
+        return {k: "***" if k in STORAGE_SECRET_KEYS and v else v for k, v in value.items()}
 
     @field_validator("val_set_size", "eval_steps")
     @classmethod

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, TypeVar
 from shardforge.errors import CheckpointError
 from shardforge.io.dtypes import torch_ready
 from shardforge.io.files import open_regular
+from shardforge.io.remote import remote_of
 
 if TYPE_CHECKING:
     import torch
@@ -195,7 +196,12 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
-    """Copy bytes file to file, in the kernel where possible."""
+    """Copy bytes file to file, in the kernel where possible (a stand-in of a stored object:
+    its bytes by ranged requests, several at a time)."""
+    remote = remote_of(src)
+    if remote is not None:
+        remote.copy_to(dst, src_off, dst_off, count)
+        return
     while count > 0:
         try:
             n = os.copy_file_range(src, dst, min(count, COPY_BLOCK), src_off, dst_off)

@@ -68,6 +68,7 @@ from shardforge.io.publish import (
     check_output_path,
     sigterm_as_interrupt,
 )
+from shardforge.io.remote import is_remote
 from shardforge.keymap.keys import clean_name, is_optimizer_key, looks_like_torchtitan
 from shardforge.keymap.lora import has_lora
 from shardforge.layouts.catalog import Candidate
@@ -404,6 +405,7 @@ def eligible(request: MergeRequest, inputs: Sequence[Candidate]) -> bool:
         and request.output_format == "hf"
         and request.engine == "stream"
         and not request.dry_run
+        and not request.resume
         and len(inputs) == 1
     )
 
@@ -458,6 +460,8 @@ def _head_start_copy(
 ) -> EarlyCopy | None:
     """The early copy of the merge `options` ask for, started; None when it would not copy
     early or anything is amiss (the merge itself then finds and reports it)."""
+    if is_remote(output_path) or is_remote(options.get("checkpoint")) or is_remote(cfg.output_dir):
+        return None  # object storage: the merge stages it first (`merge.locate.remote_paths`)
     try:
         values = {k: v for k, v in options.items() if k in OPTION_NAMES and k != "output_path"}
         out = Path(output_path) if output_path is not None else None

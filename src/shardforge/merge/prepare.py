@@ -27,6 +27,7 @@ from shardforge.formats.dcp.source import DcpSource
 from shardforge.formats.registry import DCP, open_checkpoint
 from shardforge.formats.sources import FusedLoraSource, TensorSource, average
 from shardforge.io.copy import ReadCache
+from shardforge.io.mirror import remote_target
 from shardforge.keymap.keys import KeyMap, check_tied_copies, is_optimizer_key, map_keys
 from shardforge.keymap.lora import has_lora
 from shardforge.keymap.names import adapt_names
@@ -40,6 +41,7 @@ from shardforge.merge.request import MergeRequest
 from shardforge.sinks.base import Companions, Output, Sink
 from shardforge.sinks.engine import TransformersSink
 from shardforge.sinks.hf_dir import AdapterDirectorySink
+from shardforge.sinks.object_store import ObjectStoreSink
 from shardforge.sinks.plan import OutputPlan, TensorSpec, default_max_shard_size, plan_output
 from shardforge.sinks.registry import SINKS
 
@@ -228,7 +230,15 @@ def deliverable(
         tuple(prep.expected.saved_names),
     )
     sink: Sink
-    if adapter:
+    target = remote_target(request.output_path)
+    if target is not None:
+        if adapter:
+            raise MergeError(
+                f"{target.uri}: a LoRA checkpoint's adapter directory is written to local paths "
+                "only; merge it with --merge_lora, or to a local --output_path"
+            )
+        sink = ObjectStoreSink(target)
+    elif adapter:
         sink = AdapterDirectorySink()
     elif request.engine != "stream":
         shard = request.max_shard_size or default_max_shard_size()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError
+from shardforge.io.mirror import remote_target
 from shardforge.io.publish import (
     check_free_space,
     check_output_file,
@@ -65,7 +66,7 @@ def _early_copy(
 ) -> contextlib.AbstractContextManager[EarlyCopy | None]:
     inputs, sources = located
     out = request.output_path
-    if out is None or not eligible(request, inputs):
+    if out is None or not eligible(request, inputs) or remote_target(out) is not None:
         return contextlib.nullcontext(None)
     return early_copy(
         inputs[0],
@@ -115,9 +116,9 @@ def _run_prepared(
         return out
     used = early is not None and isinstance(sink, HfDirectorySink)
     used = used and early is not None and early.accept(prep.plan, prep.by_name)
-    if not used:  # (an accepted early copy has its space allocated already)
+    if not used and remote_target(out) is None:  # (an early copy has its space already)
         check_free_space(out, prep.plan.total_bytes)
-    options = WriteOptions(request.overwrite, request.verifies, request.quiet)
+    options = WriteOptions(request.overwrite, request.verifies, request.quiet, request.resume)
     if used:
         assert early is not None and isinstance(sink, HfDirectorySink)
         sink.write(output, out, options, prefill=early.take)

@@ -23,6 +23,8 @@ from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan
 if TYPE_CHECKING:
     import torch
 
+    from shardforge.sinks.resume import LocalJournal
+
 Progress = Callable[[int], None]
 
 
@@ -31,10 +33,16 @@ def write_plan(
     sources: Mapping[str, TensorSource],
     directory: Path,
     progress: Progress,
+    journal: LocalJournal | None = None,
 ) -> None:
-    """Create every planned file (and the index when sharded) in `directory`; fsync them."""
+    """Create every planned file (and the index when sharded) in `directory`; fsync them.
+    With a `journal`, a file an interrupted merge finished is kept (`sinks.resume`) and each
+    file written is recorded."""
     with ReadCache() as reader:
         for pf in plan.files:
+            if journal is not None and journal.kept(pf):
+                progress(pf.size)
+                continue
             fd = os.open(directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 preallocate(fd, pf.size)
@@ -59,6 +67,8 @@ def write_plan(
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if journal is not None:
+                journal.finish(pf)
     write_index(plan, directory)
 
 
@@ -75,6 +85,7 @@ def finish_plan(
     directory: Path,
     copied: Mapping[str, list[FileSlab]],
     progress: Progress,
+    journal: LocalJournal | None = None,
 ) -> None:
     """Write every tensor the early copy did not into the existing planned files; fsync them
     (the index is the caller's, as with `write_plan`)."""
@@ -105,3 +116,5 @@ def finish_plan(
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if journal is not None:
+                journal.finish(pf)

@@ -20,6 +20,7 @@ from shardforge.formats.dcp.pickles import (
 from shardforge.io.copy import file_fact, identity
 from shardforge.io.dtypes import DtypeName, is_dtype, resolve_dtype
 from shardforge.io.files import inside, open_regular
+from shardforge.io.remote import pread
 
 if TYPE_CHECKING:
     import torch
@@ -139,7 +140,7 @@ def _data_file(directory: Path, path: Path) -> int:
     fd = open_regular(path, directory)
     try:
         size = os.fstat(fd).st_size
-        head = os.pread(fd, 4, 0)
+        head = pread(fd, 4, 0)  # a stand-in of a stored object: one ranged request
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
     finally:

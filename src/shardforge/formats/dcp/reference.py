@@ -29,19 +29,29 @@ class DcpReference(ReferenceReader):
             self.metadata.storage_meta = StorageMeta()
 
     def _reader(self) -> Any:
-        """torch's FileSystemReader (through `SafeFileSystemReader`) handed the metadata
-        read once (instead of re-reading `.metadata` for every batch)."""
+        """torch's FileSystemReader (through `SafeFileSystemReader`), or its FsspecReader for a
+        checkpoint in object storage, handed the metadata read once (instead of re-reading
+        `.metadata` for every batch)."""
         from shardforge.formats.dcp.reader import SafeFileSystemReader
+        from shardforge.io.mirror import remote_location
 
         metadata = self.metadata
+        remote = remote_location(self.directory)
+        base: type[Any] = SafeFileSystemReader
+        args: tuple[Any, ...] = (str(self.directory),)
+        options: dict[str, Any] = {}
+        if remote is not None:  # torch's own fsspec reader, never the stand-ins' bytes path
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-        class _ReadOnce(SafeFileSystemReader):
+            base, args, options = FsspecReader, (str(remote[0]),), dict(remote[1] or {})
+
+        class _ReadOnce(base):
             def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
                 assert metadata.storage_meta is not None  # set in __init__
                 metadata.storage_meta.load_id = self.load_id
                 return metadata
 
-        return _ReadOnce(str(self.directory))
+        return _ReadOnce(*args, **options)
 
     def check_crcs(self, keys: set[str]) -> None:
         per_file: dict[str, list[tuple[int, int]]] = {}
