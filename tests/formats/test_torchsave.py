@@ -13,9 +13,9 @@ import torch
 from shardforge.errors import CheckpointError
 from shardforge.formats.torchsave import (
     STORAGE_TYPES,
+    UNTYPED_STORAGE,
     LocalTensor,
     StorageRef,
-    UNTYPED_STORAGE,
     read_data_pkl,
     rebuild_tensor,
     rebuild_tensor_v3,
