@@ -25,6 +25,8 @@ COMMANDS: dict[str, str] = {
     "merge-sharded-fsdp-weights": "merge_sharded_fsdp_weights",
     "merge-lora": "merge_lora",
     "inspect": "inspect",
+    "inference": "inference",
+    "evaluate": "evaluate",
 }
 
 SUMMARIES: dict[str, str] = {
@@ -34,6 +36,8 @@ SUMMARIES: dict[str, str] = {
     "merge-sharded-fsdp-weights": "Merge a sharded FSDP checkpoint into a Hugging Face model.",
     "merge-lora": "Fuse a PEFT LoRA adapter into its base model: a Hugging Face model, streamed.",
     "inspect": "Describe a sharded checkpoint: layout, steps, world size, tensors, optimizer.",
+    "inference": "Generate from the trained model: merged, a checkpoint, or base + LoRA adapter.",
+    "evaluate": "Eval loss and perplexity of the trained model on the config's evaluation data.",
 }
 
 
