@@ -85,7 +85,7 @@ class _Pending:
     """One group while the state dict is sorted into groups."""
 
     transform: Any  # the reversed transform, collecting meta tensors
-    template: Any  # an unused copy of it, for runs on real tensors
+    template: Any  # a converter's unused copy, for runs on real tensors (None: a renaming)
     adds: list[tuple[str, str, str]] = field(default_factory=list)  # (renamed, source, pattern)
 
 
@@ -118,7 +118,10 @@ def saved_layout(model: Any, state_dict: Mapping[str, torch.Tensor]) -> SavedLay
             made = WeightRenaming(key, renamed)
         else:
             made = copy.deepcopy(by_pattern[pattern])
-        group = pending.setdefault(renamed, _Pending(made, copy.deepcopy(made)))
+        group = pending.get(renamed)
+        if group is None:  # a converter's unused copy is kept, to run on real tensors
+            template = copy.deepcopy(made) if isinstance(made, WeightConverter) else None
+            group = pending[renamed] = _Pending(made, template)
         group.transform.add_tensor(renamed, key, pattern, state_dict[key])
         group.adds.append((renamed, key, pattern))
     layout = _realize(model, state_dict, pending, renamings)
