@@ -1,6 +1,7 @@
-"""Seeded fuzzing of a real `.metadata`, a real `.distcp` and a real rank file: a few hundred
-byte flips and truncations, each read in-process through every tensor's source, with every
-stored record's CRC-32 checked. Every outcome is a clean `ShardforgeError` or tensors
+"""Seeded fuzzing of a real `.metadata`, a real `.distcp`, a real rank file and a rank file of a
+2-D FSDP2 + TP mesh (strided shards, sub-mesh copies): a few hundred byte flips and
+truncations, each read in-process through every tensor's source, with every stored record's
+CRC-32 checked (and every copy of a replicated piece compared). Every outcome is a clean `ShardforgeError` or tensors
 bit-identical to the original's; nothing else is raised and nothing hangs.
 
 A flip may also rename a key of `.metadata` (the read then succeeds with other names); such
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.meshes import mesh_rank_files
 from shardforge.errors import ShardforgeError
 from shardforge.formats.dcp.chunks import locate, read_full
 from shardforge.formats.dcp.metadata import read_metadata
@@ -35,7 +37,7 @@ from test_inspection import LMMS_STEP, WORLD, Built, build_checkpoints
 pytestmark = pytest.mark.slow
 
 SEED = 20240610
-CASES = {"metadata": 100, "distcp": 80, "rank": 90}  # mutations per target
+CASES = {"metadata": 100, "distcp": 80, "rank": 90, "rank2d": 60}  # mutations per target
 FULL_MERGES = 3  # per target: cases also run through the whole merge
 
 Tensors = dict[str, torch.Tensor]
@@ -117,8 +119,8 @@ def mutate(data: bytes, kind: str, pos: int, value: int) -> bytes:
 
 
 class Fuzz:
-    def __init__(self, built: Built, work: Path, ckpt: Path, read: Callable[[Path], Tensors]):
-        self.built, self.work, self.ckpt, self.read = built, work, ckpt, read
+    def __init__(self, base: Path, work: Path, ckpt: Path, read: Callable[[Path], Tensors]):
+        self.base, self.work, self.ckpt, self.read = base, work, ckpt, read
         self.original = read(ckpt)
         self.reference: Tensors | None = None
         self.outcomes: dict[str, int] = {}
@@ -129,7 +131,7 @@ class Fuzz:
 
         out = self.work / "out"
         shutil.rmtree(out, ignore_errors=True)
-        cfg = {"base_model": str(self.built.base), "output_dir": str(self.work)}
+        cfg = {"base_model": str(self.base), "output_dir": str(self.work)}
         merge_fsdp_weights(cfg, out, checkpoint=self.ckpt, verify=True, quiet=True)
         got = load_file(out / "model.safetensors")
         shutil.rmtree(out)
@@ -187,21 +189,35 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     return build_checkpoints(tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def meshes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return mesh_rank_files(tmp_path_factory)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("target", list(CASES))
 def test_mutations_are_refused_or_harmless(
-    built: Built, tmp_path: Path, target: str, capsys: pytest.CaptureFixture[str]
+    built: Built,
+    tmp_path: Path,
+    target: str,
+    capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
 ) -> None:
     rng = random.Random(f"{SEED}-{target}")
-    if target == "rank":
+    if target == "rank2d":  # rank 1 of 2x2: strided shards, (Shard, Shard), sub-mesh copies
+        root = request.getfixturevalue("meshes")
+        ckpt = Path(shutil.copytree(root / "tp", tmp_path / "run" / "model"))
+        fuzz = Fuzz(root / "base", tmp_path / "run", ckpt, read_ranks)
+        path = ckpt / "model_world_size_4_rank_1.pt"
+    elif target == "rank":
         src = built.root / "lmms" / f"checkpoint-{LMMS_STEP}" / "pytorch_model_fsdp_0"
         ckpt = Path(shutil.copytree(src, tmp_path / "run" / "model"))
-        fuzz = Fuzz(built, tmp_path / "run", ckpt, read_ranks)
+        fuzz = Fuzz(built.base, tmp_path / "run", ckpt, read_ranks)
         path = ckpt / f"model_world_size_{WORLD}_rank_0.pt"
     else:
         src = built.ours / "checkpoint-4" / "model"
         ckpt = Path(shutil.copytree(src, tmp_path / "run" / "model"))
-        fuzz = Fuzz(built, tmp_path / "run", ckpt, read_dcp)
+        fuzz = Fuzz(built.base, tmp_path / "run", ckpt, read_dcp)
         path = ckpt / (".metadata" if target == "metadata" else "__0_0.distcp")
     start = time.perf_counter()
     fuzz.run(path, CASES[target], rng)
