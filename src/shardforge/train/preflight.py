@@ -14,7 +14,6 @@ from pathlib import Path
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError, ShardforgeError
 from shardforge.train import checkpointing as ckpt
-from shardforge.train.data import data_files
 from shardforge.train.eval import check_eval
 from shardforge.train.model import (
     WEIGHT_FILES,
@@ -24,6 +23,7 @@ from shardforge.train.model import (
     wrap_classes,
 )
 from shardforge.train.packing import check_packing
+from shardforge.train.readers import data_files
 from shardforge.train.runtime import mesh_shape
 from shardforge.train.tracking import check_trackers
 
