@@ -30,12 +30,8 @@ from shardforge.errors import CheckpointError, MergeError
 from shardforge.formats.sources import TensorSource
 from shardforge.io.files import open_regular
 from shardforge.keymap.keys import clean_name
-from shardforge.keymap.lora import (
-    PEFT_PREFIX,
-    LoraNames,
-    LoraSettings,
-    split_model_names,
-)
+from shardforge.keymap.lora import PEFT_PREFIX, LoraNames, split_model_names
+from shardforge.keymap.lora_settings import LoraSettings
 from shardforge.merge.check import ExpectedModel
 
 MAX_ADAPTER_CONFIG = 1 << 20

@@ -141,7 +141,8 @@ def prepare_lora(
 ) -> Prepared:
     """A LoRA checkpoint: a PEFT adapter directory, or with --merge_lora the fused model
     (`shardforge.merge.lora_checkpoint`)."""
-    from shardforge.merge.lora import base_directory, base_sources, fuse_sources
+    from shardforge.merge.lora import base_directory, base_sources
+    from shardforge.merge.lora_fuse import fuse_sources
 
     if len(opened) > 1:
         raise MergeError("averaging LoRA checkpoints is not supported; merge one step")
