@@ -209,6 +209,27 @@ def test_a_failed_write_leaves_nothing_and_names_the_key(
         prepared.prepare(cfg, load_tokenizer(cfg), tmp_path / "a-file")
 
 
+def test_a_folder_it_cannot_write_is_still_read(
+    data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a read-only file system no lock can be taken; an intact prepared folder is reused."""
+    cfg = _cfg(data_root)
+    tok = load_tokenizer(cfg)
+    first = prepared.prepare(cfg, tok, tmp_path)
+    (tmp_path / f".{first.hash}.lock").unlink()
+    opened = Path.open
+
+    def read_only(path: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if path.name.endswith(".lock"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return opened(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", read_only)
+    again = prepared.prepare(cfg, tok, tmp_path)
+    assert not again.built and again.folder == first.folder
+    assert_same(again.data, first.data)
+
+
 # ---------------------------------------------------------------------------------------------
 # several ranks
 

@@ -154,3 +154,13 @@ def test_docs_list_the_token_keys() -> None:
     for key, needs in TOKEN_KEYS.items():
         if needs is not None:
             assert f"`{key}` (only with `{needs}`" in " ".join(block.split()), key
+
+
+def test_versions_and_the_format_are_named() -> None:
+    old = {"format": 1, "versions": {"transformers": "5.1.0"}, "tokenizer": {"files": {}}}
+    new = {"format": 2, "versions": {"transformers": "5.2.0"}, "tokenizer": {"files": {"a": "1"}}}
+    assert changes(old, new) == [
+        "format changed",
+        "the tokenizer's a was added",
+        "transformers 5.1.0 -> 5.2.0",
+    ]

@@ -61,6 +61,8 @@ COLUMNS: tuple[str, ...] = ("input_ids", "labels", "attention_mask", "position_i
 MAX_REASONS = 4
 # errors of a file lock the file system does not offer (then the nodes may build side by side)
 _NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
+# errors of a lock file in a folder this process may read but not write
+_READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 @dataclass(frozen=True)
@@ -208,10 +210,11 @@ def _manifest_of(tmp: Path, name: str, data: Datasets, inputs: dict[str, Any]) -
     }
 
 
-def _write(folder: Path, data: Datasets, inputs: dict[str, Any], replace: bool) -> None:
-    """Write the prepared folder atomically (replacing a damaged one with `replace`)."""
+def _write(folder: Path, data: Datasets, inputs: dict[str, Any]) -> None:
+    """Write the prepared folder atomically. One already there is replaced: it is damaged, or
+    was written meanwhile by a process that could not take the lock (its contents are these)."""
     try:
-        with atomic_directory(folder, overwrite=replace) as tmp:
+        with atomic_directory(folder, overwrite=True) as tmp:
             _save_splits(tmp, data)
             manifest = _manifest_of(tmp, folder.name, data, inputs)
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
@@ -221,7 +224,8 @@ def _write(folder: Path, data: Datasets, inputs: dict[str, Any], replace: bool) 
         raise ConfigError(
             "dataset_prepared_path",
             [
-                f"cannot write the prepared data sets to {folder} ({reason}); choose a writable folder"
+                f"cannot write the prepared data sets to {folder} ({reason}); free space or "
+                "choose another folder"
             ],
         ) from exc
 
@@ -232,15 +236,22 @@ def _write(folder: Path, data: Datasets, inputs: dict[str, Any], replace: bool) 
 
 @contextlib.contextmanager
 def _locked(root: Path, name: str) -> Iterator[None]:
-    """Hold root/.<name>.lock exclusively (waiting for another process that holds it)."""
+    """Hold root/.<name>.lock exclusively (waiting for another process that holds it). In a
+    folder this process cannot write, go on without it: an intact prepared folder is read."""
     try:
         root.mkdir(parents=True, exist_ok=True)
-        lock = (root / f".{name}.lock").open("a")
     except OSError as exc:
         raise ConfigError(
             "dataset_prepared_path",
             [f"cannot create {root} ({exc.strerror or exc}); choose a writable folder"],
         ) from None
+    try:
+        lock = (root / f".{name}.lock").open("a")
+    except OSError as exc:
+        if exc.errno not in _READ_ONLY:
+            raise
+        yield
+        return
     with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -325,7 +336,7 @@ def prepare(cfg: ShardforgeConfig, tokenizer: Any, root: Path) -> Prepared:
         else:
             log.info("%s", _why(root, name, inputs))
         data = build_datasets(cfg, tokenizer)
-        _write(folder, data, inputs, replace=folder.exists() or folder.is_symlink())
+        _write(folder, data, inputs)
     log.info("prepared dataset written to %s: %s", folder, summary(data))
     return Prepared(folder, name, data, built=True)
 

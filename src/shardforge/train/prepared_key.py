@@ -141,7 +141,7 @@ def versions() -> dict[str, str]:
 
 
 def key_inputs(cfg: ShardforgeConfig, tokenizer: Any) -> dict[str, Any]:
-    """Everything the prepared data of `cfg` depend on (`tokenizer`: as `load_tokenizer` made it)."""
+    """Everything the prepared data of `cfg` depend on (`tokenizer`: from `load_tokenizer`)."""
     return {
         "format": FORMAT_VERSION,
         "versions": versions(),
@@ -190,6 +190,10 @@ def _value(value: Any) -> str:
     return "unset" if value is _MISSING else shown(value, 60)
 
 
+def _version(value: Any) -> str:
+    return "unset" if value is _MISSING else str(value)
+
+
 def _file_change(what: str, old: Any, new: Any) -> str:
     if old is _MISSING:
         return f"{what} was added"
@@ -211,7 +215,7 @@ def _describe(path: tuple[Any, ...], old: Any, new: Any) -> str:
     if head == "tokenizer" and rest == ("chat_template",):
         return "the tokenizer's chat template changed"
     if head == "versions" and rest:
-        return f"{rest[0]} {_value(old).strip(chr(39))} -> {_value(new).strip(chr(39))}"
+        return f"{rest[0]} {_version(old)} -> {_version(new)}"
     return f"{_dotted(path)} changed"
 
 
