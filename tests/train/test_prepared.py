@@ -173,6 +173,7 @@ def test_a_changed_key_prepares_anew_and_says_why(
 ) -> None:
     first = prepared.prepare(_cfg(data_root), load_tokenizer(_cfg(data_root)), tmp_path)
     cfg = _cfg(data_root, sequence_len=48)
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="shardforge"):
         second = prepared.prepare(cfg, load_tokenizer(cfg), tmp_path)
     assert second.built and second.hash != first.hash

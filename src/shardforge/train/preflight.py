@@ -219,13 +219,13 @@ def preflight(
     cfg: ShardforgeConfig,
     source: str = "config",
     world: tuple[int, int] | None = None,
-    checks: tuple[Check, ...] = CHECKS,
+    checks: tuple[Check, ...] | None = None,
 ) -> None:
-    """Run every check (of `checks`); raise one ConfigError listing all problems, each with its
-    key. `world` is (world size, ranks per machine) when known: then the HSDP mesh sizes are
-    checked."""
+    """Run every check (of `checks`, default CHECKS); raise one ConfigError listing all
+    problems, each with its key. `world` is (world size, ranks per machine) when known: then the
+    HSDP mesh sizes are checked."""
     problems: list[Problem] = []
-    todo = list(checks)
+    todo = list(CHECKS if checks is None else checks)
     if world is not None:
         todo.append(lambda c: check_mesh(c, world))
     for check in todo:

@@ -256,7 +256,7 @@ def _locked(root: Path, name: str) -> Iterator[None]:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("waiting for another process preparing %s", root / name)
+            log.info("waiting for another process to finish preparing %s", root / name)
             fcntl.flock(lock, fcntl.LOCK_EX)
         except OSError as exc:
             if exc.errno not in _NO_LOCKS:
