@@ -26,6 +26,7 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "cli/merge_lora.py": "tests/cli/test_merge_lora_cli.py: named after the command",
     "cli/merge_rank.py": "tests/merge/test_distributed.py: the entry of each torchrun merge rank",
     "cli/merge_sharded_fsdp_weights.py": "tests/cli/test_merge_cli.py: named after the command",
+    "cli/preprocess.py": "tests/cli/test_preprocess_cli.py: named after the command",
     "cli/train.py": "tests/cli/test_train_cli.py: named after the command",
     "cli/train_rank.py": "tests/train/test_launch.py: the entry of each torchrun training rank",
     "config/axolotl_keys.py": "tests/config/test_axolotl.py: the key table, with its users",
