@@ -250,12 +250,13 @@ def test_an_unfinished_save_is_named(tmp_path: Path) -> None:
 def test_every_layout_says_where_its_training_state_lives() -> None:
     """The removal decision is data: each layout a candidate can carry has a row, and the ones
     that keep optimizer state inside the model's shard files say so."""
-    from shardforge.formats.registry import DCP, FORMATS, RANK_FILES
+    from shardforge.formats.registry import FORMATS
     from shardforge.layouts.layout import LAYOUTS
 
     names = [row.name for row in LAYOUTS]
     assert len(names) == len(set(names))
-    assert {row.name for row in LAYOUTS if row.direct} == {DCP, RANK_FILES}
+    # a folder of each sharded format can be given directly
+    assert {row.name for row in LAYOUTS if row.direct} == {f.name for f in FORMATS if f.sharded}
     assert {row.name for row in LAYOUTS if row.state_shared} == {"torchtitan", "lightning"}
     assert all(row.state_beside and row.looked_for for row in LAYOUTS)
     # every format a layout names is a sharded format of the registry
