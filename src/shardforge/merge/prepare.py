@@ -61,8 +61,7 @@ class Prepared:
 def _open_named(candidate: Candidate, config: Any) -> dict[str, NamedSource]:
     """The candidate's tensors by checkpoint key, with their original paths."""
     opened = open_checkpoint(candidate.kind, candidate.model_dir)
-    if candidate.kind == DCP:
-        check_model_keys(candidate.model_dir, list(opened))
+    check_model_keys(candidate.model_dir, list(opened))
     return adapt_names(candidate.adapter, candidate.model_dir, opened, config)
 
 
@@ -125,7 +124,7 @@ def prepare(
     shard = None if request.single_file else request.max_shard_size or default_max_shard_size()
     plan = plan_output(specs, shard, expected.total_parameters)
     plain = len(inputs) == 1 and all(
-        isinstance(src, DcpSource) and src.entry.key == key
+        isinstance(src, DcpSource) and src.fmt == DCP and src.entry.key == key
         for key, src in ((k, by_name[hf]) for k, hf in keymap.to_hf.items())
     )
     return Prepared(sources, expected, keymap, by_name, plan, main_dtype(specs), plain)

@@ -141,6 +141,12 @@ def test_ranks_that_disagree_are_refused(saved: Path, tmp_path: Path) -> None:
     assert "not one of rank 1's" in merge_refused(saved / "base", ckpt, tmp_path / "b")
 
 
+def test_the_transformers_engine_says_it_reads_plain_dcp_only(saved: Path, tmp_path: Path) -> None:
+    ckpt = saved / "collective-free" / "checkpoint-2"
+    message = merge_refused(saved / "base", ckpt, tmp_path / "out", engine="transformers")
+    assert "plain DCP checkpoints only" in message
+
+
 def test_a_plain_dcp_reader_points_here(saved: Path) -> None:
     from shardforge.formats.dcp.metadata import read_metadata
 
