@@ -28,7 +28,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.shared import saved_formats
 from shardforge.errors import ShardforgeError
 from shardforge.formats.accelerate_bin.format import ACCELERATE_NAMES
 from shardforge.formats.dcp.chunks import locate, read_full
@@ -191,6 +190,17 @@ class Fuzz:
             target.write_bytes(data)
         assert same(self.read(self.ckpt), self.original)  # restored
 
+    def check(
+        self, target: Path, n: int, rng: random.Random, label: str, capsys: pytest.CaptureFixture
+    ) -> None:
+        """`run`, then: no problem, and at least a quarter of the mutations refused."""
+        start = time.perf_counter()
+        self.run(target, n, rng)
+        with capsys.disabled():
+            print(f"\n{label}: {self.outcomes} in {time.perf_counter() - start:.1f}s")
+        assert not self.problems, "\n".join(self.problems[:20])
+        assert self.outcomes.get("refused", 0) >= n // 4  # the mutations did bite
+
     def one(self, label: str, full: bool) -> None:
         try:
             got = self.read(self.ckpt)
@@ -246,12 +256,7 @@ def test_mutations_are_refused_or_harmless(
         ckpt = Path(shutil.copytree(src, tmp_path / "run" / "model"))
         fuzz = Fuzz(built.base, tmp_path / "run", ckpt, read_dcp)
         path = ckpt / (".metadata" if target == "metadata" else "__0_0.distcp")
-    start = time.perf_counter()
-    fuzz.run(path, CASES[target], rng)
-    with capsys.disabled():
-        print(f"\n{target}: {fuzz.outcomes} in {time.perf_counter() - start:.1f}s")
-    assert not fuzz.problems, "\n".join(fuzz.problems[:20])
-    assert fuzz.outcomes.get("refused", 0) >= CASES[target] // 4  # the mutations did bite
+    fuzz.check(path, CASES[target], rng, target, capsys)
 
 
 # target -> (the folder in `saved_formats`, the file mutated in it, the reader)
@@ -267,11 +272,6 @@ NEW_TARGETS: dict[str, tuple[str, str, Callable[[Path], Tensors]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return saved_formats(tmp_path_factory)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("target", list(NEW_CASES))
 def test_the_new_readers_refuse_mutations_or_read_the_same(
@@ -281,9 +281,4 @@ def test_the_new_readers_refuse_mutations_or_read_the_same(
     folder, name, read = NEW_TARGETS[target]
     ckpt = Path(shutil.copytree(saved / folder, tmp_path / "run" / "model"))
     fuzz = Fuzz(saved / "base", tmp_path / "run", ckpt, read)
-    start = time.perf_counter()
-    fuzz.run(ckpt / name, NEW_CASES[target], rng)
-    with capsys.disabled():
-        print(f"\n{target}: {fuzz.outcomes} in {time.perf_counter() - start:.1f}s")
-    assert not fuzz.problems, "\n".join(fuzz.problems[:20])
-    assert fuzz.outcomes.get("refused", 0) >= NEW_CASES[target] // 4  # the mutations did bite
+    fuzz.check(ckpt / name, NEW_CASES[target], rng, target, capsys)

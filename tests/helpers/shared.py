@@ -268,3 +268,21 @@ def logits(model_dir: Path, adapter: Path | None = None) -> Any:
     ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return model.eval()(input_ids=ids).logits
+
+
+def merges_to_the_trained_model(saved: Path, checkpoint: Path, out: Path, **options: Any) -> Path:
+    """Merge `checkpoint` (of `saved_formats`' tiny Llama) with --verify to `out`: the output
+    holds the trained tensors bit for bit and transformers computes the trained logits."""
+    import torch
+    from safetensors.torch import load_file
+
+    from shardforge.merge.api import merge_fsdp_weights
+
+    cfg = {"base_model": str(saved / "base"), "output_dir": str(out.parent)}
+    merged = merge_fsdp_weights(cfg, out, checkpoint=checkpoint, verify=True, quiet=True, **options)
+    got = load_file(merged / "model.safetensors")
+    want = load_file(saved / "trained" / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.equal(logits(merged), logits(saved / "trained"))
+    return merged

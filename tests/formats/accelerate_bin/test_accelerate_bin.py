@@ -14,18 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.shared import logits, merge_refused, saved_formats
+from helpers.shared import logits, merge_refused, merges_to_the_trained_model
 from shardforge.inspection import inspect_checkpoint
 from shardforge.merge.api import merge_fsdp_weights
 
 pytestmark = pytest.mark.slow  # the checkpoints are written by 2 gloo ranks
 
 MODEL_FILES = ("pytorch_model_fsdp_0_rank0.bin", "pytorch_model_fsdp_0_rank1.bin")
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return saved_formats(tmp_path_factory)
 
 
 def _cfg(saved: Path, out: Path) -> dict[str, str]:
@@ -38,18 +33,8 @@ def _copy(saved: Path, tmp_path: Path, name: str = "checkpoint_1") -> Path:
 
 
 def test_the_merge_is_bit_exact_and_gives_the_trained_logits(saved: Path, tmp_path: Path) -> None:
-    out = merge_fsdp_weights(
-        _cfg(saved, tmp_path),
-        tmp_path / "merged",
-        checkpoint=saved / "accelerate" / "checkpoint_1",
-        verify=True,
-        quiet=True,
-    )
-    got = load_file(out / "model.safetensors")
-    want = load_file(saved / "trained" / "model.safetensors")
-    assert sorted(got) == sorted(want)
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    assert torch.equal(logits(out), logits(saved / "trained"))
+    checkpoint = saved / "accelerate" / "checkpoint_1"
+    merges_to_the_trained_model(saved, checkpoint, tmp_path / "merged")
 
 
 def test_an_adapter_only_save_merges_to_the_peft_adapter(saved: Path, tmp_path: Path) -> None:

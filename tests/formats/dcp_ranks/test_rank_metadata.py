@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from helpers.shared import REPLICATED, logits, merge_refused, saved_formats
+from helpers.shared import REPLICATED, merge_refused, merges_to_the_trained_model
 from shardforge.errors import CheckpointError
 from shardforge.formats.dcp_ranks.rank_metadata import read_rank_metadata
 from shardforge.inspection import inspect_checkpoint
@@ -27,11 +26,6 @@ from shardforge.merge.api import merge_fsdp_weights
 pytestmark = pytest.mark.slow  # the checkpoints are written by 2 gloo ranks
 
 KEY = "model.embed_tokens.weight"  # 331 rows: rank 0 holds [0, 166), rank 1 [166, 331)
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return saved_formats(tmp_path_factory)
 
 
 def _cfg(saved: Path, out: Path) -> dict[str, str]:
@@ -55,14 +49,7 @@ def _rewrite(path: Path, change: Callable[[Any], None]) -> None:
 def test_the_merge_is_bit_exact_and_gives_the_trained_logits(saved: Path, tmp_path: Path) -> None:
     ckpt = saved / "collective-free" / "checkpoint-2"
     assert not (ckpt / ".metadata").exists() and (ckpt / "__1.metadata").is_file()
-    out = merge_fsdp_weights(
-        _cfg(saved, tmp_path), tmp_path / "merged", checkpoint=ckpt, verify=True, quiet=True
-    )
-    got = load_file(out / "model.safetensors")
-    want = load_file(saved / "trained" / "model.safetensors")
-    assert sorted(got) == sorted(want)
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    assert torch.equal(logits(out), logits(saved / "trained"))
+    merges_to_the_trained_model(saved, ckpt, tmp_path / "merged")
 
 
 def test_each_chunk_once_and_a_replica_read_from_the_lowest_rank(saved: Path) -> None:

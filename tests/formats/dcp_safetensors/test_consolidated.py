@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.shared import logits, merge_refused, saved_formats
+from helpers.shared import merge_refused, merges_to_the_trained_model
 from shardforge.formats.dcp_safetensors.consolidated import ConsolidatedSource
 from shardforge.formats.dcp_safetensors.sharded import ShardedSource
 from shardforge.formats.registry import format_named
@@ -27,11 +27,6 @@ pytestmark = pytest.mark.slow  # the checkpoints are written by 2 gloo ranks
 
 CONSOLIDATED = "model-00001-of-00001.safetensors"
 INDEX = "model.safetensors.index.json"
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return saved_formats(tmp_path_factory)
 
 
 def _run(saved: Path, tmp_path: Path, *steps: int) -> Path:
@@ -59,9 +54,7 @@ def test_the_consolidated_files_are_read_and_merge_bit_exact(saved: Path, tmp_pa
     step = saved / "titan" / "step-4"
     named = format_named("dcp-safetensors").open(step)
     assert all(isinstance(n.source, ConsolidatedSource) for n in named.values())
-    out = _merged(saved, tmp_path, step, verify=True)
-    _trained(saved, out)
-    assert torch.equal(logits(out), logits(saved / "trained"))
+    merges_to_the_trained_model(saved, step, tmp_path / "merged")
 
 
 def test_inspect_all_steps_and_removal_as_torchtitan_steps(saved: Path, tmp_path: Path) -> None:
@@ -92,7 +85,7 @@ def test_without_the_consolidated_files_the_shards_are_merged(saved: Path, tmp_p
     (step / CONSOLIDATED).unlink()
     named = format_named("dcp-safetensors").open(step)
     assert all(isinstance(n.source, ShardedSource) for n in named.values())
-    _trained(saved, _merged(saved, tmp_path, step, verify=True))
+    merges_to_the_trained_model(saved, step, tmp_path / "merged")
 
 
 def test_consolidated_files_of_another_save_are_refused(saved: Path, tmp_path: Path) -> None:

@@ -20,7 +20,12 @@ import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from helpers.shared import contract_tensors, logits, merge_refused, saved_formats, tree_digest
+from helpers.shared import (
+    contract_tensors,
+    merge_refused,
+    merges_to_the_trained_model,
+    tree_digest,
+)
 from shardforge.cli.main import cli
 from shardforge.formats.dcp_safetensors.sharded import ShardedSource, plan_shards
 from shardforge.inspection import inspect_checkpoint
@@ -32,11 +37,6 @@ pytestmark = pytest.mark.slow  # the checkpoints are written by 2 gloo ranks
 SHARD_1 = "shard-00001-model-00001-of-00001.safetensors"
 SHARD_2 = "shard-00002-model-00001-of-00001.safetensors"
 KEY = "model.embed_tokens.weight"  # 331 rows: shard 1 holds [0, 166), shard 2 [166, 331)
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return saved_formats(tmp_path_factory)
 
 
 def _copy(saved: Path, tmp_path: Path) -> Path:
@@ -66,15 +66,7 @@ def _sharding(change: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, A
 
 
 def test_the_merge_is_bit_exact_and_gives_the_trained_logits(saved: Path, tmp_path: Path) -> None:
-    cfg = {"base_model": str(saved / "base"), "output_dir": str(tmp_path)}
-    out = merge_fsdp_weights(
-        cfg, tmp_path / "merged", checkpoint=saved / "hf-sharded", verify=True, quiet=True
-    )
-    got = load_file(out / "model.safetensors")
-    want = load_file(saved / "trained" / "model.safetensors")
-    assert sorted(got) == sorted(want)
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    assert torch.equal(logits(out), logits(saved / "trained"))
+    merges_to_the_trained_model(saved, saved / "hf-sharded", tmp_path / "merged")
 
 
 def test_two_ranks_write_the_single_process_bytes(saved: Path, tmp_path: Path) -> None:

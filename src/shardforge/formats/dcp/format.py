@@ -23,10 +23,6 @@ from shardforge.formats.state import state_kind
 DISTCP_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
-def dtype_label(dtype: object) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def state_summary(meta: CheckpointMetadata, keys: list[str], location: str) -> StateSummary | None:
     """How much of `meta` the entries `keys` hold (None: none)."""
     if not keys:
@@ -88,11 +84,7 @@ class DcpFormat(CheckpointFormat):
         folder is the layout's: `shardforge.inspection`)."""
         meta = self.metadata(folder)
         by_kind, model_non_tensor = _by_kind(meta)
-        tensors = tuple(
-            TensorFact(k, dtype_label(e.dtype), e.shape, e.numel, e.nbytes)
-            for k in by_kind["model"]
-            for e in (meta.tensors[k],)
-        )
+        tensors = tuple(TensorFact.of(k, meta.tensors[k]) for k in by_kind["model"])
         ranks = {int(m.group(1)) for p in folder.iterdir() if (m := DISTCP_FILE.match(p.name))}
         return Contents(
             storage=self.name,

@@ -86,10 +86,7 @@ class DcpSafetensorsFormat(CheckpointFormat):
         shards = _required(folder)
         plan = plan_shards(shards)
         ranks = {m.group(1) for p in list_shards(shards) if (m := SHARD_FILE.match(p.name))}
-        tensors = tuple(
-            TensorFact(k, str(t.dtype).removeprefix("torch."), t.shape, t.numel, t.nbytes)
-            for k, t in plan.items()
-        )
+        tensors = tuple(TensorFact.of(k, t) for k, t in plan.items())
         return Contents(
             storage=self.name,
             tensors=tensors,

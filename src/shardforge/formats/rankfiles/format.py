@@ -95,10 +95,7 @@ class RankFilesFormat(CheckpointFormat):
         from shardforge.formats.rankfiles.rank_plan import plan_from_files, read_rank_files
 
         files = read_rank_files(folder, self.names)
-        tensors = tuple(
-            TensorFact(k, str(tp.dtype).removeprefix("torch."), tp.shape, tp.numel, tp.nbytes)
-            for k, tp in plan_from_files(files).items()
-        )
+        tensors = tuple(TensorFact.of(k, tp) for k, tp in plan_from_files(files).items())
         return Contents(
             storage=self.name,
             tensors=tensors,
