@@ -1,5 +1,5 @@
 """The dcp-ranks row of the format registry: a DCP directory written with
-``torch.distributed.checkpoint.save(..., use_collectives=False)`` (torch 2.9+): one
+``torch.distributed.checkpoint.save(..., use_collectives=False)`` (checked: torch 2.13): one
 ``__R.metadata`` per rank beside the ``__R_N.distcp`` files, no global ``.metadata``.
 
 Everything but finding the metadata is the DCP row's: the entries (`rank_metadata` merges the

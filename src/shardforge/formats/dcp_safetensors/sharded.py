@@ -43,7 +43,7 @@ SHARD_SHOWN = "shard-<S>-model-<K>-of-<N>.safetensors"
 SHARDING_INFO = "DCP_SHARDING_INFO"
 VERSION_KEY = "DCP_VERSION"
 SAVED_OFFSETS = "saved_offsets"
-# the DCP safetensors versions read (torch 2.8 - 2.13 write "1.0")
+# the DCP safetensors versions read (torch 2.13 writes "1.0")
 KNOWN_MAJOR = "1"
 # the name of this format (`formats.dcp_safetensors.format.DcpSafetensorsFormat.name`)
 DCP_SAFETENSORS = "dcp-safetensors"
