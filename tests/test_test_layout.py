@@ -42,6 +42,8 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "real saves (test_format.py would clash)",
     "formats/dcp_safetensors/format.py": "tests/formats/dcp_safetensors/test_sharded.py: the "
     "row on real saves, both forms (test_format.py would clash)",
+    "formats/dcp_safetensors/names.py": "tests/formats/dcp_safetensors/test_sharded.py: the "
+    "shard file names (incomplete and mixed saves)",
     "formats/dcp_safetensors/reference.py": "tests/formats/test_contract.py: the reference per row",
     "formats/rankfiles/format.py": "tests/formats/test_contract.py: the rank-files row",
     "formats/rankfiles/names.py": "tests/formats/rankfiles/test_rank_file.py: the file names",

@@ -14,6 +14,8 @@ with an empty shard). A format added to the registry without a fixture here fail
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path, PurePath
 
@@ -102,6 +104,16 @@ def test_a_row_implements_every_method(fmt: CheckpointFormat) -> None:
         assert getattr(type(fmt), method) is not getattr(CheckpointFormat, method), method
     assert fmt.name and fmt.looked_for and fmt.shards_described
     assert format_named(fmt.name) is fmt
+
+
+def test_the_registry_is_read_before_torch_is_imported() -> None:
+    """Every row's `detect` runs in the merge's head start, before `import torch`."""
+    code = (
+        "import sys; from pathlib import Path; from shardforge.formats.registry import detect; "
+        "detect(Path('.')); print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stderr
 
 
 def test_a_format_without_a_method_cannot_be_registered() -> None:

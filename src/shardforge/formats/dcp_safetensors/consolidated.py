@@ -10,7 +10,8 @@ from pathlib import Path
 
 from shardforge.errors import CheckpointError, shown
 from shardforge.formats.base import StoredTensor
-from shardforge.formats.dcp_safetensors.sharded import DCP_SAFETENSORS, ShardedTensor
+from shardforge.formats.dcp_safetensors.names import DCP_SAFETENSORS
+from shardforge.formats.dcp_safetensors.sharded import ShardedTensor
 from shardforge.formats.safetensors.reader import SafetensorsSource, open_safetensors_dir
 
 

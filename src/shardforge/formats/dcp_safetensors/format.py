@@ -26,24 +26,15 @@ from shardforge.formats.base import (
     ReferenceReader,
     TensorFact,
 )
-from shardforge.formats.dcp_safetensors.sharded import (
+from shardforge.formats.dcp_safetensors.names import (
     DCP_SAFETENSORS,
-    SHARD_FILE,
+    INDEX,
     SHARD_SHOWN,
-    has_shards,
+    SHARDED_DIR,
     list_shards,
+    shards_dir,
+    world_size,
 )
-
-SHARDED_DIR = "sharded"
-INDEX = "model.safetensors.index.json"
-
-
-def shards_dir(folder: Path) -> Path | None:
-    """Where the shard files of `folder` are: itself, or its `sharded/` (None: neither)."""
-    if has_shards(folder):
-        return folder
-    sub = folder / SHARDED_DIR
-    return sub if not sub.is_symlink() and has_shards(sub) else None
 
 
 def _consolidated(folder: Path) -> bool:
@@ -85,13 +76,12 @@ class DcpSafetensorsFormat(CheckpointFormat):
 
         shards = _required(folder)
         plan = plan_shards(shards)
-        ranks = {m.group(1) for p in list_shards(shards) if (m := SHARD_FILE.match(p.name))}
         tensors = tuple(TensorFact.of(k, t) for k, t in plan.items())
         return Contents(
             storage=self.name,
             tensors=tensors,
             non_tensor_keys=(),
-            world_size=len(ranks),
+            world_size=world_size(shards),
             world_size_source=f"{SHARD_SHOWN} file names",
         )
 

@@ -15,7 +15,8 @@ import torch
 
 from shardforge.errors import MergeError
 from shardforge.formats.base import ReferenceReader, StoredTensor
-from shardforge.formats.dcp_safetensors.sharded import SAVED_OFFSETS, SHARDING_INFO, list_shards
+from shardforge.formats.dcp_safetensors.names import list_shards
+from shardforge.formats.dcp_safetensors.sharded import SAVED_OFFSETS, SHARDING_INFO
 from shardforge.formats.reference import short_reason, verify_failed
 
 

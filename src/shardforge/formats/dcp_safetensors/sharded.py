@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,53 +32,17 @@ import torch
 from shardforge.errors import CheckpointError, shown
 from shardforge.formats.base import Sized, StoredTensor
 from shardforge.formats.dcp.metadata import Chunk, check_tiling
+from shardforge.formats.dcp_safetensors.names import DCP_SAFETENSORS, list_shards
 from shardforge.formats.safetensors.reader import read_header_and_metadata
 from shardforge.formats.sources import WholeTensor
 from shardforge.io.copy import FileSlab, ReadCache
 from shardforge.io.files import open_regular, read_exact_into
 
-SHARD_FILE = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
-SHARD_SHOWN = "shard-<S>-model-<K>-of-<N>.safetensors"
 SHARDING_INFO = "DCP_SHARDING_INFO"
 VERSION_KEY = "DCP_VERSION"
 SAVED_OFFSETS = "saved_offsets"
 # the DCP safetensors versions read (torch 2.13 writes "1.0")
 KNOWN_MAJOR = "1"
-# the name of this format (`formats.dcp_safetensors.format.DcpSafetensorsFormat.name`)
-DCP_SAFETENSORS = "dcp-safetensors"
-
-
-def has_shards(folder: Path) -> bool:
-    """Whether `folder` holds shard files (names only)."""
-    return folder.is_dir() and any(SHARD_FILE.match(p.name) for p in folder.iterdir())
-
-
-def list_shards(folder: Path) -> list[Path]:
-    """The shard files of `folder`, by shard number then file number: one save (one N), shard
-    numbers 1 .. S without a gap."""
-    found: dict[tuple[int, int], Path] = {}
-    totals: set[int] = set()
-    for p in sorted(folder.iterdir()):
-        m = SHARD_FILE.match(p.name)
-        if m and p.is_file():
-            found[(int(m.group(1)), int(m.group(2)))] = p
-            totals.add(int(m.group(3)))
-    if not found:
-        raise CheckpointError(f"{folder}: no {SHARD_SHOWN} files")
-    if len(totals) > 1:
-        raise CheckpointError(
-            f"{folder}: shard files of different saves (-of-{', -of-'.join(map(str, sorted(totals)))}) "
-            "are mixed in one folder; keep only the files of one save"
-        )
-    shards = {s for s, _ in found}
-    missing = sorted(set(range(1, max(shards) + 1)) - shards)
-    if missing or min(shards) < 1:
-        first = missing[0] if missing else min(shards)
-        raise CheckpointError(
-            f"{folder}: no file of shard {first:05d} (rank {first - 1}); the save is incomplete "
-            "or mixes runs"
-        )
-    return [found[k] for k in sorted(found)]
 
 
 @dataclass(frozen=True)
