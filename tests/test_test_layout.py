@@ -32,12 +32,21 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "config/axolotl_keys.py": "tests/config/test_axolotl.py: the key table, with its users",
     "config/errors.py": "tests/config/test_loader.py: pydantic errors as the user's key lines",
     "config/peft.py": "tests/merge/test_lora_checkpoint.py: the LoraConfig training and merge share",
+    "formats/accelerate_bin/format.py": "tests/formats/accelerate_bin/test_accelerate_bin.py: "
+    "the row on real saves (test_format.py would clash)",
     "formats/base.py": "tests/formats/test_contract.py: the protocol, run on every row",
     "formats/dcp/chunks.py": "tests/formats/dcp/test_metadata.py: chunk reads on real chunks",
     "formats/dcp/format.py": "tests/formats/test_contract.py: the DCP row of the contract",
     "formats/dcp/pickles.py": "tests/formats/dcp/test_dcp_pickles.py: test_pickles.py would clash",
     "formats/dcp/reference.py": "tests/formats/test_contract.py: the reference reader per row",
     "formats/dcp/source.py": "tests/formats/test_sources.py: DCP sources beside the others",
+    "formats/dcp_ranks/format.py": "tests/formats/dcp_ranks/test_rank_metadata.py: the row on "
+    "real saves (test_format.py would clash)",
+    "formats/dcp_safetensors/format.py": "tests/formats/dcp_safetensors/test_sharded.py: the "
+    "row on real saves, both forms (test_format.py would clash)",
+    "formats/dcp_safetensors/names.py": "tests/formats/dcp_safetensors/test_sharded.py: the "
+    "shard file names (incomplete and mixed saves)",
+    "formats/dcp_safetensors/reference.py": "tests/formats/test_contract.py: the reference per row",
     "formats/rankfiles/format.py": "tests/formats/test_contract.py: the rank-files row",
     "formats/rankfiles/names.py": "tests/formats/rankfiles/test_rank_file.py: the file names",
     "formats/rankfiles/pickles.py": "tests/formats/rankfiles/test_rank_pickles.py: name clash",

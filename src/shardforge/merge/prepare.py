@@ -64,8 +64,7 @@ class Prepared:
 def _open_named(candidate: Candidate, config: Any) -> dict[str, NamedSource]:
     """The candidate's tensors by checkpoint key, with their original paths."""
     opened = open_checkpoint(candidate.kind, candidate.model_dir)
-    if candidate.kind == DCP:
-        check_model_keys(candidate.model_dir, list(opened))
+    check_model_keys(candidate.model_dir, list(opened))
     return adapt_names(candidate.adapter, candidate.model_dir, opened, config)
 
 
@@ -119,7 +118,7 @@ def prepare(
     else:
         by_name = per_input[0][1]
     plain = len(inputs) == 1 and all(
-        isinstance(src, DcpSource) and src.entry.key == key
+        isinstance(src, DcpSource) and src.fmt == DCP and src.entry.key == key
         for key, src in ((k, by_name[hf]) for k, hf in keymap.to_hf.items())
     )
     by_name = expected.to_saved(by_name)  # under the names save_pretrained writes

@@ -90,7 +90,7 @@ def test_hsdp_replicate_shard_mesh(mesh_root: Path, tmp_path: Path) -> None:
             rank_dir / f"model_world_size_4_rank_{r}.pt", half / f"model_world_size_2_rank_{r}.pt"
         )
     with pytest.raises(
-        CheckpointError, match=r"mesh of shape \(2, 2\) \(4 ranks\) but there are 2"
+        CheckpointError, match=r"lies on 4 ranks \(mesh \(2, 2\)\), 2 rank files found"
     ):
         plan_rank_files(half)
 

@@ -87,10 +87,12 @@ class RankFile:
     tensors: dict[str, TensorRecord]
 
 
-def read_rank_file(path: str | Path) -> RankFile:
-    """Parse a rank file's zip directory and data.pkl; CheckpointError on anything unexpected."""
+def read_rank_file(path: str | Path, position: tuple[int, int] | None = None) -> RankFile:
+    """Parse a rank file's zip directory and data.pkl; CheckpointError on anything unexpected.
+    `position` is its (world size, rank) where its name does not say (default: parsed from
+    ``model_world_size_W_rank_R.pt``)."""
     p = Path(path)
-    names = parse_rank_name(p)
+    names = position or parse_rank_name(p)
     if names is None:
         raise CheckpointError(f"{p}: not named model_world_size_<W>_rank_<R>.pt")
     world_size, rank = names

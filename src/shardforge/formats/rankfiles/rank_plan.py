@@ -32,13 +32,9 @@ from shardforge.formats.rankfiles.mesh import (
     check_tiling,
     local_runs,
 )
+from shardforge.formats.rankfiles.names import RANK_NAMES, RankNames
 from shardforge.formats.rankfiles.pickles import Placement
-from shardforge.formats.rankfiles.rank_file import (
-    RankFile,
-    TensorRecord,
-    parse_rank_name,
-    read_rank_file,
-)
+from shardforge.formats.rankfiles.rank_file import RankFile, TensorRecord, read_rank_file
 
 
 @dataclass(frozen=True)
@@ -117,33 +113,41 @@ def _placements_text(placements: tuple[Placement, ...]) -> str:
     return "(" + ", ".join(map(str, placements)) + ")"
 
 
-def list_rank_files(directory: str | Path) -> dict[int, Path]:
-    """rank -> path of the ``model_world_size_W_rank_R.pt`` files in `directory` (one W only)."""
+def list_rank_files(directory: str | Path, names: RankNames = RANK_NAMES) -> dict[int, Path]:
+    """rank -> path of the per-rank model files in `directory` (`names`: how the format names
+    them; one world size only, every rank below it present)."""
     d = Path(directory)
     if not d.is_dir():
         raise CheckpointError(f"{d}: not a directory")
-    found: dict[int, dict[int, Path]] = {}
+    found: dict[int | None, dict[int, Path]] = {}
     for p in sorted(d.iterdir()):
-        names = parse_rank_name(p)
-        if names is not None and p.is_file():
-            found.setdefault(names[0], {})[names[1]] = p
+        parsed = names.parse(p)
+        if parsed is not None and p.is_file():
+            found.setdefault(parsed[0], {})[parsed[1]] = p
     if not found:
-        raise CheckpointError(f"{d}: no model_world_size_<W>_rank_<R>.pt files")
+        raise CheckpointError(f"{d}: no {names.shown} files")
     if len(found) > 1:
-        sizes = ", ".join(str(w) for w in sorted(found))
+        sizes = ", ".join(str(w) for w in sorted(w for w in found if w is not None))
         raise CheckpointError(
             f"{d}: rank files of different world sizes ({sizes}) are mixed in one folder; "
             "keep only the files of one run"
         )
-    world_size, ranks = next(iter(found.items()))
+    named_world, ranks = next(iter(found.items()))
+    world_size = named_world if named_world is not None else max(ranks) + 1
     missing = [r for r in range(world_size) if r not in ranks]
     if missing:
-        listed = ", ".join(f"model_world_size_{world_size}_rank_{r}.pt" for r in missing)
+        listed = ", ".join(names.file(world_size, r) for r in missing)
         raise CheckpointError(f"{d}: rank file(s) missing: {listed}")
     extra = sorted(r for r in ranks if r >= world_size)
     if extra:
         raise CheckpointError(f"{d}: rank {extra[0]} is not below world size {world_size}")
     return dict(sorted(ranks.items()))
+
+
+def read_rank_files(directory: str | Path, names: RankNames = RANK_NAMES) -> list[RankFile]:
+    """Every per-rank model file of `directory`, parsed (metadata only), in rank order."""
+    paths = list_rank_files(directory, names)
+    return [read_rank_file(p, (len(paths), rank)) for rank, p in paths.items()]
 
 
 def _coordinates(recs: list[TensorRecord], ndim: int) -> list[tuple[int, ...]]:
@@ -175,9 +179,9 @@ def _mesh_of(recs: list[TensorRecord], world_size: int) -> tuple[tuple[int, ...]
     size = math.prod(mesh_shape)
     if not size or world_size % size:
         raise CheckpointError(
-            f"{first.path}: {first.key!r} is laid out on a device mesh of shape "
-            f"{mesh_shape} ({size} ranks) but there are {world_size} rank files; the folder "
-            "is incomplete or mixes runs"
+            f"{first.path}: {first.key!r} lies on {size} ranks (mesh "
+            f"{mesh_shape}), {world_size} rank files found; a rank file is missing, or the "
+            "mesh spans ranks that wrote none"
         )
     seen: dict[tuple[int, ...], list[Path]] = {}
     for rec, coord in zip(recs, coords, strict=True):
@@ -280,8 +284,6 @@ def plan_from_files(files: list[RankFile]) -> dict[str, TensorPlan]:
     return {key: _plan_key(key, [rf.tensors[key] for rf in files]) for key in keys0}
 
 
-def plan_rank_files(directory: str | Path) -> dict[str, TensorPlan]:
+def plan_rank_files(directory: str | Path, names: RankNames = RANK_NAMES) -> dict[str, TensorPlan]:
     """Open every rank file of `directory` (metadata only) and plan each full tensor."""
-    paths = list_rank_files(directory)
-    files = [read_rank_file(p) for p in paths.values()]
-    return plan_from_files(files)
+    return plan_from_files(read_rank_files(directory, names))

@@ -15,6 +15,7 @@ import torch
 
 from shardforge.errors import MergeError
 from shardforge.formats.base import ReferenceReader, StoredTensor
+from shardforge.formats.rankfiles.names import RANK_NAMES, RankNames
 from shardforge.formats.reference import check_zip_crcs, torch_load, verify_failed
 
 
@@ -25,13 +26,14 @@ class RankFilesReference(ReferenceReader):
     tensors are copied out."""
 
     directory: Path
+    names: RankNames = RANK_NAMES
     crc_checked: bool = False
     files: list[Path] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         from shardforge.formats.rankfiles.rank_plan import list_rank_files
 
-        self.files = list(list_rank_files(self.directory).values())
+        self.files = list(list_rank_files(self.directory, self.names).values())
 
     def check_crcs(self, keys: set[str]) -> None:
         if self.crc_checked:

@@ -29,6 +29,7 @@ class RankFileSource(Described, WholeTensor):
     """A tensor assembled from per-rank DTensor files (`shardforge.formats.rankfiles.TensorPlan`)."""
 
     plan: Any  # rankfiles.TensorPlan (imported lazily: the DCP path never loads rankfiles)
+    fmt: str = RANK_FILES  # the registry row that reads these files (`StoredTensor.fmt`)
 
     @property
     def described(self) -> Any:
@@ -76,7 +77,7 @@ class RankFileSource(Described, WholeTensor):
     def stored(self) -> tuple[StoredTensor, ...]:
         tp = self.plan
         directory = tp.pieces[0].record.path.parent
-        return (StoredTensor(RANK_FILES, directory, tp.key, tp.dtype, self.shape),)
+        return (StoredTensor(self.fmt, directory, tp.key, tp.dtype, self.shape),)
 
     def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return tensors[0]
