@@ -71,6 +71,7 @@ def _materialize(path: Path, root: Path) -> Path:
     text = text.replace("TINY_MODEL", str(root / "base"))
     text = text.replace("OUTPUT_DIR", str(root / "runs" / path.stem))
     text = text.replace("DATA_DIR", str(root))
+    text = text.replace("CHAT_TEMPLATE", "chatml")  # every-chat-template.yml, read once here
     out = root / "configs" / path.name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
