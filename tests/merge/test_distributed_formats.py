@@ -115,16 +115,17 @@ def _step(run: Path, step: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def in_memory_groups(
-    roots: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Job]:
-    """Merges whose outputs share one value computed in memory (`written_together`):
+def built_here(roots: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
+    """Merges built here (no ranks: tiny DCP saves in this process). Two whose outputs share
+    one value computed in memory (`written_together`), and a refused one:
 
     - converter: hrm_text, saved with gate and up (and q, k, v) concatenated: transformers'
       reversed converter runs on the real tensors (a `ConvertedSource` group per module);
     - averaged-experts: the fused-experts checkpoint averaged with a copy of itself: the
       average is computed in memory, and each expert is a slice of it (`SliceSource`s read
-      whole, a group per fused tensor).
+      whole, a group per fused tensor);
+    - lora-of-fused-experts: LoRA factors of the fused-experts architecture (with
+      --merge_lora), which no merge maps yet: refused on every rank.
     """
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -141,11 +142,21 @@ def in_memory_groups(
     fused = roots["moe"] / "qwen3_moe"
     for step in (1, 2):
         shutil.copytree(fused / "model", _step(root / "averaged", step) / "model")
+    q_proj = "base_model.model.model.layers.0.self_attn.q_proj"
+    factors = {
+        f"{q_proj}.lora_A.weight": torch.ones(4, 64),
+        f"{q_proj}.lora_B.weight": torch.ones(64, 4),
+    }
+    dcp.save(factors, checkpoint_id=_step(root / "lora", 1) / "model", no_dist=True)
     return {
         "converter": ({"base_model": str(root / "hrm-base"), "output_dir": str(root / "hrm")}, {}),
         "averaged-experts": (
             {"base_model": str(fused / "base"), "output_dir": str(root / "averaged")},
             {"average_steps": (1, 2)},
+        ),
+        "lora-of-fused-experts": (
+            {"base_model": str(fused / "base"), "output_dir": str(root / "lora")},
+            {"merge_lora": True},
         ),
     }
 
@@ -168,12 +179,12 @@ def _merge_all(rank: int, world: int, jobs: dict[str, Job], out: str) -> None:
 @pytest.fixture(scope="module")
 def on_two_ranks(
     roots: dict[str, Path],
-    in_memory_groups: dict[str, Job],
+    built_here: dict[str, Job],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Path:
     """Every case and group merged with --verify on 2 gloo ranks, in one launch."""
     out = tmp_path_factory.mktemp("two-ranks")
-    jobs = {name: _job(roots, case) for name, case in CASES.items()} | in_memory_groups
+    jobs = {name: _job(roots, case) for name, case in CASES.items()} | built_here
     run_on_ranks(_merge_all, 2, jobs, str(out))
     return out
 
@@ -237,11 +248,11 @@ def test_inspect_verify_removal_and_two_ranks(
 
 @pytest.mark.parametrize("name", ["converter", "averaged-experts"])
 def test_outputs_made_in_memory_on_two_ranks(
-    in_memory_groups: dict[str, Job], on_two_ranks: Path, tmp_path: Path, name: str
+    built_here: dict[str, Job], on_two_ranks: Path, tmp_path: Path, name: str
 ) -> None:
     """Outputs computed together in memory (`written_together`: one rank writes each group)
     come out of 2 ranks as out of one process."""
-    cfg, options = in_memory_groups[name]
+    cfg, options = built_here[name]
     prep = _prepared(cfg, options)
     with ReadCache() as reader:
         together = written_together(prep.by_name, reader)
@@ -296,12 +307,12 @@ def _simulated(
 
 @pytest.mark.parametrize("name", ["converter", "averaged-experts"])
 def test_each_rank_drops_every_value_it_computed(
-    in_memory_groups: dict[str, Job], tmp_path: Path, name: str
+    built_here: dict[str, Job], tmp_path: Path, name: str
 ) -> None:
     """The shares of 2 and 3 ranks, written in this process: the files are the single-process
     merge's, and no rank keeps a group's value after its shares. (Cut by bytes alone, a group
     of several outputs split between ranks leaves its value held on each.)"""
-    cfg, options = in_memory_groups[name]
+    cfg, options = built_here[name]
     single = merge_fsdp_weights(cfg, tmp_path / "one", quiet=True, **options)
     plan = _prepared(cfg, options).plan
     for world in (2, 3):
@@ -312,3 +323,13 @@ def test_each_rank_drops_every_value_it_computed(
     if name == "averaged-experts":  # (the converter's groups have one output each)
         cut = [_simulated(cfg, options, tmp_path / f"cut{w}", w, grouped=False) for w in (2, 3)]
         assert any(cut)
+
+
+def test_a_lora_checkpoint_of_fused_experts_is_refused_on_every_rank(on_two_ranks: Path) -> None:
+    """LoRA checkpoints of architectures saved under other names are not merged on one rank
+    either (docs/merge.md): every rank stops with that one error, nothing is written."""
+    for rank in (0, 1):
+        outcome = (on_two_ranks / f"lora-of-fused-experts.{rank}.result").read_text()
+        assert "the distributed merge failed on rank 0" in outcome, outcome
+        assert "its LoRA checkpoints are not merged" in outcome, outcome
+    assert not (on_two_ranks / "lora-of-fused-experts").exists()
