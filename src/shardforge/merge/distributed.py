@@ -4,7 +4,9 @@ Every rank prepares the same plan (the checkpoint's metadata, the meta-device ar
 so every output byte range is known up front. The tensor bytes of all planned files, taken in
 plan order, are cut into `world` equal spans (`shares`): a rank copies or computes exactly the
 bytes of its span, so ranks write disjoint ranges of the same files and one large tensor (an
-embedding) is split across ranks by rows. Rank 0 creates the hidden output directory, the
+embedding) is split across ranks by rows; outputs made together from one value in memory (a
+converter's group, experts cut from a tensor read whole) are written by one rank (`assign`).
+Rank 0 creates the hidden output directory, the
 files (preallocated, headers written) and after everyone's share the index and companion
 files; verification is split the same way (each tensor by the rank whose span holds its first
 byte). The output is published by rank 0 only when every rank reported success; a rank that
