@@ -18,9 +18,10 @@ from train_helpers import (
     Run,
     job_processes,
     kill_all,
+    launch_train,
     losses,
+    reference_run,
     run_in,
-    run_train,
     train_cmd,
     train_env,
     write_config,
@@ -33,9 +34,9 @@ RTOL = 1e-6  # resumed vs uninterrupted steps, fp32 (as test_checkpointing.py)
 
 
 @pytest.fixture(scope="module")
-def sync_run(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """2 ranks, 6 steps, a (synchronous) checkpoint every 2 steps."""
-    return run_in(tmp_path_factory.mktemp("sync"), base_cfg)
+def sync_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """2 ranks, 6 steps, a (synchronous) checkpoint every 2 steps (`reference_run`, shared)."""
+    return reference_run(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +126,7 @@ def test_kill_9_during_an_async_save_resumes_from_the_last_complete_checkpoint(
     assert saving.is_dir() and not (out / "checkpoint-4").exists()
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
 
-    proc = run_train(config, nproc=2)
-    assert "checkpoint-2 at step 2" in proc.stderr
+    assert "checkpoint-2 at step 2" in launch_train(config)
     got, want = losses(out), losses(sync_run.out)
     for s in range(3, 7):
         assert math.isclose(got[s], want[s], rel_tol=RTOL, abs_tol=0.0), (s, got[s], want[s])

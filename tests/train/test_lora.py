@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from train_helpers import losses, read_metrics, run_train, write_config
+from train_helpers import launch_train, losses, read_metrics, write_config
 
 from helpers.tiny import make_model
 from shardforge.formats.dcp.metadata import read_metadata
@@ -53,7 +53,7 @@ class Run:
     def __init__(self, root: Path, cfg: dict[str, Any]) -> None:
         self.root, self.cfg = root, cfg
         self.two = root / "two"
-        run_train(write_config(root / "two.yml", {**cfg, "output_dir": str(self.two)}), nproc=2)
+        launch_train(write_config(root / "two.yml", {**cfg, "output_dir": str(self.two)}))
         self.one = root / "one"
         one = {**cfg, "output_dir": str(self.one), "micro_batch_size": 2 * cfg["micro_batch_size"]}
         _train_here(one, root / "one.yml")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from train_helpers import Run, losses, read_metrics, run_in, write_config
+from train_helpers import Run, losses, read_metrics, reference_run, run_in, write_config
 
 from shardforge.train import checkpointing as ckpt
 
@@ -25,9 +25,9 @@ LORA = {
 
 
 @pytest.fixture(scope="module")
-def plain(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """2 ranks, 6 steps, a checkpoint every 2 steps, no merging."""
-    return run_in(tmp_path_factory.mktemp("plain"), base_cfg)
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """2 ranks, 6 steps, a checkpoint every 2 steps, no merging (`reference_run`, shared)."""
+    return reference_run(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

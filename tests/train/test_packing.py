@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from train_helpers import losses, read_metrics, run_train, write_config
+from train_helpers import launch_train, losses, read_metrics, write_config
 
 from shardforge.config import validate_cfg
 from shardforge.errors import ConfigError
@@ -191,7 +191,7 @@ def test_packed_training_runs_on_two_ranks(base_cfg: dict[str, Any], tmp_path: P
     """A 2-rank packed run (windows of several samples each) trains and logs every step."""
     out = tmp_path / "out"
     cfg = {**base_cfg, "output_dir": str(out), "sequence_len": 96, "save_steps": None}
-    run_train(write_config(tmp_path / "cfg.yml", cfg), nproc=2)
+    launch_train(write_config(tmp_path / "cfg.yml", cfg))
     got = losses(out)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     assert all(math.isfinite(v) for v in got.values()) and got[6] < got[1]

@@ -12,12 +12,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import yaml
 
+from helpers.shared import shared_folder
 from helpers.tiny import make_model, tiny_conversations, tiny_texts, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,14 +32,19 @@ def make_base(root: Path) -> dict[str, Any]:
     The global batch is 12 sequences, so 1, 2 and 3 ranks can all run it (micro batch 12, 6, 4
     with gradient_accumulation_steps 1; or as set by the caller).
     """
-    base = make_model(root / "base", "llama", vocab_size=320, seed=0)
-    data = write_jsonl(root / "data.jsonl", [{"text": t} for t in tiny_texts(48, seed=1)])
+    make_model(root / "base", "llama", vocab_size=320, seed=0)
+    write_jsonl(root / "data.jsonl", [{"text": t} for t in tiny_texts(48, seed=1)])
     write_jsonl(root / "chats.jsonl", [{"messages": m} for m in tiny_conversations(16, seed=1)])
+    return base_config(root)
+
+
+def base_config(root: Path) -> dict[str, Any]:
+    """The config that trains `make_base`'s model on its completion data (output in root/out)."""
     return {
-        "base_model": str(base),
+        "base_model": str(root / "base"),
         "output_dir": str(root / "out"),
         "seed": 7,
-        "datasets": [{"path": str(data), "type": "completion", "field": "text"}],
+        "datasets": [{"path": str(root / "data.jsonl"), "type": "completion", "field": "text"}],
         "sequence_len": 32,
         "sample_packing": True,
         "micro_batch_size": 3,
@@ -87,6 +95,70 @@ def run_train(
     return proc
 
 
+def launch_train(
+    config: Path, *args: str, nproc: int = 2, env: dict[str, str] | None = None
+) -> str:
+    """`shardforge train CONFIG --nproc_per_node N ARGS` with its launcher in this process
+    (`launch.do_train`: the config's checks, then torchrun and the ranks, real child processes);
+    what the command prints on stderr (the launcher's log lines, torchrun's and the ranks'
+    output, in order). For the tests of what training does: a launcher process of its own
+    costs seconds of imports. The command's own process is tested through `run_train`."""
+    import tempfile
+
+    from shardforge.errors import ShardforgeError
+    from shardforge.train.launch import LaunchOptions, do_train
+
+    with tempfile.TemporaryDirectory(prefix="shardforge-train-") as tmp:
+        log = Path(tmp) / "stderr"
+        with _environment(train_env(env)), _stderr_to(log):
+            try:
+                do_train(config, list(args), "torchrun", LaunchOptions(nproc_per_node=nproc))
+                failed = None
+            except ShardforgeError as exc:
+                failed = exc
+        stderr = log.read_text()
+    if failed is not None:
+        raise AssertionError(f"train failed ({failed.message}):\n{stderr[-4000:]}")
+    return stderr
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """os.environ is `env` in the block (the child processes' environment)."""
+    before = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """File descriptor 2 (the child processes' stderr) and shardforge's log records, appended
+    to `path` in the order they are written."""
+    import logging
+
+    logger = logging.getLogger("shardforge")
+    level = logger.level
+    with path.open("a", encoding="utf-8") as f:
+        handler = logging.StreamHandler(f)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
@@ -104,10 +176,53 @@ class Run:
 
 
 def run_in(root: Path, cfg: dict[str, Any]) -> Run:
-    """Train `cfg` on 2 ranks with its output in `root`/out (config at `root`/cfg.yml)."""
+    """Train `cfg` on 2 ranks (`launch_train`) with its output in `root`/out (config at
+    `root`/cfg.yml)."""
     out = root / "out"
-    proc = run_train(write_config(root / "cfg.yml", {**cfg, "output_dir": str(out)}), nproc=2)
-    return Run(out, proc.stderr)
+    stderr = launch_train(write_config(root / "cfg.yml", {**cfg, "output_dir": str(out)}))
+    return Run(out, stderr)
+
+
+def shared_base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """`make_base`, made once per test run for every module and xdist worker (no process is
+    started for it). Read only: its output_dir is for the caller to replace."""
+    return base_config(shared_folder(tmp_path_factory, "train-base", make_base, False))
+
+
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The shared base's config trained by `shardforge train` on 2 ranks: 6 steps, a checkpoint
+    every 2. One run per test run, for every module and xdist worker that compares with it
+    (read only: copy it before changing anything)."""
+    return _shared_run(tmp_path_factory, "train-reference", {})
+
+
+# what `evaluated_run` changes in the shared base's config: a held-out split evaluated before the
+# first step, every 2 steps and after the last (0, 2, 4, 5), in the same chunks at any world size
+EVALUATED = {
+    "val_set_size": 0.1,
+    "eval_steps": 2,
+    "eval_batch_size": 2,
+    "max_steps": 5,
+    "save_steps": None,
+}
+
+
+def evaluated_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The shared base's config with `EVALUATED`, trained on 2 ranks like `reference_run` (one
+    run per test run, read only)."""
+    return _shared_run(tmp_path_factory, "train-evaluated", EVALUATED)
+
+
+def _shared_run(
+    tmp_path_factory: pytest.TempPathFactory, name: str, changes: dict[str, Any]
+) -> Run:
+    def build(root: Path) -> None:
+        root.mkdir()
+        run = run_in(root, {**shared_base(tmp_path_factory), **changes})
+        (root / "stderr.txt").write_text(run.stderr)
+
+    root = shared_folder(tmp_path_factory, name, build)
+    return Run(root / "out", (root / "stderr.txt").read_text())
 
 
 def _command(p: psutil.Process) -> str:
