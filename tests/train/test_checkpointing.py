@@ -24,8 +24,8 @@ from train_helpers import (
     launch_train,
     losses,
     read_metrics,
-    reference_run,
     run_train,
+    shared_run,
     train_cmd,
     train_env,
     write_config,
@@ -39,9 +39,9 @@ RTOL = 1e-6  # resumed steps vs uninterrupted steps, fp32 (see test_loop.py)
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted 2-rank run of 6 steps, checkpointing every 2 steps (`reference_run`,
+    """An uninterrupted 2-rank run of 6 steps, checkpointing every 2 steps (`shared_run`,
     shared with other modules: read only)."""
-    return reference_run(tmp_path_factory).out
+    return shared_run(tmp_path_factory, "reference").out
 
 
 def _stopped_after(reference: Path, step: int, dest: Path) -> Path:
@@ -91,20 +91,16 @@ def test_layout_matches_the_merge_contract(reference: Path) -> None:
 
 
 def test_dcp_model_holds_plain_hf_keys_and_the_trained_weights(
-    reference: Path, base_cfg: dict[str, Any], tmp_path: Path
+    reference: Path, base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """The DCP model loads into a plain transformers model and equals the FULL_STATE_DICT save
     of the same (deterministic) run, bit for bit; the HF directory loads and generates."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    full_out = tmp_path / "full"
-    cfg = {
-        **base_cfg,
-        "output_dir": str(full_out),
-        "fsdp": {**base_cfg["fsdp"], "state_dict_type": "FULL_STATE_DICT"},
-    }
-    launch_train(write_config(tmp_path / "full.yml", cfg))
+    full = shared_run(tmp_path_factory, "full-state-dict")
+    assert full.cfg["fsdp"]["state_dict_type"] == "FULL_STATE_DICT"
+    full_out = full.out
     assert not (full_out / "checkpoint-6").exists()  # the final save is the HF directory
     hf = AutoModelForCausalLM.from_pretrained(full_out)
 

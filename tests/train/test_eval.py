@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from train_helpers import EVALUATED, evaluated_run, read_metrics, write_config
+from train_helpers import EVALUATED, read_metrics, shared_run, write_config
 
 from helpers.tiny import make_tokenizer, tiny_texts, write_jsonl
 from shardforge.config import validate_cfg
@@ -41,7 +41,7 @@ def test_eval_loss_is_the_same_at_one_and_two_ranks(
     one = tmp_path / "one"
     cfg1 = _eval_cfg(base_cfg, one, micro_batch_size=6)  # global batch 12 at 1 rank
     assert do_train(write_config(tmp_path / "one.yml", cfg1), [], "python") == 0
-    run = evaluated_run(tmp_path_factory)  # 2 ranks, the same config (shared)
+    run = shared_run(tmp_path_factory, "evaluated")  # 2 ranks, the same config
     two = run.out
     assert "sequences (val_set_size), before the first step, every 2 steps" in run.stderr
     assert "eval at step 0  loss" in run.stderr

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from train_helpers import EVALUATED, evaluated_run, launch_train, read_metrics, write_config
+from train_helpers import EVALUATED, launch_train, read_metrics, shared_run, write_config
 
 from helpers.dist import run_on_ranks
 from helpers.tiny import make_tokenizer, tiny_texts, write_jsonl
@@ -316,12 +316,12 @@ def test_one_process_per_node_prepares_and_the_others_wait(data_root: Path, tmp_
 
 @pytest.fixture(scope="module")
 def runs(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The same 2-rank run without dataset_prepared_path (`evaluated_run`, shared), and after
-    `preprocess` with it."""
+    """The same 2-rank run without dataset_prepared_path (`shared_run`), and after `preprocess`
+    with it (`launch_train`: torchrun)."""
     from shardforge.cli.main import cli
 
     root = tmp_path_factory.mktemp("prepared-runs")
-    plain = evaluated_run(tmp_path_factory)
+    plain = shared_run(tmp_path_factory, "evaluated")
     cfg = {**base_cfg, **EVALUATED}
     with_cache = {**cfg, "output_dir": str(root / "b"), "dataset_prepared_path": str(root / "p")}
     config = write_config(root / "cached.yml", with_cache)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import psutil
 import pytest
 import yaml
 
+from helpers.dist import run_on_ranks
 from helpers.shared import shared_folder
 from helpers.tiny import make_model, tiny_conversations, tiny_texts, write_jsonl
 
@@ -169,18 +171,17 @@ def losses(output_dir: Path) -> dict[int, float]:
 
 
 class Run:
-    """A finished `shardforge train` run: its output directory and what it printed."""
+    """A finished `shardforge train` run: its output directory, what it printed and (where
+    known) its config file."""
 
-    def __init__(self, out: Path, stderr: str) -> None:
-        self.out, self.stderr = out, stderr
+    def __init__(self, out: Path, stderr: str, config: Path | None = None) -> None:
+        self.out, self.stderr, self.config = out, stderr, config
 
-
-def run_in(root: Path, cfg: dict[str, Any]) -> Run:
-    """Train `cfg` on 2 ranks (`launch_train`) with its output in `root`/out (config at
-    `root`/cfg.yml)."""
-    out = root / "out"
-    stderr = launch_train(write_config(root / "cfg.yml", {**cfg, "output_dir": str(out)}))
-    return Run(out, stderr)
+    @property
+    def cfg(self) -> dict[str, Any]:
+        assert self.config is not None
+        data: dict[str, Any] = yaml.safe_load(self.config.read_text())
+        return data
 
 
 def shared_base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
@@ -189,15 +190,16 @@ def shared_base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return base_config(shared_folder(tmp_path_factory, "train-base", make_base, False))
 
 
-def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """The shared base's config trained by `shardforge train` on 2 ranks: 6 steps, a checkpoint
-    every 2. One run per test run, for every module and xdist worker that compares with it
-    (read only: copy it before changing anything)."""
-    return _shared_run(tmp_path_factory, "train-reference", {})
-
-
-# what `evaluated_run` changes in the shared base's config: a held-out split evaluated before the
-# first step, every 2 steps and after the last (0, 2, 4, 5), in the same chunks at any world size
+LORA = {
+    "adapter": "lora",
+    "lora_r": 4,
+    "lora_alpha": 8,
+    "lora_dropout": 0.0,
+    "lora_target_modules": ["q_proj", "v_proj"],
+    "learning_rate": 2.0e-2,
+}
+# a held-out split evaluated before the first step, every 2 steps and after the last (0, 2, 4,
+# 5), in the same chunks at any world size
 EVALUATED = {
     "val_set_size": 0.1,
     "eval_steps": 2,
@@ -207,22 +209,90 @@ EVALUATED = {
 }
 
 
-def evaluated_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """The shared base's config with `EVALUATED`, trained on 2 ranks like `reference_run` (one
-    run per test run, read only)."""
-    return _shared_run(tmp_path_factory, "train-evaluated", EVALUATED)
+def _shared_runs(base: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
+    """The 2-rank runs tests compare with: name -> what it changes in the shared base's config.
+
+    reference: 6 steps, a checkpoint every 2; evaluated: `EVALUATED`; async: async_save;
+    merging: merge_on_save, save_total_limit 2; packed: windows of 96 tokens (several samples
+    each); full-state-dict: FULL_STATE_DICT; lora-llama: `LORA`; lora-qwen: a tied-embedding
+    Qwen2 (root/qwen-base) with every linear layer adapted and the embedding trained (4 steps).
+    """
+    fsdp = base["fsdp"]
+    return {
+        "reference": {},
+        "evaluated": EVALUATED,
+        "async": {"async_save": True},
+        "merging": {"merge_on_save": True, "save_total_limit": 2},
+        "packed": {"sequence_len": 96, "save_steps": None},
+        "full-state-dict": {"fsdp": {**fsdp, "state_dict_type": "FULL_STATE_DICT"}},
+        "lora-llama": LORA,
+        "lora-qwen": {
+            **LORA,
+            "base_model": str(root / "qwen-base"),
+            "max_steps": 4,
+            "lora_target_linear": True,
+            "lora_target_modules": None,
+            "lora_modules_to_save": ["embed_tokens", "lm_head"],
+            "fsdp": {"transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]},
+        },
+    }
 
 
-def _shared_run(
-    tmp_path_factory: pytest.TempPathFactory, name: str, changes: dict[str, Any]
-) -> Run:
-    def build(root: Path) -> None:
-        root.mkdir()
-        run = run_in(root, {**shared_base(tmp_path_factory), **changes})
-        (root / "stderr.txt").write_text(run.stderr)
+def shared_run(tmp_path_factory: pytest.TempPathFactory, name: str) -> Run:
+    """The run `name` of `_shared_runs`, trained on 2 gloo ranks: all of them once per test run,
+    in one launch of 2 processes (`train_configs`), for every module and xdist worker that
+    compares with them. Read only: copy a run before changing anything in it.
 
-    root = shared_folder(tmp_path_factory, name, build)
-    return Run(root / "out", (root / "stderr.txt").read_text())
+    The ranks run what a rank of `shardforge train` runs (`run_training`) and log as it does;
+    its stderr is rank 0's log. (A launch of ranks costs seconds of imports; torchrun and the
+    launcher have the tests of their own that use `launch_train` and `run_train`.)"""
+    root = shared_folder(tmp_path_factory, "train-runs", partial(_train_shared, tmp_path_factory))
+    run = root / name
+    return Run(run / "out", (run / "stderr.txt").read_text(), run / "cfg.yml")
+
+
+def _train_shared(tmp_path_factory: pytest.TempPathFactory, root: Path) -> None:
+    base = shared_base(tmp_path_factory)
+    make_model(root / "qwen-base", "qwen2", vocab_size=320, seed=3)
+    runs = []
+    for name, changes in _shared_runs(base, root).items():
+        cfg = {**base, **changes, "output_dir": str(root / name / "out")}
+        (root / name).mkdir()
+        runs.append(
+            (str(write_config(root / name / "cfg.yml", cfg)), str(root / name / "stderr.txt"))
+        )
+    (root / "stores").mkdir()
+    run_on_ranks(train_configs, 2, runs, str(root / "stores"))
+
+
+def train_configs(rank: int, world: int, runs: list[tuple[str, str | None]], stores: str) -> None:
+    """On each rank of `run_on_ranks`: train every config of `runs` (config, log file) in turn,
+    as a rank of `shardforge train` does: each run makes and ends its process group; rank 0
+    logs at INFO, the others warnings only, to the log file (rank R > 0: `<file>.R`)."""
+    import logging
+
+    import torch.distributed as dist
+
+    from shardforge.config import load_cfg
+    from shardforge.train.loop import run_training
+
+    logger = logging.getLogger("shardforge")
+    for i, (config, log) in enumerate(runs):
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "gloo", init_method=f"file://{stores}/s{i}", rank=rank, world_size=world
+            )
+        handler = logging.FileHandler(log if rank == 0 else f"{log}.{rank}") if log else None
+        if handler is not None:
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+        try:
+            run_training(load_cfg(config, command="train").to_model())
+        finally:
+            if handler is not None:
+                logger.removeHandler(handler)
+                handler.close()
+    dist.init_process_group("gloo", init_method=f"file://{stores}/end", rank=rank, world_size=world)
 
 
 def _command(p: psutil.Process) -> str:
