@@ -100,8 +100,8 @@ def test_killed_mid_upload_leaves_no_model_and_resume_uploads_the_rest(
     shards = sorted(n for n in want if n.endswith(".safetensors"))
     assert len(shards) >= 3
     (tmp_path / "cfg.yml").write_text(yaml.safe_dump({**config, "storage_options": None}))
-    # paused once the first shard is uploaded (at the first read of the second one's parts)
-    gate = Gate(tmp_path / "gate", "os:pread", r"/output-[^/]+/model-00002-of-\d+\.safetensors$")
+    # paused once the first shard is uploaded (at the first write of the second one: its header)
+    gate = Gate(tmp_path / "gate", "os:pwrite", r"/output-[^/]+/model-00002-of-\d+\.safetensors$")
     cmd = [
         sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(tmp_path / "cfg.yml"),
         "--output_path", f"s3://{bucket}/model", "--checkpoint", str(folder),
@@ -143,7 +143,7 @@ def test_credentials_bucket_and_an_outage_are_one_line_with_nothing_published(
         out_bucket = server.bucket("outage")
         (tmp_path / "cfg.yml").write_text(yaml.safe_dump({**config, "storage_options": None}))
         gate = Gate(
-            tmp_path / "gate", "os:pread", r"/output-[^/]+/model-00002-of-\d+\.safetensors$"
+            tmp_path / "gate", "os:pwrite", r"/output-[^/]+/model-00002-of-\d+\.safetensors$"
         )
         cmd = [
             sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights",

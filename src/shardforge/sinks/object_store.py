@@ -43,6 +43,7 @@ from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, Pl
 from shardforge.sinks.progress import progress
 from shardforge.sinks.safetensors_files import write_index
 from shardforge.sinks.uploads import (
+    FileRange,
     FileUpload,
     Journal,
     PartSizer,
@@ -55,8 +56,8 @@ from shardforge.sinks.verify import verify_output
 
 log = logging.getLogger("shardforge")
 
-# parts uploaded at once (each held in memory while it is sent)
-UPLOADS = 4
+# parts uploaded at once (each read from the staging file as it is sent, not held in memory)
+UPLOADS = 8
 # the integrity manifest a sink may write beside the weights: published after the index
 MANIFEST_NAME = "shardforge-manifest.json"
 
@@ -227,7 +228,7 @@ class ObjectStoreSink(Sink):
             os.close(fd)
             staged.unlink(missing_ok=True)
 
-    def _send(self, name: str, up: FileUpload, number: int, body: bytes) -> str:
+    def _send(self, name: str, up: FileUpload, number: int, body: FileRange) -> str:
         import time
 
         start = time.monotonic()
@@ -306,7 +307,8 @@ class ObjectStoreSink(Sink):
 
 
 class _Parts:
-    """One file's parts: filled in its staging file, then read, uploaded and released."""
+    """One file's parts: filled in its staging file, then uploaded from it (`UPLOADS` at a
+    time, each read from the file as it is sent) and their blocks given back once sent."""
 
     def __init__(
         self,
@@ -332,6 +334,17 @@ class _Parts:
     def fill(
         self, sources: Mapping[str, TensorSource], reader: ReadCache, update: Progress
     ) -> None:
+        try:
+            self._fill(sources, reader, update)
+            while self.pending:
+                self._settle()
+        except BaseException:
+            self._drain()  # no upload may read the staging file once it is closed
+            raise
+
+    def _fill(
+        self, sources: Mapping[str, TensorSource], reader: ReadCache, update: Progress
+    ) -> None:
         header = self.pf.header
         pwrite_all(self.fd, memoryview(header), 0)
         update(len(header))
@@ -343,8 +356,6 @@ class _Parts:
                 update(t.spec.nbytes)
             self._send_ready(t.offset + t.spec.nbytes)
         self._send_ready(self.pf.size)
-        while self.pending:
-            self._settle()
 
     def _send_ready(self, frontier: int) -> None:
         while self.next < len(self.ranges) and self.ranges[self.next][1] <= frontier:
@@ -355,12 +366,23 @@ class _Parts:
                 continue
             while len(self.pending) >= UPLOADS:
                 self._settle()
-            body = os.pread(self.fd, b - a, a)
+            body = FileRange(self.fd, a, b)
             name, up = self.pf.name, self.up
             self.pending.append((number, self.pool.submit(self.sink._send, name, up, number, body)))
-            self.sink.uploaded += len(body)
-            punch_hole(self.fd, a, b - a)
+            self.sink.uploaded += b - a
 
     def _settle(self) -> None:
+        """Wait for the oldest upload in flight; its blocks of the staging file go back."""
         number, fut = self.pending.popleft()
         self.up.etags[number] = fut.result()
+        a, b = self.ranges[number - 1]
+        punch_hole(self.fd, a, b - a)
+
+    def _drain(self) -> None:
+        """A failure: the uploads not started are cancelled, the running ones waited for."""
+        for _, fut in self.pending:
+            fut.cancel()
+        for _, fut in self.pending:
+            with contextlib.suppress(BaseException):  # the failure on its way is the one raised
+                fut.exception()
+        self.pending.clear()

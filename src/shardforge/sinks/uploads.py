@@ -11,6 +11,7 @@ each file's upload id and part size, so `--resume` finds the parts a killed merg
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -29,7 +30,7 @@ MIN_PART = 5 << 20
 MAX_PARTS = 10_000
 # part sizes: at first, then chosen so that one part takes about `PART_SECONDS` to upload
 FIRST_PART = 16 << 20
-MAX_PART = 512 << 20
+MAX_PART = 128 << 20
 PART_SECONDS = 2.0
 
 
@@ -146,7 +147,8 @@ class Store:
         )
         return str(out["UploadId"])
 
-    def upload(self, name: str, upload_id: str, number: int, body: bytes) -> str:
+    def upload(self, name: str, upload_id: str, number: int, body: FileRange) -> str:
+        """Upload part `number` of `name`, its bytes read from `body` as they are sent."""
         out = self.call(
             "upload_part",
             self.uri.child(name),
@@ -154,6 +156,7 @@ class Store:
             Key=self.key(name),
             UploadId=upload_id,
             PartNumber=number,
+            ContentLength=len(body),
             Body=body,
         )
         return str(out["ETag"])
@@ -200,6 +203,40 @@ class Store:
             Key=self.key(name),
             UploadId=upload_id,
         )
+
+
+class FileRange(io.RawIOBase):
+    """Bytes [start, stop) of the open local file `fd` as a seekable, read-only stream: a
+    part's body, read by the client in pieces (its checksum, its signature, the request)
+    straight from the staging file, never held whole in memory."""
+
+    def __init__(self, fd: int, start: int, stop: int) -> None:
+        super().__init__()
+        self.fd, self.start, self.stop = fd, start, stop
+        self.pos = 0
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self)}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = os.preadv(self.fd, [view[: max(0, len(self) - self.pos)]], self.start + self.pos)
+        self.pos += n
+        return n
 
 
 @dataclass
