@@ -1,10 +1,12 @@
 """Remote objects as bytes: URIs, ranged reads (small ones cached, large ones in parallel
 parts) checked against the stored bytes on the loopback SeaweedFS, stand-ins served through
-the byte path's own functions, and failed requests as one line without a secret."""
+the byte path's own functions, a large copy streamed without holding its parts, and failed
+requests as one line without a secret."""
 
 from __future__ import annotations
 
 import os
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,29 @@ def test_ranged_reads_are_the_stored_bytes(
         st = stand_in.stat()
         remote.forget_stand_ins([(st.st_dev, st.st_ino)])
     assert stand_in.stat().st_blocks == 0  # nothing of it was stored locally
+
+
+@pytest.mark.slow
+def test_a_large_copy_is_streamed_not_held(s3_server: S3Server, tmp_path: Path) -> None:
+    """48 MiB copied into a local file in parts of 16 MiB, 8 GETs at once: the bytes Python
+    holds at any time stay at a few pieces of `STREAM_CHUNK`, far below one part."""
+    bucket = s3_server.bucket("remote-stream")
+    data = os.urandom(48 << 20)
+    s3_server.fs().pipe(f"{bucket}/big.bin", data)
+    obj = RemoteObject(
+        filesystem(s3_server.storage_options), RemoteURI(bucket, "big.bin"), len(data)
+    )
+    out = os.open(tmp_path / "copy", os.O_RDWR | os.O_CREAT)
+    try:
+        obj.read(10, 0)  # the client made (its S3 model loaded) before measuring
+        tracemalloc.start()
+        obj.copy_to(out, 0, 0, len(data))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        os.close(out)
+    assert (tmp_path / "copy").read_bytes() == data
+    assert peak < remote.PART_BYTES, peak  # the old path held 8 whole parts (128 MiB)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import math
 import os
 import socket
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,8 @@ MAX_PARTS = 10_000
 FIRST_PART = 16 << 20
 MAX_PART = 128 << 20
 PART_SECONDS = 2.0
+# a part's body is sent in pieces of this size
+PIECE = 256 << 10
 
 
 class PartSizer:
@@ -205,24 +207,19 @@ class Store:
         )
 
 
-class FileRange(io.RawIOBase):
+class FileRange:
     """Bytes [start, stop) of the open local file `fd` as a seekable, read-only stream: a
     part's body, read by the client in pieces (its checksum, its signature, the request)
-    straight from the staging file, never held whole in memory."""
+    straight from the staging file, never held whole in memory. Not an `io.IOBase`: aiohttp
+    sends it as an async iterable, read on the event loop's thread, instead of reading it on
+    executor threads (each of which would keep a malloc arena of freed pieces)."""
 
     def __init__(self, fd: int, start: int, stop: int) -> None:
-        super().__init__()
         self.fd, self.start, self.stop = fd, start, stop
         self.pos = 0
 
     def __len__(self) -> int:
         return self.stop - self.start
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
 
     def tell(self) -> int:
         return self.pos
@@ -232,11 +229,18 @@ class FileRange(io.RawIOBase):
         self.pos = max(0, base + offset)
         return self.pos
 
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = os.preadv(self.fd, [view[: max(0, len(self) - self.pos)]], self.start + self.pos)
-        self.pos += n
-        return n
+    def read(self, n: int = -1) -> bytes:
+        left = max(0, len(self) - self.pos)
+        data = os.pread(self.fd, left if n < 0 else min(n, left), self.start + self.pos)
+        self.pos += len(data)
+        return data
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._pieces()
+
+    async def _pieces(self) -> AsyncIterator[bytes]:
+        while piece := self.read(PIECE):
+            yield piece
 
 
 @dataclass
