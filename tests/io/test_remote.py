@@ -122,7 +122,9 @@ def test_a_large_copy_is_streamed_not_held(s3_server: S3Server, tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_wrong_credentials_and_a_missing_bucket(s3_server: S3Server) -> None:
+def test_wrong_credentials_and_a_missing_bucket(
+    s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     bucket = s3_server.bucket("remote-errors")
     s3_server.fs().pipe(f"{bucket}/x", b"abc")
     wrong = {**s3_server.storage_options, "secret": "the-wrong-secret-key"}
@@ -131,6 +133,15 @@ def test_wrong_credentials_and_a_missing_bucket(s3_server: S3Server) -> None:
         obj.read(3, 0)
     assert err.value.message.startswith(f"s3://{bucket}/x: access denied")
     assert "the-wrong-secret-key" not in str(err.value)
+    # a streamed copy in parts (one at a time): the first failed part is the one error
+    monkeypatch.setattr(remote, "PART_BYTES", 1)
+    monkeypatch.setattr(remote, "PARALLEL", 1)
+    out = os.open(tmp_path / "copy", os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(StorageError, match="access denied"):
+            obj.copy_to(out, 0, 0, 3)
+    finally:
+        os.close(out)
     gone = RemoteObject(filesystem(s3_server.storage_options), RemoteURI("no-such-bucket", "x"), 3)
     with pytest.raises(StorageError, match="no such bucket"):
         gone.read(3, 0)

@@ -272,15 +272,28 @@ class RemoteObject:
         import asyncio
 
         gate = asyncio.Semaphore(PARALLEL)
+        failed: list[BaseException] = []
 
         async def part(start: int) -> int:
             async with gate:
-                return await self._part(start, min(end, start + PART_BYTES), sink)
+                if failed:  # a part failed: start no more
+                    return 0
+                try:
+                    return await self._part(start, min(end, start + PART_BYTES), sink)
+                except BaseException as exc:
+                    failed.append(exc)
+                    raise
 
-        got = await asyncio.gather(*(part(s) for s in range(offset, end, PART_BYTES)))
+        # every part started has ended before this returns (none writes into the sink later)
+        got = await asyncio.gather(
+            *(part(s) for s in range(offset, end, PART_BYTES)), return_exceptions=True
+        )
+        if failed:
+            raise failed[0]
         # the bytes up to the first short part (the object ended there)
         total = 0
         for start, n in zip(range(offset, end, PART_BYTES), got, strict=True):
+            assert isinstance(n, int)
             total += n
             if n < min(end, start + PART_BYTES) - start:
                 break
