@@ -26,17 +26,27 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "cli/merge_lora.py": "tests/cli/test_merge_lora_cli.py: named after the command",
     "cli/merge_rank.py": "tests/merge/test_distributed.py: the entry of each torchrun merge rank",
     "cli/merge_sharded_fsdp_weights.py": "tests/cli/test_merge_cli.py: named after the command",
+    "cli/preprocess.py": "tests/cli/test_preprocess_cli.py: named after the command",
     "cli/train.py": "tests/cli/test_train_cli.py: named after the command",
     "cli/train_rank.py": "tests/train/test_launch.py: the entry of each torchrun training rank",
     "config/axolotl_keys.py": "tests/config/test_axolotl.py: the key table, with its users",
     "config/errors.py": "tests/config/test_loader.py: pydantic errors as the user's key lines",
     "config/peft.py": "tests/merge/test_lora_checkpoint.py: the LoraConfig training and merge share",
+    "formats/accelerate_bin/format.py": "tests/formats/accelerate_bin/test_accelerate_bin.py: "
+    "the row on real saves (test_format.py would clash)",
     "formats/base.py": "tests/formats/test_contract.py: the protocol, run on every row",
     "formats/dcp/chunks.py": "tests/formats/dcp/test_metadata.py: chunk reads on real chunks",
     "formats/dcp/format.py": "tests/formats/test_contract.py: the DCP row of the contract",
     "formats/dcp/pickles.py": "tests/formats/dcp/test_dcp_pickles.py: test_pickles.py would clash",
     "formats/dcp/reference.py": "tests/formats/test_contract.py: the reference reader per row",
     "formats/dcp/source.py": "tests/formats/test_sources.py: DCP sources beside the others",
+    "formats/dcp_ranks/format.py": "tests/formats/dcp_ranks/test_rank_metadata.py: the row on "
+    "real saves (test_format.py would clash)",
+    "formats/dcp_safetensors/format.py": "tests/formats/dcp_safetensors/test_sharded.py: the "
+    "row on real saves, both forms (test_format.py would clash)",
+    "formats/dcp_safetensors/names.py": "tests/formats/dcp_safetensors/test_sharded.py: the "
+    "shard file names (incomplete and mixed saves)",
+    "formats/dcp_safetensors/reference.py": "tests/formats/test_contract.py: the reference per row",
     "formats/rankfiles/format.py": "tests/formats/test_contract.py: the rank-files row",
     "formats/rankfiles/names.py": "tests/formats/rankfiles/test_rank_file.py: the file names",
     "formats/rankfiles/pickles.py": "tests/formats/rankfiles/test_rank_pickles.py: name clash",
@@ -75,6 +85,8 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "sinks/safetensors_files.py": "tests/formats/dcp/test_metadata.py: files filled from chunks",
     "train/saving.py": "tests/train/test_checkpointing.py: saves, async saves and rotation",
     "train/torchrun.py": "tests/train/test_launch.py: the torchrun command line",
+    "use/model.py": "tests/use/test_use_model.py: test_model.py is tests/train/'s name",
+    "use/request.py": "tests/use/test_use_request.py: test_request.py is tests/merge/'s name",
 }
 
 
@@ -108,3 +120,14 @@ def test_every_entry_is_still_true() -> None:
         if not (ROOT / test_file).is_file() or not reason:
             wrong.append(f"{module}: name an existing test file and a reason, 'FILE: why'")
     assert not wrong, "\n".join(wrong)
+
+
+def test_test_file_names_are_unique() -> None:
+    """pytest imports a test file by its base name (no packages under tests/): two files of one
+    name clash ("import file mismatch"), and spawned ranks unpickle a function from the wrong
+    one."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(path.relative_to(ROOT).as_posix())
+    clashes = [" and ".join(paths) for paths in seen.values() if len(paths) > 1]
+    assert not clashes, "rename one of: " + "; ".join(clashes)

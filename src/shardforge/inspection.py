@@ -24,7 +24,7 @@ from shardforge.formats.dcp.format import DISTCP_FILE, state_summary
 from shardforge.formats.dcp.metadata import METADATA_FILE, read_metadata
 from shardforge.formats.lightning_meta import read_lightning_meta
 from shardforge.formats.rankfiles.names import parse_rank_name
-from shardforge.formats.registry import detect
+from shardforge.formats.registry import detect, looked_for
 from shardforge.io.copy import fact_session
 from shardforge.io.mirror import mirrored
 from shardforge.io.remote import is_remote
@@ -247,10 +247,8 @@ def read_contents(model_dir: Path) -> Contents:
     """What the folder's format describes, with the optimizer state the layout keeps beside it."""
     fmt = detect(model_dir)
     if fmt is None:
-        raise CheckpointError(
-            f"{model_dir}: neither a DCP directory (.metadata) nor a folder of "
-            "model_world_size_<W>_rank_<R>.pt files"
-        )
+        looked = [f"- {what}" for what in looked_for()]
+        raise CheckpointError(f"{model_dir}: not a sharded checkpoint; looked for:", looked)
     contents = fmt.describe(model_dir)
     if contents.optimizer is None:
         contents = replace(contents, optimizer=_beside_optimizer(model_dir))

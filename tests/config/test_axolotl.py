@@ -73,7 +73,7 @@ def test_ignored_keys_get_one_notice(tmp_path: Path, caplog: pytest.LogCaptureFi
         {
             "base_model": "m",
             "use_comet": True,
-            "dataset_prepared_path": "last_run_prepared",
+            "dataset_num_proc": 4,
             "strict": True,
         },
     )
@@ -81,7 +81,7 @@ def test_ignored_keys_get_one_notice(tmp_path: Path, caplog: pytest.LogCaptureFi
         load_cfg(p, command="train")
     lines = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert len(lines) == 1, caplog.text
-    for key in ("use_comet", "dataset_prepared_path", "strict"):
+    for key in ("use_comet", "dataset_num_proc", "strict"):
         assert key in lines[0]
 
 

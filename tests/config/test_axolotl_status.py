@@ -103,5 +103,5 @@ def test_the_table_is_large_and_classified() -> None:
     assert statuses == {"implemented", "ignored", "unsupported"}
     for key in ("load_in_4bit", "rl", "plugins", "deepspeed", "early_stopping_patience"):
         assert TOP_LEVEL[key].status == "unsupported", key
-    for key in ("use_comet", "dataset_prepared_path", "strict"):
+    for key in ("use_comet", "dataset_num_proc", "strict"):
         assert TOP_LEVEL[key].status == "ignored", key

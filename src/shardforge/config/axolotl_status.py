@@ -168,7 +168,7 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "dataset_exact_deduplication": _u("dataset deduplication"),
     "dataset_keep_in_memory": _g(_PREPROCESS),
     "dataset_num_proc": _g(_PREPROCESS),
-    "dataset_prepared_path": _g(_PREPROCESS),
+    "dataset_prepared_path": _i("shardforge preprocess writes it, train reuses it"),
     "dataset_processes": _g(_PREPROCESS),
     "dataset_shard_idx": _u("training on one shard of the data"),
     "dataset_shard_num": _u("training on one shard of the data"),

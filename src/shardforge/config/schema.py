@@ -245,6 +245,13 @@ class ShardforgeConfig(ConfigView):
         "needs an attn_implementation that honours them: eager, sdpa, flex_attention, "
         "flash_attention_2/3).",
     )
+    dataset_prepared_path: str | None = Field(
+        None,
+        description="Folder of prepared data sets (tokenized, templated, masked, packed), one "
+        "sub-folder per hash of the data files, the tokenizer and the keys that change "
+        "tokens: `shardforge preprocess` writes it, `train` reuses a matching one (else "
+        "prepares and writes it, saying why). null: train prepares the data in memory.",
+    )
     micro_batch_size: int = Field(1, gt=0, description="Sequences per rank per forward pass.")
     gradient_accumulation_steps: int = Field(
         1, gt=0, description="Micro-batches accumulated per optimizer step."

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 from shardforge.errors import MergeError
-from shardforge.io.dtypes import DTYPE_NAMES, dtype_name, is_dtype, torch_dtype
+from shardforge.io.dtypes import DTYPE_NAMES, dtype_info, dtype_name, is_dtype, torch_dtype
 from shardforge.sinks.plan import TensorSpec
 
 if TYPE_CHECKING:
@@ -75,7 +75,11 @@ def config_dtype(config: Any) -> torch.dtype | None:
 
 
 def output_dtype(saved: torch.dtype, target: torch.dtype | None) -> torch.dtype:
-    return target if target is not None and saved.is_floating_point else saved
+    """`target` for a plain floating tensor; any other (integer, bool, float8 and packed
+    quantized weights) keeps its stored dtype."""
+    row = dtype_info(saved)
+    castable = row.kind == "float" if row is not None else saved.is_floating_point
+    return target if target is not None and castable else saved
 
 
 def main_dtype(specs: list[TensorSpec]) -> torch.dtype | None:

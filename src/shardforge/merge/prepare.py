@@ -31,6 +31,7 @@ from shardforge.io.mirror import remote_target
 from shardforge.keymap.keys import KeyMap, check_tied_copies, is_optimizer_key, map_keys
 from shardforge.keymap.lora import has_lora
 from shardforge.keymap.names import adapt_names
+from shardforge.keymap.quantized import kept_as_stored
 from shardforge.layouts.catalog import Candidate, check_model_keys
 from shardforge.merge.check import ExpectedModel, build_expected, check_against
 from shardforge.merge.check import load_config as load_model_config
@@ -63,8 +64,7 @@ class Prepared:
 def _open_named(candidate: Candidate, config: Any) -> dict[str, NamedSource]:
     """The candidate's tensors by checkpoint key, with their original paths."""
     opened = open_checkpoint(candidate.kind, candidate.model_dir)
-    if candidate.kind == DCP:
-        check_model_keys(candidate.model_dir, list(opened))
+    check_model_keys(candidate.model_dir, list(opened))
     return adapt_names(candidate.adapter, candidate.model_dir, opened, config)
 
 
@@ -75,7 +75,7 @@ def _hf_sources(
     source: str,
 ) -> tuple[KeyMap, dict[str, TensorSource]]:
     """The candidate's tensors under HF names, checked against the architecture."""
-    keymap = map_keys({k: n.path for k, n in named.items()}, expected.shapes)
+    keymap = map_keys({k: n.path for k, n in named.items()}, expected.accepted)
     try:
         check_against(expected, named, keymap.to_hf, list(keymap.unexpected), source)
     except MergeError as exc:
@@ -117,19 +117,23 @@ def prepare(
         log.info("averaging %d checkpoints: %s", len(inputs), ", ".join(map(label, inputs)))
     else:
         by_name = per_input[0][1]
+    plain = len(inputs) == 1 and all(
+        isinstance(src, DcpSource) and src.fmt == DCP and src.entry.key == key
+        for key, src in ((k, by_name[hf]) for k, hf in keymap.to_hf.items())
+    )
+    by_name = expected.to_saved(by_name)  # under the names save_pretrained writes
     wanted = parse_dtype(request.dtype)
     target = config_dtype(config) if wanted == "config" else wanted
     assert target != "config"
+    kept = kept_as_stored({n: by_name[n].dtype for n in expected.saved_names})
     specs = [
-        TensorSpec(n, output_dtype(by_name[n].dtype, target), by_name[n].shape)
+        TensorSpec(
+            n, output_dtype(by_name[n].dtype, None if n in kept else target), by_name[n].shape
+        )
         for n in expected.saved_names
     ]
     shard = None if request.single_file else request.max_shard_size or default_max_shard_size()
     plan = plan_output(specs, shard, expected.total_parameters)
-    plain = len(inputs) == 1 and all(
-        isinstance(src, DcpSource) and src.entry.key == key
-        for key, src in ((k, by_name[hf]) for k, hf in keymap.to_hf.items())
-    )
     return Prepared(sources, expected, keymap, by_name, plan, main_dtype(specs), plain)
 
 
@@ -148,6 +152,11 @@ def prepare_lora(
 
     if len(opened) > 1:
         raise MergeError("averaging LoRA checkpoints is not supported; merge one step")
+    if expected.renamed_on_save:
+        raise MergeError(
+            f"{sources.config}: this architecture is saved under other names than it uses in "
+            "memory (transformers weight conversion); its LoRA checkpoints are not merged yet"
+        )
     model_dir = sources.checkpoint.model_dir
     named = {k: n.source for k, n in opened[0].items() if not is_optimizer_key(n.path)}
     lora = open_lora(named, model_dir, cfg, expected)

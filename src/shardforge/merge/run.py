@@ -85,11 +85,6 @@ def _checked(
     check = check_output_file if request.single_file else check_output_path
     out = request.output_path or default_output(prep.sources.checkpoint.model_dir)
     check(out, request.overwrite, [c.model_dir for c in prep.sources.inputs])
-    if request.engine == "stream" and prep.expected.renamed_on_save:
-        raise MergeError(
-            f"{prep.sources.config}: this architecture is saved under other names than it uses "
-            "in memory (transformers weight conversion); merge it with --engine transformers"
-        )
     if request.engine != "stream" and not prep.plain_dcp:
         raise MergeError("--engine transformers reads plain DCP checkpoints only")
     if removal is not None and removal.model_dir != prep.sources.checkpoint.model_dir.absolute():

@@ -33,12 +33,12 @@ from shardforge.train.data import (
     IGNORE_INDEX,
     Sample,
     Sequences,
-    data_files,
     load_samples,
     model_inputs,
     pad_token_id,
     to_sequences,
 )
+from shardforge.train.readers import data_files
 from shardforge.train.runtime import Runtime
 
 log = logging.getLogger("shardforge")
