@@ -11,6 +11,7 @@ import torch
 
 from shardforge.errors import MergeError, printable
 from shardforge.keymap.keys import stored_once, tied_pairs
+from shardforge.sinks.cast import KeepPattern, model_keep_patterns
 
 log = logging.getLogger("shardforge")
 
@@ -27,6 +28,7 @@ class ExpectedModel:
     tied: dict[str, str]  # target (dropped on save) -> source (kept)
     total_parameters: int
     renamed_on_save: bool = False  # transformers 5.x weight conversion changes names on disk
+    keep: tuple[KeepPattern, ...] = ()  # what the model class keeps in float32 (sinks.cast)
 
     @property
     def saved_names(self) -> list[str]:
@@ -73,7 +75,8 @@ def build_expected(config: Any, trust_remote_code: bool) -> ExpectedModel:
     dtypes = {k: v.dtype for k, v in sd.items()}
     tied = tied_pairs(model, config)
     total = sum(p.numel() for p in model.parameters())
-    return ExpectedModel(config, shapes, dtypes, tied, total, _renamed_on_save(model, sd))
+    renamed = _renamed_on_save(model, sd)
+    return ExpectedModel(config, shapes, dtypes, tied, total, renamed, model_keep_patterns(model))
 
 
 def _renamed_on_save(model: Any, state_dict: dict[str, torch.Tensor]) -> bool:

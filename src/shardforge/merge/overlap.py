@@ -60,7 +60,7 @@ from shardforge.io.copy import (
     fact_session,
     pwrite_all,
 )
-from shardforge.io.dtypes import DTYPE_NAMES, dtype_name, lookup_dtype
+from shardforge.io.dtypes import dtype_name, lookup_dtype
 from shardforge.io.fs import preallocate
 from shardforge.io.publish import (
     _fresh_temp_sibling,
@@ -71,9 +71,10 @@ from shardforge.io.publish import (
 from shardforge.keymap.keys import clean_name, is_optimizer_key, looks_like_torchtitan
 from shardforge.keymap.lora import has_lora
 from shardforge.layouts.catalog import Candidate
-from shardforge.merge.dtypes import CONFIG_DTYPE_KEYS, config_dtype_name, dtype_choice_name
+from shardforge.merge.dtypes import dtype_choice_name
 from shardforge.merge.locate import checkpoint_root, merge_sources, pick_inputs
 from shardforge.merge.request import OPTION_NAMES, MergeRequest
+from shardforge.sinks.cast import CONFIG_DTYPE_KEYS, cast_rules, config_dtype_name, decide
 from shardforge.sinks.plan import OutputPlan, PlannedFile, TensorSpec, layout_files
 
 if TYPE_CHECKING:
@@ -157,6 +158,7 @@ def _guess(
     config_source: str,
     dtype: DtypeChoice,
     max_shard_size: int | str | None,
+    keep: Sequence[str] = (),
 ) -> Guess | None:
     """The output plan from the checkpoint's metadata and config.json alone; None when the
     checkpoint is not a plain one this guess covers (the merge then copies as always)."""
@@ -187,16 +189,11 @@ def _guess(
         if "lm_head.weight" not in entries:
             return None  # the prefix cannot be told apart from the model's own names
         del entries["lm_head.weight"]  # stored once, under the embedding
-    specs = [
-        TensorSpec(n, target if target is not None and _floating(e.dtype) else e.dtype, e.shape)
-        for n, e in entries.items()
-    ]
+    # the merge's own cast rules; the model class's keep list is not known before transformers
+    # is imported (a model that has one makes this guess wrong: `accept` finds it)
+    rules = cast_rules(target, keep)
+    specs = [TensorSpec(n, decide(n, e.dtype, rules).dtype, e.shape) for n, e in entries.items()]
     return Guess(guess_plan(specs, shard), entries)
-
-
-def _floating(dtype: Any) -> bool:
-    known = DTYPE_NAMES.get(dtype_name(dtype))
-    return known is not None and known.is_floating_point
 
 
 @dataclass(frozen=True)
@@ -210,6 +207,7 @@ class CopyTarget:
     overwrite: bool
     dtype: DtypeChoice
     max_shard_size: int | str | None
+    keep: tuple[str, ...] = ()  # --keep_dtype
 
 
 class EarlyCopy:
@@ -257,7 +255,7 @@ class EarlyCopy:
             self.outcome = "not a plain DCP checkpoint (or no output folder yet)"
             return None
         try:
-            guess = _guess(candidate, t.config_source, t.dtype, t.max_shard_size)
+            guess = _guess(candidate, t.config_source, t.dtype, t.max_shard_size, t.keep)
         except Exception as exc:
             self._gave_up(exc)
             return None
@@ -432,11 +430,14 @@ def early_copy(
     overwrite: bool,
     dtype: DtypeChoice,
     max_shard_size: int | str | None,
+    keep: Sequence[str] = (),
 ) -> Iterator[EarlyCopy | None]:
     """An `EarlyCopy` for the block (the head start's, when it was started for this merge), or
     None when turned off; whatever it wrote and was not moved into the output is removed when
     the block ends, however it ends."""
-    target = CopyTarget(candidate, config_source, out, overwrite, dtype, max_shard_size)
+    target = CopyTarget(
+        candidate, config_source, out, overwrite, dtype, max_shard_size, tuple(keep)
+    )
     early = _take_head_start(target)
     if not ENABLED:
         if early is not None:
@@ -480,6 +481,7 @@ def _head_start_copy(
             request.overwrite,
             dtype,
             request.max_shard_size,
+            tuple(request.keep_dtype),
         )
     )
 
