@@ -17,6 +17,8 @@ from helpers.tiny import TINY_CONFIGS
 
 MODEL_TYPE = "tiny_keep"
 FP8_WEIGHT = "model.layers.0.mlp.down_proj.weight"
+# stored as a transposed view: its record is not one contiguous slab (copied through memory)
+STRIDED = "model.layers.0.self_attn.o_proj.weight"
 KEPT = "router.weight"
 INT_BUFFER = "router_calls"
 # the classes, once registered in this process
@@ -49,20 +51,22 @@ def keep_classes() -> tuple[type, type]:
     return _REGISTERED[0]
 
 
-def make_keep_checkpoint(root: Path) -> tuple[Path, Path]:
+def make_keep_checkpoint(root: Path, seed: int = 0) -> tuple[Path, Path]:
     """A base directory (config.json of the registered class) and a DCP checkpoint of the model
-    with `FP8_WEIGHT` stored as float8_e4m3fn (the rest float32, `INT_BUFFER` int64)."""
+    with `FP8_WEIGHT` stored as float8_e4m3fn (the rest float32, `INT_BUFFER` int64), and
+    `STRIDED` stored transposed in memory (same values)."""
     import torch
     import torch.distributed.checkpoint as dcp
 
     config_cls, model_cls = keep_classes()
     config = config_cls(vocab_size=320, bos_token_id=1, eos_token_id=2, **TINY_CONFIGS["llama"])
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = model_cls(config)
     base = root / "base"
     config.save_pretrained(base)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     state[FP8_WEIGHT] = state[FP8_WEIGHT].to(torch.float8_e4m3fn)
+    state[STRIDED] = state[STRIDED].t().contiguous().t()
     ckpt = root / "checkpoint"
     dcp.save(state, checkpoint_id=ckpt, no_dist=True)
     torch.save(state, root / "state.pt")  # what was saved, to compare the merge with

@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "merge-sharded-fsdp-weights": "merge_sharded_fsdp_weights",
     "merge-lora": "merge_lora",
     "inspect": "inspect",
+    "verify": "verify",
 }
 
 SUMMARIES: dict[str, str] = {
@@ -34,6 +35,7 @@ SUMMARIES: dict[str, str] = {
     "merge-sharded-fsdp-weights": "Merge a sharded FSDP checkpoint into a Hugging Face model.",
     "merge-lora": "Fuse a PEFT LoRA adapter into its base model: a Hugging Face model, streamed.",
     "inspect": "Describe a sharded checkpoint: layout, steps, world size, tensors, optimizer.",
+    "verify": "Check a merged model directory against its shardforge-manifest.json.",
 }
 
 

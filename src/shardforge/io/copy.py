@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 from collections import OrderedDict
@@ -33,8 +34,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from shardforge.errors import CheckpointError
+from shardforge.io.digest import FileHash, hash_of
 from shardforge.io.dtypes import torch_ready
-from shardforge.io.files import open_regular
+from shardforge.io.files import open_regular, read_exact_into
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +46,8 @@ T = TypeVar("T")
 MAX_COPY_THREADS = 4
 # one copy_file_range call (or one bounded read + write where it is unsupported) moves at most this
 COPY_BLOCK = 64 << 20
+# a copy into a hashed output file goes through memory in blocks of this many bytes per thread
+HASH_BLOCK = 8 << 20
 # Never prefetch more than this share of the memory the kernel reports as available.
 PREFETCH_SHARE_OF_AVAILABLE = 0.5
 
@@ -188,14 +192,22 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of `data` at `offset` of `fd` (and feed the file's hash, if it has one)."""
     view = data.cast("B")
+    h = hash_of(fd)
+    if h is not None:
+        h.feed(offset, view)
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
 
 
 def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
-    """Copy bytes file to file, in the kernel where possible."""
+    """Copy bytes file to file, in the kernel where possible; through a bounded buffer when
+    the output file is hashed (`io.digest.hashing`: the hash needs the bytes)."""
+    if hash_of(dst) is not None:
+        _through_buffer(src, dst, src_off, dst_off, count, None)
+        return
     while count > 0:
         try:
             n = os.copy_file_range(src, dst, min(count, COPY_BLOCK), src_off, dst_off)
@@ -210,6 +222,44 @@ def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> No
             pwrite_all(dst, memoryview(data), dst_off)
             n = len(data)
         src_off, dst_off, count = src_off + n, dst_off + n, count - n
+
+
+class _Block(threading.local):
+    """Each copy thread's read buffer, allocated once and reused block after block."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def take(self, n: int) -> memoryview:
+        if len(self.buf) < n:
+            self.buf = bytearray(n)
+        return memoryview(self.buf)[:n]
+
+
+_block = _Block()
+
+
+def _through_buffer(
+    src: int, dst: int, src_off: int, dst_off: int, count: int, in_turn: FileHash | None
+) -> None:
+    """Copy through this thread's buffer, block by block: read, hash, write. `in_turn`: hand
+    each block to that hash in file order (`FileHash.feed_in_turn`), else `pwrite_all` feeds
+    the output's hash."""
+    while count > 0:
+        view = _block.take(min(count, HASH_BLOCK))
+        read_exact_into(src, view, src_off, "a data file")
+        if in_turn is not None:
+            in_turn.feed_in_turn(dst_off, view)
+            _write_plain(dst, view, dst_off)
+        else:
+            pwrite_all(dst, view, dst_off)
+        src_off, dst_off, count = src_off + len(view), dst_off + len(view), count - len(view)
+
+
+def _write_plain(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def available_memory() -> int:
@@ -258,6 +308,28 @@ def _run(job: CopyJob, copy: Callable[[int, int, int, int, int], None]) -> None:
         os.close(fd)
 
 
+def write_order(job: CopyJob) -> tuple[int, int]:
+    """Jobs that feed their output file's hash run in the order of their output bytes."""
+    return job.dst_fd, job.dst_offset
+
+
+def _in_turn(jobs: Sequence[CopyJob]) -> FileHash | None:
+    """The hash of the one output file the jobs fill, when they cover a contiguous range from
+    where that hash stands (then they hand it their blocks in turn, on several threads); None
+    when the output is not hashed, or the jobs leave gaps (then each block is kept until its
+    turn: `FileHash.feed`)."""
+    fds = {job.dst_fd for job in jobs}
+    h = hash_of(next(iter(fds))) if len(fds) == 1 else None
+    if h is None:
+        return None
+    at = h.frontier
+    for job in sorted(jobs, key=write_order):
+        if job.dst_offset != at:
+            return None
+        at += job.nbytes
+    return h
+
+
 def read_order(job: CopyJob) -> tuple[str, int]:
     """Jobs run in the order of their source bytes: each data file is read front to back, as
     `cp` reads it, whatever order the output wants its tensors in (the kernel's read-ahead
@@ -288,14 +360,27 @@ def copy_jobs(
     `read_order` on `threads` threads (default `copy_threads()`), reporting each job's bytes to
     `progress` once it is done (in that order). `stop` is asked before every job: True skips
     the jobs not started yet, and then this returns False. The first error is raised once the
-    copies already running have finished."""
-    ordered = sorted(jobs, key=read_order)
+    copies already running have finished.
+
+    Jobs that fill a hashed output file (`io.digest.hashing`) contiguously instead run in
+    `write_order` and copy through each thread's buffer: read, hand the block to the file's
+    hash in turn, write (the hash runs on these threads, as the bytes pass)."""
+    in_turn = _in_turn(jobs)
+    ordered = sorted(jobs, key=read_order if in_turn is None else write_order)
     n = copy_threads() if threads is None else threads
+    runner = copy if in_turn is None else functools.partial(_through_buffer, in_turn=in_turn)
 
     def one(job: CopyJob) -> bool:
         if stop is not None and stop():
+            if in_turn is not None:
+                in_turn.abort("the copy was stopped")
             return False
-        _run(job, copy)
+        try:
+            _run(job, runner)
+        except BaseException as exc:
+            if in_turn is not None:  # the jobs after this one wait for its bytes: release them
+                in_turn.abort(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            raise
         return True
 
     if n <= 1 or len(ordered) <= 1:

@@ -60,6 +60,7 @@ from shardforge.io.copy import (
     fact_session,
     pwrite_all,
 )
+from shardforge.io.digest import FileHash, hashing
 from shardforge.io.dtypes import dtype_name, lookup_dtype
 from shardforge.io.fs import preallocate
 from shardforge.io.publish import (
@@ -75,6 +76,7 @@ from shardforge.merge.dtypes import dtype_choice_name
 from shardforge.merge.locate import checkpoint_root, merge_sources, pick_inputs
 from shardforge.merge.request import OPTION_NAMES, MergeRequest
 from shardforge.sinks.cast import CONFIG_DTYPE_KEYS, cast_rules, config_dtype_name, decide
+from shardforge.sinks.manifest import new_hashes
 from shardforge.sinks.plan import OutputPlan, PlannedFile, TensorSpec, layout_files
 
 if TYPE_CHECKING:
@@ -222,6 +224,8 @@ class EarlyCopy:
         self.planned: OutputPlan | None = None  # the guessed plan (None: no early copy)
         self.guess: Guess | None = None  # set once every early byte is copied
         self.copied: dict[str, list[FileSlab]] = {}  # output name -> the slabs copied
+        # file name -> its hash so far (None: no manifest; `io.digest`)
+        self.hashes: dict[str, FileHash] | None = new_hashes()
         self.outcome = "running"
         self.started = False  # `start` was called
         self._began = threading.Event()  # the copy's thread runs
@@ -296,29 +300,43 @@ class EarlyCopy:
         self, pf: PlannedFile, entries: Mapping[str, TensorEntry], reader: ReadCache
     ) -> dict[str, list[FileSlab]] | None:
         """Copy what `pf` can take file to file; the slabs copied per tensor, None when the
-        copy was discarded before it ended."""
+        copy was discarded before it ended. With a manifest, the file's hash is fed as it is
+        written (`io.digest`): the tensors before the first one left to the merge are copied
+        through memory in file order and hashed; those after it are copied in the kernel and
+        hashed from their source once the merge has written what lies before them."""
         assert self.directory is not None
         copied: dict[str, list[FileSlab]] = {}
         fd = os.open(self.directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        h = FileHash() if self.hashes is not None else None
         try:
             preallocate(fd, pf.size)
-            pwrite_all(fd, memoryview(pf.header), 0)
-            jobs: list[CopyJob] = []
+            lead: list[CopyJob] = []  # before the first gap: hashed as they are copied
+            later: list[CopyJob] = []  # after it
+            gap = False
             for planned in pf.tensors:
                 entry = entries[planned.spec.name]
                 same = dtype_name(entry.dtype) == dtype_name(planned.spec.dtype)
                 slabs = entry_slabs(entry, reader) if same else None
                 if slabs is None:
+                    gap = True  # left to the merge
                     continue
                 copied[planned.spec.name] = slabs
-                jobs += [
+                (later if gap else lead).extend(
                     CopyJob(s.path, s.src_offset, fd, planned.offset + s.dst_offset, s.nbytes)
                     for s in slabs
-                ]
-            if not copy_jobs(jobs, copy_range, stop=self._stop.is_set):
+                )
+            with hashing(fd, h):
+                pwrite_all(fd, memoryview(pf.header), 0)
+                if not copy_jobs(lead, copy_range, stop=self._stop.is_set):
+                    return None
+            if not copy_jobs(later, copy_range, stop=self._stop.is_set):
                 return None
         finally:
             os.close(fd)
+        if h is not None and self.hashes is not None:
+            for job in later:
+                h.defer(job.dst_offset, job.src, job.src_offset, job.nbytes)
+            self.hashes[pf.name] = h
         return copied
 
     def accept(self, plan: OutputPlan, sources: Mapping[str, TensorSource]) -> bool:
@@ -355,15 +373,16 @@ class EarlyCopy:
                     return f"another source for {name}"
         return None
 
-    def take(self, directory: Path) -> dict[str, list[FileSlab]]:
+    def take(self, directory: Path) -> tuple[dict[str, list[FileSlab]], dict[str, FileHash] | None]:
         """Move the accepted files into the merge's hidden output directory; the slabs they
-        hold (the sink writes the rest: `sinks.safetensors_files.finish_plan`)."""
+        hold and their hashes so far (the sink writes the rest:
+        `sinks.safetensors_files.finish_plan`)."""
         assert self.guess is not None and self.directory is not None
         for pf in self.guess.plan.files:
             os.rename(self.directory / pf.name, directory / pf.name)
         os.rmdir(self.directory)
         self.directory = None
-        return self.copied
+        return self.copied, self.hashes
 
     def discard(self) -> None:
         """Stop the copy and remove what it wrote (safe to call at any time, more than once)."""
