@@ -9,6 +9,9 @@ contenders run by run:
 - shardforge_Nranks (e.g. shardforge_2ranks): the same with `--nproc_per_node N` (torchrun, gloo)
 - shardforge_dry_run: the same with `--dry_run`: imports, metadata, the meta-device
   architecture, every check and the plan, and no byte written (the merge's fixed start-up cost)
+- shardforge_nomanifest: the same merge with the integrity manifest turned off
+  (`shardforge.sinks.manifest.ENABLED = False`: nothing hashed, the copy in read order): the
+  manifest's extra time is shardforge's over this one's
 - accelerate: `accelerate.utils.merge_fsdp_weights(DIR, OUT)` (the `bench` extra)
 - dcp_to_torch_save: `torch.distributed.checkpoint.format_utils.dcp_to_torch_save(DIR, OUT)`
 - copy: `cp -r` of the checkpoint directory plus `sync` of the copied files (the disk's reference)
@@ -22,6 +25,7 @@ and to the copy.
     python benchmarks/merge_bench.py --size 1GB --repeats 3
     python benchmarks/merge_bench.py --size 4GB --dtype float32 --cache cold
     python benchmarks/merge_bench.py --size 4GB --contenders shardforge --baseline /tmp/old  # vs. a checkout
+    python benchmarks/merge_bench.py --size 4GB --contenders shardforge,shardforge_nomanifest  # the manifest
     python benchmarks/merge_bench.py --size 4GB --contenders copy,shardforge,shardforge_cast,\
         shardforge_2ranks,shardforge_3ranks,shardforge_dry_run,accelerate
 
@@ -264,6 +268,12 @@ SHARDFORGE_VARIANTS = {
     "shardforge_dry_run": ["--dry_run"],
 }
 RANKS_VARIANT = re.compile(r"^shardforge_(\d+)ranks$")
+# shardforge's variants that change a module setting: contender name -> Python run before the
+# command (in the same process, as `python -c`)
+SHARDFORGE_PRELUDES = {
+    "shardforge_nomanifest": "import shardforge.sinks.manifest as m\nm.ENABLED = False",
+}
+SHARDFORGE_VARIANTS["shardforge_nomanifest"] = []
 
 
 def shardforge_options(name: str) -> list[str] | None:
@@ -280,9 +290,12 @@ def command_for(
     merge = ["merge-sharded-fsdp-weights", str(cfg), "--checkpoint", str(ckpt),
              "--output_path", str(out), "--quiet", "--no-save-tokenizer"]  # fmt: skip
     extra = shardforge_options(name)
+    env = ["env", f"PYTHONPATH={Path(source).resolve() / 'src'}"] if source else []
+    if name in SHARDFORGE_PRELUDES:  # the console command's own entry, after the prelude
+        code = f"{SHARDFORGE_PRELUDES[name]}\nfrom shardforge.cli.main import main\nmain()"
+        return [*env, sys.executable, "-c", code, *merge]
     if extra is not None and source:  # a fixed checkout, not the (changing) working tree
-        return ["env", f"PYTHONPATH={Path(source).resolve() / 'src'}", sys.executable, "-m",
-                "shardforge", *merge, *extra]  # fmt: skip
+        return [*env, sys.executable, "-m", "shardforge", *merge, *extra]
     if extra is not None:
         return [str(Path(sys.executable).parent / "shardforge"), *merge, *extra]
     if name == "baseline":  # another checkout's source (e.g. the previous release), same packages

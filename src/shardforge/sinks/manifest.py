@@ -52,12 +52,12 @@ def new_hashes() -> dict[str, FileHash] | None:
 
 def write_manifest(
     directory: Path,
-    hashes: Mapping[str, FileHash] | None,
+    hashes: Mapping[str, FileHash | str] | None,
     sources: Iterable[TensorSource] = (),
 ) -> None:
-    """Write the manifest of `directory` (every other file in it, `hashes` for those hashed as
-    they were written, the identity of what `sources` were read from); nothing when `hashes`
-    is None (`ENABLED` off)."""
+    """Write the manifest of `directory` (every other file in it; `hashes`: the hashes of
+    those hashed as they were written, or their SHA-256 already known; the identity of what
+    `sources` were read from); nothing when `hashes` is None (`ENABLED` off)."""
     if hashes is None:
         return
     files: dict[str, dict[str, Any]] = {}
@@ -65,7 +65,10 @@ def write_manifest(
         name = path.relative_to(directory).as_posix()
         size = path.stat().st_size
         written = hashes.get(name)
-        digest = written.hexdigest(size) if written is not None else _hash_file(path)
+        if written is None:
+            digest = _hash_file(path)
+        else:
+            digest = written if isinstance(written, str) else written.hexdigest(size)
         files[name] = {"size": size, "sha256": digest}
     doc: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
@@ -85,8 +88,15 @@ def canonical(doc: Mapping[str, Any]) -> bytes:
     return json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
 
 
+def hash_files(directory: Path, names: Iterable[str]) -> dict[str, str]:
+    """The SHA-256 of files already written (a merge on several ranks: one file's bytes come
+    from several processes, and SHA-256 is not made of parts)."""
+    return {name: _hash_file(directory / name) for name in names}
+
+
 def _hash_file(path: Path) -> str:
-    """A small file written by another library (config, tokenizer), hashed once written."""
+    """A file hashed once written: a small one written by another library (config,
+    tokenizer), or `hash_files`'."""
     sha = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(READ_BLOCK):
