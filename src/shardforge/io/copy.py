@@ -17,12 +17,18 @@
   bytes pass through Python. The threads leave one core to that start-up: the copy takes kernel
   CPU, and on a 2-core machine 4 threads slowed the overlapped start-up more than they sped
   up the copy (benchmarks/README.md, "Session F: the byte-path profile"), so there it runs on 1.
+  Into an output file whose SHA-256 is computed as it is written (`io.digest.hashing`), the
+  jobs instead run in the order of their output bytes, each block of the source mapped
+  (`mmap`, no copy in this process), handed to the hash in turn and then copied in the kernel:
+  the hash runs on the copy's threads, and no byte is copied twice (measured against reading
+  each block into a buffer and writing it: benchmarks/README.md, "The integrity manifest").
 """
 
 from __future__ import annotations
 
 import errno
 import functools
+import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -36,7 +42,7 @@ from typing import TYPE_CHECKING, TypeVar
 from shardforge.errors import CheckpointError
 from shardforge.io.digest import FileHash, hash_of
 from shardforge.io.dtypes import torch_ready
-from shardforge.io.files import open_regular, read_exact_into
+from shardforge.io.files import open_regular
 
 if TYPE_CHECKING:
     import torch
@@ -46,8 +52,9 @@ T = TypeVar("T")
 MAX_COPY_THREADS = 4
 # one copy_file_range call (or one bounded read + write where it is unsupported) moves at most this
 COPY_BLOCK = 64 << 20
-# a copy into a hashed output file goes through memory in blocks of this many bytes per thread
-HASH_BLOCK = 8 << 20
+# a copy into a hashed output file is hashed from a mapping of its source, this many bytes at a
+# time per thread (what one thread holds mapped)
+HASH_BLOCK = 16 << 20
 # Never prefetch more than this share of the memory the kernel reports as available.
 PREFETCH_SHARE_OF_AVAILABLE = 0.5
 
@@ -203,11 +210,17 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
-    """Copy bytes file to file, in the kernel where possible; through a bounded buffer when
-    the output file is hashed (`io.digest.hashing`: the hash needs the bytes)."""
-    if hash_of(dst) is not None:
-        _through_buffer(src, dst, src_off, dst_off, count, None)
-        return
+    """Copy bytes file to file, in the kernel where possible; into a hashed output file
+    (`io.digest.hashing`), each block is hashed from a mapping of the source first."""
+    h = hash_of(dst)
+    if h is not None:
+        _hash_and_copy(src, dst, src_off, dst_off, count, h, in_turn=False)
+    else:
+        _kernel_copy(src, dst, src_off, dst_off, count)
+
+
+def _kernel_copy(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
+    """`copy_file_range` (or a bounded read + write where it is unsupported)."""
     while count > 0:
         try:
             n = os.copy_file_range(src, dst, min(count, COPY_BLOCK), src_off, dst_off)
@@ -219,41 +232,31 @@ def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> No
             data = os.pread(src, min(count, COPY_BLOCK), src_off)
             if not data:
                 raise CheckpointError("unexpected end of a data file while copying")
-            pwrite_all(dst, memoryview(data), dst_off)
+            _write_plain(dst, memoryview(data), dst_off)
             n = len(data)
         src_off, dst_off, count = src_off + n, dst_off + n, count - n
 
 
-class _Block(threading.local):
-    """Each copy thread's read buffer, allocated once and reused block after block."""
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-
-    def take(self, n: int) -> memoryview:
-        if len(self.buf) < n:
-            self.buf = bytearray(n)
-        return memoryview(self.buf)[:n]
-
-
-_block = _Block()
-
-
-def _through_buffer(
-    src: int, dst: int, src_off: int, dst_off: int, count: int, in_turn: FileHash | None
+def _hash_and_copy(
+    src: int, dst: int, src_off: int, dst_off: int, count: int, h: FileHash, in_turn: bool
 ) -> None:
-    """Copy through this thread's buffer, block by block: read, hash, write. `in_turn`: hand
-    each block to that hash in file order (`FileHash.feed_in_turn`), else `pwrite_all` feeds
-    the output's hash."""
+    """Copy into a hashed output, block by block: the source's block is mapped and hashed
+    (no copy of it in this process), then copied in the kernel. `in_turn`: the block waits for
+    its turn in the file (`FileHash.feed_in_turn`: copy jobs in file order on several
+    threads), else it is kept until then (`FileHash.feed`)."""
+    size = os.fstat(src).st_size
+    if src_off + count > size:  # mapped bytes past the end would be a SIGBUS, not an error
+        raise CheckpointError(
+            f"a data file ends at byte {size}, before the {count} bytes at {src_off} to copy"
+        )
     while count > 0:
-        view = _block.take(min(count, HASH_BLOCK))
-        read_exact_into(src, view, src_off, "a data file")
-        if in_turn is not None:
-            in_turn.feed_in_turn(dst_off, view)
-            _write_plain(dst, view, dst_off)
-        else:
-            pwrite_all(dst, view, dst_off)
-        src_off, dst_off, count = src_off + len(view), dst_off + len(view), count - len(view)
+        n = min(count, HASH_BLOCK)
+        start = src_off - src_off % mmap.ALLOCATIONGRANULARITY
+        mapped = mmap.mmap(src, n + src_off - start, mmap.MAP_SHARED, mmap.PROT_READ, offset=start)
+        with mapped, memoryview(mapped)[src_off - start :] as block:
+            (h.feed_in_turn if in_turn else h.feed)(dst_off, block)
+        _kernel_copy(src, dst, src_off, dst_off, n)
+        src_off, dst_off, count = src_off + n, dst_off + n, count - n
 
 
 def _write_plain(fd: int, view: memoryview, offset: int) -> None:
@@ -363,12 +366,12 @@ def copy_jobs(
     copies already running have finished.
 
     Jobs that fill a hashed output file (`io.digest.hashing`) contiguously instead run in
-    `write_order` and copy through each thread's buffer: read, hand the block to the file's
-    hash in turn, write (the hash runs on these threads, as the bytes pass)."""
+    `write_order`, each block of the source mapped, handed to the file's hash in turn and
+    copied in the kernel (the hash runs on these threads, as the bytes are copied)."""
     in_turn = _in_turn(jobs)
     ordered = sorted(jobs, key=read_order if in_turn is None else write_order)
     n = copy_threads() if threads is None else threads
-    runner = copy if in_turn is None else functools.partial(_through_buffer, in_turn=in_turn)
+    runner = copy if in_turn is None else functools.partial(_hash_and_copy, h=in_turn, in_turn=True)
 
     def one(job: CopyJob) -> bool:
         if stop is not None and stop():

@@ -22,7 +22,10 @@ Then `accept` compares: the same files, headers and byte ranges as the real plan
 guess is stopped at once), and, once the copy is done, for every
 copied tensor the same source slabs the real sources give. Only then are the files moved into
 the merge's output directory, and the merge writes what is left (casts, other chunk shapes),
-fsyncs, writes the index and companions, verifies and publishes as it always does. Any
+fsyncs, writes the index and companions, verifies and publishes as it always does. With the
+integrity manifest (`sinks.manifest`) each file's hash is fed as the early copy writes it: the
+tensors before the first one left to the merge are hashed as they are copied; those after it
+are hashed from their source once the merge has written the gap (`io.digest.FileHash.defer`). Any
 difference (a wrong guess) discards the copy and the merge writes everything itself; any error
 of the merge (a bad input) discards it too, so a refused merge leaves nothing behind. A guess
 never fails a merge: its own errors only mean no early copy.
