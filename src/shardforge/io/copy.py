@@ -54,7 +54,7 @@ MAX_COPY_THREADS = 4
 COPY_BLOCK = 64 << 20
 # a copy into a hashed output file is hashed from a mapping of its source, this many bytes at a
 # time per thread (what one thread holds mapped)
-HASH_BLOCK = 16 << 20
+HASH_BLOCK = 4 << 20
 # Never prefetch more than this share of the memory the kernel reports as available.
 PREFETCH_SHARE_OF_AVAILABLE = 0.5
 
