@@ -15,6 +15,11 @@ contenders run by run:
 - accelerate: `accelerate.utils.merge_fsdp_weights(DIR, OUT)` (the `bench` extra)
 - dcp_to_torch_save: `torch.distributed.checkpoint.format_utils.dcp_to_torch_save(DIR, OUT)`
 - copy: `cp -r` of the checkpoint directory plus `sync` of the copied files (the disk's reference)
+- shardforge_s3: the checkpoint in object storage, merged to object storage
+  (`--checkpoint s3://... --output_path s3://...`), on a SeaweedFS started on loopback
+  (tests/helpers/s3.py; the checkpoint is uploaded once, untimed)
+- s3_download_merge_upload: what a user does without it: download the checkpoint (s3fs), merge
+  it locally with shardforge, upload the merged directory (s3fs)
 
 Each contender runs in its own process (tree); wall seconds, its CPU seconds (user + kernel of
 the processes it waited for: a figure the machine's other load changes less than the wall
@@ -259,7 +264,25 @@ PEER_SNIPPETS = {
         os.makedirs(sys.argv[2], exist_ok=True)
         dcp_to_torch_save(sys.argv[1], os.path.join(sys.argv[2], "model.pt"))
     """,
+    # argv: the checkpoint's URI, the output URI, the config, a local scratch folder
+    "s3_download_merge_upload": """
+        import shutil, subprocess
+        from pathlib import Path
+        import s3fs
+        fs = s3fs.S3FileSystem()
+        src, dst, cfg, scratch = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
+        shutil.rmtree(scratch, ignore_errors=True)
+        fs.get(src.removeprefix("s3://") + "/", str(scratch / "ckpt") + "/", recursive=True)
+        subprocess.run([str(Path(sys.executable).parent / "shardforge"), "merge-sharded-fsdp-weights",
+                        cfg, "--checkpoint", str(scratch / "ckpt"), "--output_path",
+                        str(scratch / "out"), "--quiet", "--no-save-tokenizer"], check=True)
+        fs.put(str(scratch / "out") + "/", dst.removeprefix("s3://") + "/", recursive=True)
+        shutil.rmtree(scratch)
+    """,
 }
+# the contenders that read and write object storage (a loopback SeaweedFS is started for them)
+S3_CONTENDERS = ("shardforge_s3", "s3_download_merge_upload")
+S3_BUCKET = "bench"
 
 
 # shardforge's variants: contender name -> extra options of the merge command
@@ -302,6 +325,14 @@ def command_for(
     if name == "baseline":  # another checkout's source (e.g. the previous release), same packages
         return ["env", f"PYTHONPATH={Path(baseline).resolve() / 'src'}", sys.executable, "-m",
                 "shardforge", *merge]  # fmt: skip
+    if name == "shardforge_s3":
+        return [str(Path(sys.executable).parent / "shardforge"), "merge-sharded-fsdp-weights",
+                str(cfg), "--checkpoint", f"s3://{S3_BUCKET}/ckpt", "--output_path",
+                f"s3://{S3_BUCKET}/{out.name}", "--quiet", "--no-save-tokenizer"]  # fmt: skip
+    if name == "s3_download_merge_upload":
+        code = "import sys\n" + textwrap.dedent(PEER_SNIPPETS[name])
+        return [sys.executable, "-c", code, f"s3://{S3_BUCKET}/ckpt",
+                f"s3://{S3_BUCKET}/{out.name}", str(cfg), str(out)]  # fmt: skip
     if name == "copy":  # `sync FILE...` fsyncs those files only (the machine may be shared)
         return ["bash", "-c", f"cp -r '{ckpt}' '{out}' && sync '{out}'/* '{out}'/.metadata '{out}'"]
     code = "import sys\n" + textwrap.dedent(PEER_SNIPPETS[name])
@@ -512,6 +543,7 @@ def main() -> None:
         names.append("baseline")
     results = {n: Result() for n in names}
     peer_limit = parse_size(args.peer_mem_limit) if args.peer_mem_limit else None
+    store = start_store(root, ckpt) if any(n in S3_CONTENDERS for n in names) else None
 
     unknown = [n for n in names if shardforge_options(n) is None and n not in (*PEERS, "baseline")]
     if unknown:
@@ -552,13 +584,17 @@ def main() -> None:
                 res.tree_rss.append(run.tree_rss)
                 res.cpu.append(run.cpu)
                 res.load.append(load)
-                res.out_bytes = dir_bytes(out)
+                res.out_bytes = (
+                    stored_bytes(store, out) if name in S3_CONTENDERS else dir_bytes(out)
+                )
                 print(
                     f"  run {rep + 1} {name}: {run.seconds:.2f} s, CPU {run.cpu:.2f} s, peak RSS "
                     f"{human(run.rss)} (tree {human(run.tree_rss)}), load before {load:.2f}",
                     file=sys.stderr,
                 )
             shutil.rmtree(out, ignore_errors=True)
+            if store is not None and name in S3_CONTENDERS:
+                store.fs().rm(f"{S3_BUCKET}/{out.name}", recursive=True)
             if args.json:  # after every run: a long session that is cut off keeps its numbers
                 Path(args.json).write_text(json.dumps(report(), indent=2))
 
@@ -582,9 +618,30 @@ def main() -> None:
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))
+    if store is not None:
+        store.stop()
 
 
-PEERS = (*PEER_SNIPPETS, "copy")
+def start_store(root: Path, ckpt: Path) -> Any:
+    """A SeaweedFS on loopback holding the checkpoint at s3://bench/ckpt; the contenders find
+    it through the AWS variables of this process's environment."""
+    from helpers.s3 import start_server
+
+    shutil.rmtree(root / "s3", ignore_errors=True)
+    store = start_server(root / "s3", volume_size_mb=1024)
+    os.environ.update(store.env({}))
+    store.bucket(S3_BUCKET)
+    print(f"uploading the checkpoint to s3://{S3_BUCKET}/ckpt ({store.endpoint})", file=sys.stderr)
+    store.fs().put(str(ckpt) + "/", f"{S3_BUCKET}/ckpt/", recursive=True)
+    return store
+
+
+def stored_bytes(store: Any, out: Path) -> int:
+    fs = store.fs()
+    return int(sum(fs.du(f"{S3_BUCKET}/{out.name}", total=False).values()))
+
+
+PEERS = (*PEER_SNIPPETS, "copy", "shardforge_s3")
 
 
 def summarize(

@@ -24,6 +24,9 @@ import pytest
 
 from helpers import children
 
+# the loopback S3 server (`s3_server`, one per test process) of the object-storage tests
+pytest_plugins = ("helpers.s3",)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -95,6 +95,10 @@ class MergeError(ShardforgeError):
     """The merge cannot proceed (architecture mismatch, output exists, no disk space, ...)."""
 
 
+class StorageError(ShardforgeError):
+    """Object storage refused or failed a request (credentials, bucket, endpoint, outage)."""
+
+
 def printable(text: str) -> str:
     """`text` with every non-printable character (control characters, escape sequences,
     bidirectional overrides, newlines) written as a Python escape."""

@@ -25,8 +25,10 @@ from shardforge.formats.dcp.format import DISTCP_FILE, state_summary
 from shardforge.formats.dcp.metadata import METADATA_FILE, read_metadata
 from shardforge.formats.lightning_meta import read_lightning_meta
 from shardforge.formats.rankfiles.names import parse_rank_name
-from shardforge.formats.registry import detect
+from shardforge.formats.registry import detect, looked_for
 from shardforge.io.copy import fact_session
+from shardforge.io.mirror import mirrored
+from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import resolve_checkpoint, scan
 from shardforge.layouts.layout import LAST, OPTIMIZER_DIRS, Candidate, format_of, is_step_folder
 from shardforge.sinks.cast import (
@@ -268,10 +270,8 @@ def read_contents(model_dir: Path) -> Contents:
     """What the folder's format describes, with the optimizer state the layout keeps beside it."""
     fmt = detect(model_dir)
     if fmt is None:
-        raise CheckpointError(
-            f"{model_dir}: neither a DCP directory (.metadata) nor a folder of "
-            "model_world_size_<W>_rank_<R>.pt files"
-        )
+        looked = [f"- {what}" for what in looked_for()]
+        raise CheckpointError(f"{model_dir}: not a sharded checkpoint; looked for:", looked)
     contents = fmt.describe(model_dir)
     if contents.optimizer is None:
         contents = replace(contents, optimizer=_beside_optimizer(model_dir))
@@ -432,10 +432,13 @@ def inspect_path_or_config(
     dtype: str | None = None,
     keep_dtype: Sequence[str] = (),
 ) -> Inspection:
-    """`inspect_checkpoint` of a checkpoint path, or of a YAML config's `output_dir`; with
+    """`inspect_checkpoint` of a checkpoint path, or of a YAML config's `output_dir` (an
+    s3:// URI is read through its mirror in the caller's staging area, `io.mirror`); with
     `dtype` or `keep_dtype`, what the merge would cast and keep (`with_casts`; a config's
     base model gives the default dtype and the model's float32 modules)."""
     casts = dtype is not None or bool(keep_dtype)
+    if is_remote(str(path_or_config)):
+        path_or_config = mirrored(str(path_or_config))
     if not is_config_path(path_or_config):
         if override_args:
             raise CheckpointError(
@@ -451,6 +454,8 @@ def inspect_path_or_config(
         raise CheckpointError(f"{cfg_path}: config file does not exist")
     cfg = load_cfg(cfg_path, command="inspect", **parse_override_args(override_args or []))
     out_dir = Path(cfg.output_dir)
+    if is_remote(cfg.output_dir):
+        out_dir = mirrored(cfg.output_dir, cfg.storage_options)
     if not out_dir.exists():
         raise CheckpointError(
             f"{cfg_path}: output_dir {out_dir} does not exist; train first, or give the "

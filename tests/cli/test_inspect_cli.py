@@ -160,6 +160,20 @@ def _file(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # the checkpoints are written by gloo ranks
+def test_an_axolotl_config_with_values_only_training_reads(built: Built, tmp_path: Path) -> None:
+    """inspect reads base_model and output_dir only: an unknown chat template name, an
+    optimizer or a LoRA value shardforge does not have change nothing."""
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(
+        f"base_model: {built.base}\noutput_dir: {built.ours}\nchat_template: gemma9\n"
+        "optimizer: paged_adamw_8bit\nadapter: lora\nlora_r: sixteen\ndebug: true\n"
+    )
+    result = run(cfg, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["step"] == 4
+
+
 @pytest.fixture(scope="module")
 def keep_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A DCP checkpoint with an FP8 weight, an int buffer and a `_keep_in_fp32_modules`

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 from helpers.tiny import make_model
 from shardforge.cli.main import cli
+from shardforge.errors import CheckpointError
 
 CMD = "merge-sharded-fsdp-weights"
 
@@ -510,7 +511,7 @@ def test_a_mistyped_option_is_an_option_error(env: Path, typo: str, meant: str) 
 
 AXOLOTL_EXTRAS = {
     # a full Axolotl training config: none of this concerns the merge
-    "adapter": "qlora",  # read by the merge (a LoRA checkpoint's settings), refused by train
+    "adapter": "qlora",  # the merge reads a LoRA run's keys only with adapter: lora
     "chat_template": "chatml",  # a name: the merged tokenizer gets the template text
     "lora_r": 16,
     "load_in_4bit": True,
@@ -536,7 +537,7 @@ def test_any_axolotl_config_drives_the_merge(env: Path, pristine: Path) -> None:
     assert (env / "out" / "model.safetensors").is_file()
     unused = [line for line in result.stderr.splitlines() if "not used by this command" in line]
     assert len(unused) == 1, result.stderr
-    assert "merge uses 5 of the config's 17 top-level keys" in unused[0]
+    assert "merge uses 3 of the config's 17 top-level keys" in unused[0]
     saved = json.loads((env / "out" / "tokenizer_config.json").read_text())
     template = saved.get("chat_template") or (env / "out" / "chat_template.jinja").read_text()
     assert "<|im_start|>" in template and template != "chatml"
@@ -559,3 +560,57 @@ def test_any_axolotl_config_drives_the_merge(env: Path, pristine: Path) -> None:
     first, second = (load_file(str(env / d / "model.safetensors")) for d in ("out", "out2"))
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+# --- Axolotl's import path and arguments (issue 21) ---
+
+
+def test_axolotl_merge_fsdp_weights_both_ways(env: Path, pristine: Path) -> None:
+    """`merge_fsdp_weights(cfg, output_path=..., save_tokenizer=...)` with load_cfg's DictDefault
+    (a value only training reads does not stop it), and Axolotl 0.21's
+    `merge_fsdp_weights(checkpoint_dir, output_path)`, the run's config.json beside it."""
+    from transformers import AutoModelForCausalLM
+
+    from shardforge.cli.config import load_cfg
+    from shardforge.cli.merge_sharded_fsdp_weights import merge_fsdp_weights
+
+    want = AutoModelForCausalLM.from_pretrained(pristine / "base").state_dict()
+
+    def same(out: Path) -> bool:
+        from safetensors.torch import load_file
+
+        got = load_file(out / "model.safetensors")
+        return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+    cfg = load_cfg(env / "cfg.yml", optimizer="paged_adamw_8bit", chat_template="gemma9")
+    out = merge_fsdp_weights(cfg, output_path=env / "out", save_tokenizer=False, quiet=True)
+    assert out == env / "out" and same(out) and not (out / "tokenizer.json").exists()
+    checkpoint = env / "run" / "hf" / "checkpoint-1" / "pytorch_model_fsdp_0"
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # Axolotl saves them
+        shutil.copy(pristine / "base" / name, env / "run" / "hf" / name)  # in output_dir
+    assert same(merge_fsdp_weights(checkpoint_dir=checkpoint, output_path=env / "o2", quiet=True))
+    assert same(merge_fsdp_weights(str(checkpoint), str(env / "o3"), quiet=True))
+    (env / "run" / "hf" / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"no config\.json in it or the folders above it"):
+        merge_fsdp_weights(checkpoint_dir=checkpoint, output_path=env / "o4")
+    with pytest.raises(TypeError, match="needs the run's config"):
+        merge_fsdp_weights(output_path=env / "o5")
+
+
+def test_the_merge_reads_only_its_keys(env: Path) -> None:
+    """Values of keys the merge does not read (training's, a LoRA run's when adapter is not
+    lora) never fail it; a template name it cannot render is one notice."""
+    cfg = yaml.safe_load((env / "cfg.yml").read_text())
+    cfg.update(
+        optimizer="paged_adamw_8bit",
+        lr_scheduler="one_cycle",
+        chat_template="gemma9",
+        lora_r="sixteen",
+        fsdp_config={"fsdp_sharding_strategy": "NO_SHARD"},
+    )
+    (env / "cfg.yml").write_text(yaml.safe_dump(cfg))
+    result = invoke(env, "--output_path", str(env / "out"))
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("unknown template name 'gemma9'") == 1
+    refused = CliRunner().invoke(cli, ["validate", str(env / "cfg.yml")])
+    assert refused.exit_code == 2 and "lora_r" in refused.stderr  # train reads them all

@@ -222,3 +222,29 @@ def test_python_module_entry_point(env: Path) -> None:
     )
     assert bad.returncode == 1
     assert "adapter directory not found" in one_line_error(bad.stderr)
+
+
+def test_axolotl_do_merge_lora_reads_only_its_keys(env: Path, pristine: Path) -> None:
+    """Axolotl's `do_merge_lora(cfg=load_cfg(...))`: into <output_dir>/merged; the adapter's
+    settings come from its adapter_config.json, so the config's lora_* values (and training's)
+    are not read; a template name it cannot render keeps the tokenizer's own."""
+    from shardforge.cli.config import load_cfg
+    from shardforge.cli.merge_lora import do_merge_lora
+
+    extras = {
+        "adapter": "lora",
+        "lora_r": "sixteen",
+        "lora_alpha": 0.5,
+        "optimizer": "paged_adamw_8bit",
+        "chat_template": "gemma9",
+    }
+    cfg = yaml.safe_load((env / "cfg.yml").read_text()) | extras
+    (env / "cfg.yml").write_text(yaml.safe_dump(cfg))
+    out = do_merge_lora(cfg=load_cfg(env / "cfg.yml"), quiet=True)
+    assert out == env / "run" / "merged"
+    want = torch.load(pristine / "merged.pt", weights_only=True)
+    for key, tensor in load_file(str(out / "model.safetensors")).items():
+        assert torch.equal(tensor, want[key]), key
+    result = invoke(env, "--output_path", str(env / "out"))
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("unknown template name 'gemma9'") == 1

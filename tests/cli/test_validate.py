@@ -97,3 +97,20 @@ def test_fire_module_reports_errors_without_traceback(tmp_path: Path) -> None:
     assert bad.returncode == 2
     assert "did you mean 'learning_rate'" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_for_merge_lora_reads_only_its_keys(tmp_path: Path) -> None:
+    cfg = tmp_path / "lora.yml"
+    cfg.write_text(
+        "base_model: m\noutput_dir: out\nlora_model_dir: out/adapter\nlora_r: not-a-number\n"
+        "optimizer: paged_adamw_8bit\nchat_template: gemma3\n"
+    )
+    result = CliRunner().invoke(command, [str(cfg), "--for", "merge-lora"])
+    assert result.exit_code == 0, result.output
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["lora_model_dir"] == "out/adapter"
+    # the keys merge-lora does not read are not taken (their defaults are shown)
+    assert resolved["lora_r"] == 8 and resolved["optimizer"] == "adamw_torch"
+    assert "uses 4 of the config's 6 top-level keys" in result.stderr
+    refused = CliRunner().invoke(command, [str(cfg), "--for", "train"])
+    assert refused.exit_code == 2 and "lora_r" in refused.output

@@ -1,6 +1,7 @@
-"""Axolotl configs: every key of Axolotl's schema is implemented, ignored or refused by name, per
-command; a key of neither schema is an error with a suggestion of the same level; the docs table
-is the code's table."""
+"""Axolotl configs per command: every key of Axolotl's schema is implemented, ignored or refused
+by name; a near miss of a known key is an error with a suggestion of the same level, any other
+key of neither schema is ignored (as Axolotl ignores it); the docs table is the code's table;
+the corpus of Axolotl-shaped configs loads as each command expects."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from shardforge.config.axolotl import (
     known_top_level_keys,
     sort_keys,
 )
-from shardforge.config.axolotl_keys import DATASET_KEYS, FSDP_CONFIG_KEYS, TOP_LEVEL
-from shardforge.config.schema import DatasetConfig, FsdpConfig, ShardforgeConfig
+from shardforge.config.axolotl_keys import AXOLOTL_VERSION
+from shardforge.config.axolotl_status import LEGACY_TOP_LEVEL
+from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,53 +32,6 @@ def write(tmp_path: Path, data: dict[str, object]) -> Path:
     p = tmp_path / "cfg.yml"
     p.write_text(yaml.safe_dump(data))
     return p
-
-
-def test_every_implemented_key_exists_on_our_side() -> None:
-    """An `implemented` row names a key of ours (same name or `ours`), or is understood
-    without one (flags, model/tokenizer class names, the Axolotl fsdp spellings)."""
-    from shardforge.config.axolotl import FLAG_VALUES, IMPLICIT
-
-    top = set(ShardforgeConfig.model_fields)
-    for table, ours in (
-        (TOP_LEVEL, top),
-        (DATASET_KEYS, set(DatasetConfig.model_fields)),
-        (FSDP_CONFIG_KEYS, set(FsdpConfig.model_fields)),
-    ):
-        for key, row in table.items():
-            if row.status != "implemented" or key in FLAG_VALUES or key in IMPLICIT:
-                continue
-            target = (row.ours or key).split(".")[-1]
-            assert (
-                key in ours
-                or target in ours
-                or target in top
-                or key
-                in (
-                    "fsdp_config",
-                    "fsdp_version",
-                    "version",
-                    "sharding_strategy",
-                    "cpu_offload",
-                    "message_field_role",
-                    "message_field_content",
-                )
-            ), (key, row)
-
-
-def test_our_keys_that_axolotl_has_are_marked_implemented() -> None:
-    for key in set(ShardforgeConfig.model_fields) & set(TOP_LEVEL):
-        assert TOP_LEVEL[key].status == "implemented", key
-
-
-def test_the_table_is_large_and_classified() -> None:
-    assert len(TOP_LEVEL) > 200  # Axolotl's schema, not a hand-picked sample
-    statuses = {row.status for row in TOP_LEVEL.values()}
-    assert statuses == {"implemented", "ignored", "unsupported"}
-    for key in ("load_in_4bit", "rl", "plugins", "deepspeed", "early_stopping_patience"):
-        assert TOP_LEVEL[key].status == "unsupported", key
-    for key in ("use_comet", "dataset_prepared_path", "strict"):
-        assert TOP_LEVEL[key].status == "ignored", key
 
 
 def test_train_refuses_unsupported_features_one_line_each(tmp_path: Path) -> None:
@@ -118,7 +73,7 @@ def test_ignored_keys_get_one_notice(tmp_path: Path, caplog: pytest.LogCaptureFi
         {
             "base_model": "m",
             "use_comet": True,
-            "dataset_prepared_path": "last_run_prepared",
+            "dataset_num_proc": 4,
             "strict": True,
         },
     )
@@ -126,7 +81,7 @@ def test_ignored_keys_get_one_notice(tmp_path: Path, caplog: pytest.LogCaptureFi
         load_cfg(p, command="train")
     lines = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert len(lines) == 1, caplog.text
-    for key in ("use_comet", "dataset_prepared_path", "strict"):
+    for key in ("use_comet", "dataset_num_proc", "strict"):
         assert key in lines[0]
 
 
@@ -139,27 +94,57 @@ def test_attention_flags_set_attn_implementation(tmp_path: Path) -> None:
     assert load_cfg(p).attn_implementation is None
 
 
-def test_unknown_keys_suggest_only_keys_of_the_same_level(tmp_path: Path) -> None:
+def test_near_misses_are_errors_suggesting_keys_of_the_same_level(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A near miss of a known key is an error with a did-you-mean among keys of its level; any
+    other key of neither schema is ignored with one notice, as Axolotl ignores (drops) a key
+    its schema does not define."""
     p = write(
         tmp_path,
         {
             "base_model": "m",
             "learnig_rate": 1e-4,
             "zzz_not_a_key": 1,
-            "fsdp": {"reshard_after_forwrd": False},
-            "datasets": [{"path": "d.jsonl", "feild": "text"}],
+            "fsdp": {"reshard_after_forwrd": False, "qqq_knob": 2},
+            "datasets": [{"path": "d.jsonl", "feild": "text", "my_note": "x"}],
         },
     )
-    with pytest.raises(ConfigError) as err:
+    with caplog.at_level(logging.WARNING, logger="shardforge"), pytest.raises(ConfigError) as err:
         load_cfg(p, command="train")
-    text = "\n".join(err.value.problems)
-    assert "learnig_rate: unknown key; did you mean 'learning_rate'?" in text
-    assert (
-        "zzz_not_a_key: unknown key" in text
-        and "did you mean" not in text.split("zzz_not_a_key")[1].splitlines()[0]
-    )
-    assert "fsdp.reshard_after_forwrd: unknown key" in text and "'reshard_after_forward'" in text
-    assert "datasets[0].feild: unknown key" in text and "'field'" in text
+    assert err.value.problems == [
+        "learnig_rate: unknown key; did you mean 'learning_rate'?",
+        "fsdp.reshard_after_forwrd: unknown key; did you mean 'reshard_after_forward'?",
+        "datasets[0].feild: unknown key; did you mean 'field'?",
+    ]
+    [notice] = [r.getMessage() for r in caplog.records if "neither shardforge's" in r.getMessage()]
+    assert "zzz_not_a_key, fsdp.qqq_knob, datasets[0].my_note" in notice
+    assert f"Axolotl {AXOLOTL_VERSION}'s" in notice
+
+
+def test_legacy_keys_of_axolotls_examples_are_ignored_with_a_notice(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Keys Axolotl 0.21 does not define but its own examples carry: no effect there (dropped),
+    so none here, named in the ignored notice; `adam_eps` is not taken for adam_epsilon (of
+    which it is a near miss), as Axolotl does not take it either."""
+    legacy = {
+        "debug": True,
+        "eta_min": 7e-7,
+        "adam_eps": 1e-6,
+        "sample_packing_seq_len_multiplier": 2,
+        "gptq_groupsize": 128,
+        "gptq_model_v1": False,
+    }
+    p = write(tmp_path, {"base_model": "m", **legacy})
+    for command in ("train", "all"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shardforge"):
+            cfg = load_cfg(p, command=command)
+        assert cfg.adam_epsilon == ShardforgeConfig.model_fields["adam_epsilon"].default
+        [notice] = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+        assert "6 key(s)" in notice and all(k in notice for k in ("debug", "eta_min")), notice
+    assert set(legacy) <= set(LEGACY_TOP_LEVEL)
 
 
 def test_axolotl_keys_that_are_not_typos_are_not_suggested_away(tmp_path: Path) -> None:
@@ -244,10 +229,18 @@ def expectation(path: Path) -> tuple[str, list[str]]:
     return "unsupported", [k.strip() for k in (m.group(2) or "").split(",") if k.strip()]
 
 
-def materialize(path: Path, tmp_path: Path) -> Path:
+def materialize(
+    path: Path,
+    tmp_path: Path,
+    base: Path | None = None,
+    output_dir: Path | None = None,
+    chat_template: str = "chatml",
+) -> Path:
+    """The corpus file with its placeholders filled in, written to `tmp_path`."""
     text = path.read_text()
-    text = text.replace("TINY_MODEL", str(tmp_path / "base"))
-    text = text.replace("OUTPUT_DIR", str(tmp_path / "out")).replace("DATA_DIR", str(tmp_path))
+    text = text.replace("TINY_MODEL", str(base or tmp_path / "base"))
+    text = text.replace("OUTPUT_DIR", str(output_dir or tmp_path / "out"))
+    text = text.replace("DATA_DIR", str(tmp_path)).replace("CHAT_TEMPLATE", chat_template)
     out = tmp_path / path.name
     out.write_text(text)
     return out

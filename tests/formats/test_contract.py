@@ -1,85 +1,100 @@
 """The contract every registered checkpoint format keeps (`formats.base.CheckpointFormat`).
 
-Each row of `formats.registry.FORMATS` is run on a real checkpoint of its format, written by
-that format's own writer (torch DCP, real gloo ranks saving FSDP2 DTensors, the `safetensors`
-library): it recognises its folder and no other, opens every tensor from metadata, describes
-the same tensors for `inspect`, lists shard files that exist inside the folder, and its
-independent reference reader returns every tensor bit for bit as the merge's own source reads
-it. A format added to the registry without a fixture here fails `test_every_format_has_a_fixture`.
+Each row of `formats.registry.FORMATS` is run on real checkpoints of its format (each of its
+forms), written by that format's own writer (torch DCP; 2 gloo ranks saving FSDP2 DTensors with
+torch.save, accelerate's save_fsdp_model, dcp.save without collectives and DCP's safetensors
+storage, `helpers.shared.saved_formats`; the `safetensors` library): it recognises its folders
+and no other, opens every tensor from metadata, describes the same tensors for `inspect`, lists
+shard files that exist inside the folder, and its independent reference reader returns every
+tensor bit for bit as the merge's own source reads it (floats, int64, bool and uint8; a rank
+with an empty shard). A format added to the registry without a fixture here fails
+`test_every_format_has_a_fixture`.
 """
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path, PurePath
 
 import pytest
 import torch
 
-from helpers.dist import run_on_ranks
+from helpers.shared import contract_tensors, saved_formats
 from shardforge.formats.base import CheckpointFormat, Contents, NamedSource, ReferenceReader
 from shardforge.formats.registry import FORMATS, detect, format_named
 from shardforge.io.copy import ReadCache
 
-pytestmark = pytest.mark.slow  # the rank-files fixture starts two gloo ranks
+pytestmark = pytest.mark.slow  # the shared fixtures are written by two gloo ranks
 
-TENSORS: dict[str, torch.Tensor] = {
-    "model.embed.weight": torch.arange(42, dtype=torch.float32).reshape(7, 6) / 7,
-    "model.norm.weight": torch.linspace(-1, 1, 6, dtype=torch.float32),
-    "model.layers.0.proj.weight": torch.randn(5, 6, generator=torch.Generator().manual_seed(0)),
-}
+Tensors = dict[str, torch.Tensor]
+TENSORS: Tensors = contract_tensors()
 
 
-def _write_dcp(root: Path) -> Path:
+def _write_dcp(factory: pytest.TempPathFactory) -> tuple[Path, Tensors]:
     import torch.distributed.checkpoint as dcp
 
-    folder = root / "dcp"
+    folder = factory.mktemp("dcp")
     dcp.save(dict(TENSORS), checkpoint_id=folder, no_dist=True)
-    return folder
+    return folder, TENSORS
 
 
-def _save_rank(rank: int, world_size: int, out_dir: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    state = {k: distribute_tensor(t, mesh, [Shard(0)]) for k, t in TENSORS.items()}
-    torch.save(state, f"{out_dir}/model_world_size_{world_size}_rank_{rank}.pt")
-
-
-def _write_rank_files(root: Path) -> Path:
-    folder = root / "ranks"
-    folder.mkdir()
-    run_on_ranks(_save_rank, 2, str(folder))
-    return folder
-
-
-def _write_safetensors(root: Path) -> Path:
+def _write_safetensors(factory: pytest.TempPathFactory) -> tuple[Path, Tensors]:
     from safetensors.torch import save_file
 
-    folder = root / "hf"
-    folder.mkdir()
+    folder = factory.mktemp("hf")
     save_file(dict(TENSORS), str(folder / "model.safetensors"))
-    return folder
+    return folder, TENSORS
 
 
-# format name -> how a test writes a real checkpoint of it (with that format's own writer)
-FIXTURES: dict[str, Callable[[Path], Path]] = {
+def _saved(sub: str, floats_only: bool = False) -> Callable[..., tuple[Path, Tensors]]:
+    """A folder of the shared checkpoints (`helpers.shared.saved_formats`)."""
+
+    def get(factory: pytest.TempPathFactory) -> tuple[Path, Tensors]:
+        return saved_formats(factory) / sub, contract_tensors(floats_only)
+
+    return get
+
+
+def _accelerate(factory: pytest.TempPathFactory) -> tuple[Path, Tensors]:
+    """accelerate's save_fsdp_model(use_dcp=False) of a tiny Llama (the contract's tensors
+    cannot be a model's: the real API saves a model)."""
+    from safetensors.torch import load_file
+
+    root = saved_formats(factory)
+    return root / "accelerate" / "checkpoint_1", load_file(root / "trained" / "model.safetensors")
+
+
+# fixture name (a format's name, or "<format>:<variant>" for another form of it) -> a real
+# checkpoint of it written by that format's own writer, and the tensors it holds
+FIXTURES: dict[str, Callable[[pytest.TempPathFactory], tuple[Path, Tensors]]] = {
     "dcp": _write_dcp,
-    "rank-files": _write_rank_files,
+    "dcp-ranks": _saved("contract/dcp-ranks"),
+    "rank-files": _saved("contract/rank-files"),
+    "accelerate-bin": _accelerate,
+    "dcp-safetensors": _saved("contract/dcp-safetensors"),
+    "dcp-safetensors:consolidated": _saved("contract/consolidated", floats_only=True),
     "safetensors": _write_safetensors,
 }
 
 
+def _format_of(fixture: str) -> str:
+    return fixture.split(":")[0]
+
+
 @pytest.fixture(scope="module")
-def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("formats")
-    return {name: write(root) for name, write in FIXTURES.items()}
+def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Tensors]]:
+    return {name: write(tmp_path_factory) for name, write in FIXTURES.items()}
+
+
+def _own(fmt: CheckpointFormat) -> list[str]:
+    return [name for name in FIXTURES if _format_of(name) == fmt.name]
 
 
 def test_every_format_has_a_fixture() -> None:
-    assert sorted(f.name for f in FORMATS) == sorted(FIXTURES)
+    assert sorted(f.name for f in FORMATS) == sorted({_format_of(n) for n in FIXTURES})
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -89,6 +104,16 @@ def test_a_row_implements_every_method(fmt: CheckpointFormat) -> None:
         assert getattr(type(fmt), method) is not getattr(CheckpointFormat, method), method
     assert fmt.name and fmt.looked_for and fmt.shards_described
     assert format_named(fmt.name) is fmt
+
+
+def test_the_registry_is_read_before_torch_is_imported() -> None:
+    """Every row's `detect` runs in the merge's head start, before `import torch`."""
+    code = (
+        "import sys; from pathlib import Path; from shardforge.formats.registry import detect; "
+        "detect(Path('.')); print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stderr
 
 
 def test_a_format_without_a_method_cannot_be_registered() -> None:
@@ -113,55 +138,72 @@ def test_a_format_without_a_method_cannot_be_registered() -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_detects_its_own_folder_only(fmt: CheckpointFormat, written: dict[str, Path]) -> None:
-    for name, folder in written.items():
-        assert fmt.detect(folder) == (name == fmt.name), (fmt.name, name)
-    if fmt.sharded:
-        assert detect(written[fmt.name]) is fmt
+def test_detects_its_own_folders_only(
+    fmt: CheckpointFormat, written: dict[str, tuple[Path, Tensors]]
+) -> None:
+    """A sharded format recognises its folders and no other format's; the registry's `detect`
+    gives each folder its own format (the DCP safetensors row comes before the plain
+    safetensors one, which may read a consolidated folder's HF files too)."""
+    for name, (folder, _) in written.items():
+        own = _format_of(name) == fmt.name
+        if own or fmt.sharded:
+            assert fmt.detect(folder) == own, (fmt.name, name)
+        assert detect(folder, sharded_only=False) is format_named(_format_of(name)), name
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_open_and_describe_agree_with_what_was_written(
-    fmt: CheckpointFormat, written: dict[str, Path]
+    fmt: CheckpointFormat, written: dict[str, tuple[Path, Tensors]]
 ) -> None:
-    folder = written[fmt.name]
-    named = fmt.open(folder)
-    assert sorted(named) == sorted(TENSORS)
-    for key, n in named.items():
-        assert (n.shape, n.dtype) == (tuple(TENSORS[key].shape), TENSORS[key].dtype), key
-    contents = fmt.describe(folder)
-    assert isinstance(contents, Contents) and contents.storage == fmt.name
-    facts = {t.name: t for t in contents.tensors}
-    assert sorted(facts) == sorted(TENSORS)
-    for key, t in TENSORS.items():
-        assert facts[key].shape == tuple(t.shape) and facts[key].numel == t.numel()
-        assert facts[key].nbytes == math.prod(t.shape) * t.element_size()
+    for fixture in _own(fmt):
+        folder, tensors = written[fixture]
+        named = fmt.open(folder)
+        assert sorted(named) == sorted(tensors), fixture
+        for key, n in named.items():
+            want = (tuple(tensors[key].shape), tensors[key].dtype)
+            assert (n.shape, n.dtype) == want, (fixture, key)
+        contents = fmt.describe(folder)
+        assert isinstance(contents, Contents) and contents.storage == fmt.name
+        facts = {t.name: t for t in contents.tensors}
+        assert sorted(facts) == sorted(tensors)
+        for key, t in tensors.items():
+            assert facts[key].shape == tuple(t.shape) and facts[key].numel == t.numel()
+            assert facts[key].nbytes == math.prod(t.shape) * t.element_size()
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_shard_files_exist_inside_the_folder(
-    fmt: CheckpointFormat, written: dict[str, Path]
+    fmt: CheckpointFormat, written: dict[str, tuple[Path, Tensors]]
 ) -> None:
-    folder = written[fmt.name]
-    files = fmt.shard_files(folder)
-    assert files
-    for rel in files:
-        assert not rel.is_absolute() and ".." not in rel.parts
-        assert (folder / rel).is_file(), rel
+    for fixture in _own(fmt):
+        folder, _ = written[fixture]
+        files = fmt.shard_files(folder)
+        assert files, fixture
+        for rel in files:
+            assert not rel.is_absolute() and ".." not in rel.parts
+            assert (folder / rel).is_file(), (fixture, rel)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_the_reference_reader_gives_what_the_source_reads(
-    fmt: CheckpointFormat, written: dict[str, Path]
+    fmt: CheckpointFormat, written: dict[str, tuple[Path, Tensors]]
 ) -> None:
-    named = fmt.open(written[fmt.name])
-    with ReadCache() as reader:
-        for key, n in named.items():
-            (stored,) = n.source.stored()
-            assert stored.fmt == fmt.name
-            ref = fmt.reference(stored.directory)
-            ref.check_crcs({stored.key})
-            got = ref.load([stored])[stored.key]
-            ours = n.source.read(reader)
-            assert torch.equal(got.view(torch.uint8), ours.view(torch.uint8)), key
-            assert torch.equal(ours, TENSORS[key]), key
+    for fixture in _own(fmt):
+        folder, tensors = written[fixture]
+        named = fmt.open(folder)
+        with ReadCache() as reader:
+            for key, n in named.items():
+                (stored,) = n.source.stored()
+                assert stored.fmt == fmt.name
+                ref = fmt.reference(stored.directory)
+                ref.check_crcs({stored.key})
+                got = ref.load([stored])[stored.key]
+                ours = n.source.read(reader)
+                assert same_bytes(got, ours), (fixture, key)
+                assert same_bytes(ours, tensors[key]), (fixture, key)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same dtype, shape and bytes (bool included)."""
+    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
+    return (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(*flat)

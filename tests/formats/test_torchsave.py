@@ -13,10 +13,12 @@ import torch
 from shardforge.errors import CheckpointError
 from shardforge.formats.torchsave import (
     STORAGE_TYPES,
+    UNTYPED_STORAGE,
     LocalTensor,
     StorageRef,
     read_data_pkl,
     rebuild_tensor,
+    rebuild_tensor_v3,
     storage_ref,
 )
 from shardforge.io.unpickler import Opaque, Problem
@@ -48,6 +50,28 @@ def test_tensors_are_described() -> None:
         rebuild_tensor("0", 0, (1,), (1,))
     with pytest.raises(Problem, match="size that is not a tuple of integers"):
         rebuild_tensor(ref, 0, (1.5,), (1,))
+
+
+def test_untyped_storages_are_viewed_in_their_dtype() -> None:
+    """float8, uint16/32/64 (``_rebuild_tensor_v3`` over an ``UntypedStorage`` of bytes)."""
+    raw = storage_ref(("storage", UNTYPED_STORAGE, "3", "cpu", 24))
+    assert raw == StorageRef("3", torch.uint8, 24)
+    fp8 = rebuild_tensor_v3(raw, 4, (4, 5), (5, 1), False, None, torch.float8_e5m2)
+    assert fp8 == LocalTensor(StorageRef("3", torch.float8_e5m2, 24), 4, (4, 5), (5, 1))
+    wide = rebuild_tensor_v3(raw, 0, (3,), (1,), False, None, torch.uint64)
+    assert wide.storage == StorageRef("3", torch.uint64, 3)
+    typed = storage_ref(("storage", FLOAT, "3", "cpu", 6))
+    for args, message in (
+        ((raw, 0, (5,), (1,), False, None, torch.uint16, None), None),
+        ((raw, 0, (5,), (1,), False, None, torch.complex128), "of 24 bytes for torch.complex128"),
+        ((raw, 0, (5,), (1,), False, None, "float8"), "without its dtype"),
+        ((typed, 0, (5,), (1,), False, None, torch.uint16), "not reference an untyped storage"),
+    ):
+        if message is None:
+            assert rebuild_tensor_v3(*args).storage.numel == 12
+            continue
+        with pytest.raises(Problem, match=message):
+            rebuild_tensor_v3(*args)
 
 
 def test_data_pkl_of_a_file(tmp_path: Path) -> None:

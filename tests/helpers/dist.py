@@ -10,6 +10,7 @@ The process group is initialised before `my_fn` runs and destroyed after.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -35,12 +36,18 @@ def _entry(
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
-        # every rank out of its last gloo collective before any tears the group down (a
-        # barrier here let a fast rank's teardown abort a peer still inside it: SIGABRT,
-        # "terminate called without an active exception", seen under load)
+        # every rank out of its last gloo collective before any leaves (a barrier here let a
+        # fast rank's teardown abort a peer still inside it: SIGABRT, "terminate called
+        # without an active exception", seen under load)
         finish_together()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # then leave without tearing gloo down: its teardown racing a peer's exit still aborted a
+    # rank now and then on a loaded machine, and a finished rank has nothing left to release
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:

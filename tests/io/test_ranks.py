@@ -28,6 +28,7 @@ def test_the_first_ranks_error_reaches_the_launcher_with_its_exit_code(
     assert info.value.exit_code == ConfigError("x", ["y"]).exit_code
 
 
+@pytest.mark.slow
 def test_run_ranks_returns_the_status_and_splits_openmp_threads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -13,11 +13,8 @@ import torch
 
 from helpers.tiny import make_model
 from shardforge.errors import CheckpointError
-from shardforge.keymap.lora import (
-    LoraSettings,
-    split_adapter_names,
-    split_model_names,
-)
+from shardforge.keymap.lora import split_adapter_names, split_model_names
+from shardforge.keymap.lora_settings import LoraSettings
 
 
 @pytest.fixture(scope="module")

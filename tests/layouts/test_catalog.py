@@ -250,14 +250,84 @@ def test_an_unfinished_save_is_named(tmp_path: Path) -> None:
 def test_every_layout_says_where_its_training_state_lives() -> None:
     """The removal decision is data: each layout a candidate can carry has a row, and the ones
     that keep optimizer state inside the model's shard files say so."""
-    from shardforge.formats.registry import DCP, FORMATS, RANK_FILES
+    from shardforge.formats.registry import FORMATS
     from shardforge.layouts.layout import LAYOUTS
 
     names = [row.name for row in LAYOUTS]
     assert len(names) == len(set(names))
-    assert {row.name for row in LAYOUTS if row.direct} == {DCP, RANK_FILES}
+    # a folder of each sharded format can be given directly
+    assert {row.name for row in LAYOUTS if row.direct} == {f.name for f in FORMATS if f.sharded}
     assert {row.name for row in LAYOUTS if row.state_shared} == {"torchtitan", "lightning"}
     assert all(row.state_beside and row.looked_for for row in LAYOUTS)
     # every format a layout names is a sharded format of the registry
     sharded = {f.name for f in FORMATS if f.sharded}
     assert {fmt for row in LAYOUTS for fmt in row.formats} == sharded
+
+
+def _files(path: Path, *names: str) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (path / name).write_bytes(b"")
+    return path
+
+
+ACCELERATE_BIN = ("pytorch_model_fsdp_0_rank0.bin", "pytorch_model_fsdp_0_rank1.bin")
+DCP_RANKS = ("__0.metadata", "__1.metadata", "__0_0.distcp", "__1_0.distcp")
+SHARDS = (
+    "shard-00001-model-00001-of-00001.safetensors",
+    "shard-00002-model-00001-of-00001.safetensors",
+)
+
+
+def test_accelerate_per_rank_bin_files(tmp_path: Path) -> None:
+    """save_fsdp_model(use_dcp=False) writes into the folder it is given: accelerate's
+    automatic checkpoint_N, or HF Trainer's checkpoint-N."""
+    for step in (3, 12):
+        _files(tmp_path / "checkpoints" / f"checkpoint_{step}", *ACCELERATE_BIN)
+    got = resolve_checkpoint(tmp_path / "checkpoints")
+    assert (got.layout, got.step, got.kind) == ("accelerate-per-rank", 12, "accelerate-bin")
+    assert resolve_checkpoint(tmp_path / "checkpoints", step=3).model_dir.name == "checkpoint_3"
+    _files(tmp_path / "trainer" / "checkpoint-7", *ACCELERATE_BIN, "optimizer_0_rank0.bin")
+    assert resolve_checkpoint(tmp_path / "trainer").step == 7
+    given = resolve_checkpoint(tmp_path / "checkpoints" / "checkpoint_3")
+    assert (given.layout, given.kind) == ("accelerate-bin", "accelerate-bin")
+
+
+def test_collective_free_dcp_steps(tmp_path: Path) -> None:
+    """Per-rank __R.metadata and no .metadata: a complete save of its own format, not an
+    unfinished DCP."""
+    _files(tmp_path / "checkpoint-2", *DCP_RANKS)
+    _files(tmp_path / "step-9" / "model", *DCP_RANKS)
+    got = resolve_checkpoint(tmp_path)
+    assert (got.layout, got.step, got.kind) == ("collective-free-dcp", 9, "dcp-ranks")
+    assert got.model_dir == tmp_path / "step-9" / "model" and got.adapter is None
+    assert resolve_checkpoint(tmp_path, step=2).model_dir == tmp_path / "checkpoint-2"
+    given = resolve_checkpoint(tmp_path / "checkpoint-2")
+    assert (given.layout, given.kind) == ("dcp-ranks", "dcp-ranks")
+    (tmp_path / "checkpoint-2" / ".metadata").write_bytes(b"")  # a global .metadata wins
+    assert resolve_checkpoint(tmp_path / "checkpoint-2").kind == "dcp"
+
+
+def test_torchtitan_last_save_in_hf(tmp_path: Path) -> None:
+    """torchtitan's last step in Hugging Face safetensors (sharded/ and torch's consolidated
+    files) beside its DCP steps: Hugging Face names, no name adapter."""
+    from shardforge.keymap.keys import TORCHTITAN
+    from shardforge.layouts.catalog import scan
+
+    dcp_dir(tmp_path / "step-10")
+    last = _files(tmp_path / "step-20" / "sharded", *SHARDS).parent
+    _files(last, "model-00001-of-00001.safetensors", "model.safetensors.index.json")
+    got = resolve_checkpoint(tmp_path)
+    assert (got.layout, got.step, got.kind, got.adapter) == (
+        "torchtitan-hf",
+        20,
+        "dcp-safetensors",
+        None,
+    )
+    assert resolve_checkpoint(tmp_path, step=10).adapter == TORCHTITAN
+    assert sorted((c.step, c.layout) for c in scan(tmp_path).candidates) == [
+        (10, "torchtitan"),
+        (20, "torchtitan-hf"),
+    ]
+    shards = resolve_checkpoint(last / "sharded")
+    assert (shards.layout, shards.model_dir) == ("dcp-safetensors", last / "sharded")

@@ -388,16 +388,16 @@ def test_a_broken_generation_config_is_reported_not_skipped(
 def test_a_failing_weight_conversion_check_names_its_cause(
     built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Bug: any failure of transformers' revert_weight_conversion became advice to use
+    """Bug: any failure of transformers' weight conversion tables became advice to use
     --engine transformers, hiding the real error."""
-    core = pytest.importorskip("transformers.core_model_loading")
+    mapping = pytest.importorskip("transformers.conversion_mapping")
     from shardforge.errors import MergeError
     from shardforge.merge import prepare as api
 
-    def broken(model: Any, state_dict: Any) -> Any:
+    def broken(model: Any, **_: Any) -> Any:
         raise RuntimeError("conversion table is broken")
 
-    monkeypatch.setattr(core, "revert_weight_conversion", broken)
+    monkeypatch.setattr(mapping, "get_model_conversion_mapping", broken)
     api._architecture.cache_clear()
     out_dir = built.root / "ws2" / "llama-bf16" / "shardforge"
     try:

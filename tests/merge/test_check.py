@@ -1,14 +1,21 @@
-"""The expected model from its config on the meta device; all mismatches in one error."""
+"""The expected model from its config on the meta device (quantized as transformers loads it,
+named as it saves it); all mismatches in one error."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from helpers.moe import config as moe_config
 from helpers.tiny import make_config
 from shardforge.errors import MergeError
 from shardforge.formats.dcp.metadata import TensorEntry
-from shardforge.merge.check import build_expected, check_against, clean_architectures
+from shardforge.merge.check import (
+    ExpectedModel,
+    build_expected,
+    check_against,
+    clean_architectures,
+)
 
 
 def test_tied_weights_are_stored_once() -> None:
@@ -20,7 +27,7 @@ def test_tied_weights_are_stored_once() -> None:
     assert not untied.renamed_on_save
 
 
-def test_weight_conversion_is_detected() -> None:
+def _mixtral() -> ExpectedModel:
     from transformers import AutoConfig
 
     moe = AutoConfig.for_model(
@@ -33,7 +40,68 @@ def test_weight_conversion_is_detected() -> None:
         num_local_experts=2,
         vocab_size=300,
     )
-    assert build_expected(moe, False).renamed_on_save
+    return build_expected(moe, False)
+
+
+def test_fused_experts_are_expected_under_the_names_they_are_saved_as() -> None:
+    exp = _mixtral()
+    assert exp.renamed_on_save and exp.saved is not None
+    fused = "model.layers.0.mlp.experts.gate_up_proj"
+    assert exp.shapes[fused] == (2, 128, 64) and fused not in exp.saved_names
+    w1 = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
+    assert exp.saved.shapes[w1] == (64, 64) and w1 in exp.saved_names
+    # a checkpoint may hold either: the in-memory (fused) or the saved (per-expert) names
+    assert {fused, w1} <= set(exp.accepted)
+
+
+def _entries(exp: ExpectedModel, names: list[str]) -> dict[str, TensorEntry]:
+    return {n: TensorEntry(n, (n,), exp.dtype_of(n), exp.accepted[n], ()) for n in names}
+
+
+def test_missing_tensors_are_named_as_the_checkpoint_names_them() -> None:
+    exp = _mixtral()
+    assert exp.saved is not None
+    in_memory = list(exp.shapes)
+    check_against(exp, _entries(exp, in_memory), {n: n for n in in_memory}, [], "base")
+    per_expert = list(exp.saved.shapes)
+    check_against(exp, _entries(exp, per_expert), {n: n for n in per_expert}, [], "base")
+    cases = [
+        (in_memory, "model.layers.0.mlp.experts.down_proj"),
+        (per_expert, "model.layers.0.block_sparse_moe.experts.1.w2.weight"),
+    ]
+    for names, dropped in cases:
+        kept = [n for n in names if n != dropped]
+        with pytest.raises(MergeError) as info:
+            check_against(exp, _entries(exp, kept), {n: n for n in kept}, [], "base")
+        assert info.value.details == [f"missing: {dropped}"]
+
+
+def test_fp8_weights_and_scales_are_expected() -> None:
+    config = make_config(
+        "llama",
+        quantization_config={
+            "quant_method": "fp8",
+            "weight_block_size": [32, 32],
+            "activation_scheme": "dynamic",
+            "modules_to_not_convert": ["lm_head"],
+        },
+    )
+    exp = build_expected(config, False)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert exp.dtypes[q] == torch.float8_e4m3fn and exp.shapes[q] == (64, 64)
+    assert exp.dtypes[f"{q}_scale_inv"] == torch.float32 and exp.shapes[f"{q}_scale_inv"] == (2, 2)
+    assert exp.dtypes["lm_head.weight"] == torch.float32
+    assert "lm_head.weight_scale_inv" not in exp.shapes
+
+
+def test_mxfp4_experts_are_expected_packed() -> None:
+    config = moe_config("mxfp4")  # gpt-oss, hidden 64, 4 experts of 64
+    exp = build_expected(config, False)
+    blocks = "model.layers.0.mlp.experts.gate_up_proj_blocks"
+    assert exp.shapes[blocks] == (4, 128, 2, 16) and exp.dtypes[blocks] == torch.uint8
+    assert exp.shapes["model.layers.0.mlp.experts.down_proj_scales"] == (4, 64, 2)
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in exp.shapes
+    assert not exp.renamed_on_save
 
 
 def test_fsdp_prefix_is_removed() -> None:

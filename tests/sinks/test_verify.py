@@ -106,3 +106,21 @@ def test_a_damaged_record_fails_its_crc(tmp_path: Path) -> None:
     write_plan(plan, sources, out, lambda n: None)
     with pytest.raises(MergeError, match=r"verification failed: .*CRC-32"):
         verify_output(plan, sources, out)
+
+
+def test_a_stored_tensor_shared_by_several_outputs_is_read_once_per_batch(
+    written: Written,
+) -> None:
+    """The experts cut from one fused tensor share it: one batch reads it once."""
+    from shardforge.keymap.conversion import Slice
+    from shardforge.keymap.converted import SharedValue, SliceSource
+    from shardforge.sinks.verify import _batches, _Check
+
+    _, _, sources = written
+    fused = sources["a"]
+    halves = [
+        SliceSource(fused, Slice("a", (r, 0), (32, 33), (32, 33)), SharedValue(2)) for r in (0, 32)
+    ]
+    checks = [_Check(f"a{i}", s, torch.float32, f"a{i}") for i, s in enumerate(halves)]
+    assert [len(b) for b in _batches(checks, fused.stored()[0].nbytes)] == [2]
+    assert [len(b) for b in _batches(checks, fused.stored()[0].nbytes - 1)] == [1, 1]

@@ -5,6 +5,7 @@ line per unsupported key, and still drives the merge."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -94,6 +95,9 @@ def _train_all(rank: int, world: int, paths: list[str], stores: str) -> None:
     from shardforge.config import load_cfg
     from shardforge.train.loop import run_training
 
+    # relative paths of the configs (dataset_prepared_path: last_run_prepared) land in the
+    # test's folder, as they land in the folder Axolotl users start from
+    os.chdir(Path(stores).parent)
     for i, path in enumerate(paths):
         if not dist.is_initialized():
             dist.init_process_group(

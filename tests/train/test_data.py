@@ -1,18 +1,15 @@
-"""Training data: readers, tokenization by type, packing/padding, the global order, rank slices."""
+"""Training data: tokenization by type, packing/padding, the global order, rank slices."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
 from helpers.tiny import make_tokenizer, tiny_conversations
 from shardforge.config import validate_cfg
 from shardforge.config.schema import DatasetConfig
-from shardforge.errors import ConfigError
 from shardforge.train.data import (
     IGNORE_INDEX,
     GlobalOrder,
@@ -20,7 +17,6 @@ from shardforge.train.data import (
     TokenizeOptions,
     build_sequences,
     rank_slice,
-    read_rows,
     to_sequences,
     tokenize_row,
 )
@@ -29,17 +25,6 @@ from shardforge.train.data import (
 @pytest.fixture(scope="module")
 def tok():  # type: ignore[no-untyped-def]
     return make_tokenizer(320)
-
-
-def test_readers_for_every_format(tmp_path: Path) -> None:
-    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n\n{"text": "two"}\n')
-    (tmp_path / "b.json").write_text('[{"text": "three"}]')
-    (tmp_path / "c.txt").write_text("four\nfive\n")
-    pq.write_table(pa.table({"text": ["six"]}), tmp_path / "d.parquet")
-    rows = read_rows(DatasetConfig(path=str(tmp_path)), "datasets[0]")
-    assert [r["text"] for r in rows] == ["one", "two", "three", "four", "five", "six"]
-    with pytest.raises(ConfigError, match=r"datasets\[3\].path"):
-        read_rows(DatasetConfig(path=str(tmp_path / "missing.jsonl")), "datasets[3]")
 
 
 def test_completion_appends_eos_and_trains_on_all_tokens(tok) -> None:  # type: ignore[no-untyped-def]

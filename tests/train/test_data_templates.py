@@ -36,7 +36,8 @@ MARKERS = {
     "chatml": "<|im_start|>assistant\nThe cat sees the moon.<|im_end|>\n",
     "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\nThe cat sees the moon.<|eot_id|>",
     "mistral": "[INST] Be brief.\n\nTell me a story. [/INST]The cat sees the moon.</s>[INST]",
-    "gemma": "<start_of_turn>model\nThe cat sees the moon.<end_of_turn>\n",
+    # gemma3: Gemma's format with the system message in the first turn (gemma has no system)
+    "gemma3": "<start_of_turn>model\nThe cat sees the moon.<end_of_turn>\n",
     "qwen_25": "<|im_start|>assistant\nThe cat sees the moon.<|im_end|>\n",
     "phi_3": "<|assistant|>\nThe cat sees the moon.<|end|>\n",
     "alpaca": "### Instruction:\nTell me a story.\n\n### Response:\nThe cat sees the moon.</s>",
@@ -44,10 +45,11 @@ MARKERS = {
 
 
 def test_every_name_has_a_template() -> None:
-    assert set(CHAT_TEMPLATES) == set(CHAT_TEMPLATE_NAMES) - set(SPECIAL_NAMES) == set(MARKERS)
+    """Every name's text: tests/config/test_chat_formats.py; here, how some of them train."""
+    assert set(CHAT_TEMPLATES) == set(CHAT_TEMPLATE_NAMES) - set(SPECIAL_NAMES) >= set(MARKERS)
 
 
-@pytest.mark.parametrize("name", sorted(CHAT_TEMPLATES))
+@pytest.mark.parametrize("name", sorted(MARKERS))
 def test_named_template_renders_its_format_and_trains_assistant_turns(name: str) -> None:
     tok = make_tokenizer(320)
     tok.chat_template = CHAT_TEMPLATES[name]
@@ -103,6 +105,8 @@ def test_chat_template_name_in_the_config_sets_the_tokenizer_template(tmp_path: 
     assert load_tokenizer(jinja).chat_template == custom
 
 
-def test_unknown_template_name_is_rejected_by_load_cfg(tmp_path: Path) -> None:
+def test_unknown_template_name_is_rejected_by_load_cfg_for_train(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.yml"
+    path.write_text(yaml.safe_dump({"base_model": str(BASE), "chat_template": "llama9"}))
     with pytest.raises(ConfigError, match=r"chat_template.*unknown template name 'llama9'"):
-        _load(tmp_path, chat_template="llama9")
+        load_cfg(path, command="train")

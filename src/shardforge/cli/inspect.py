@@ -21,6 +21,8 @@ Examples:
   shardforge inspect outputs/tiny-llama/checkpoint-100
   shardforge inspect runs/checkpoint-500/pytorch_model_fsdp_0
   shardforge inspect checkpoints/global_step_100/actor
+  # in object storage (credentials from AWS_* or the config's storage_options)
+  shardforge inspect s3://bucket/runs/tiny-llama
   # LMMs-Engine EMA weights instead of the model
   shardforge inspect runs --state_dict_dirname pytorch_ema_model_fsdp_0
   # what --dtype bfloat16 would cast, and what it keeps (and why); --all lists every tensor
@@ -161,13 +163,14 @@ def do_inspect(
     output_dir): one JSON document with `as_json`, else the human-readable text; with
     `dtype` or `keep_dtype`, what the merge would cast and keep, and why."""
     from shardforge.inspection import inspect_path_or_config
+    from shardforge.io.mirror import staging
 
-    facts = inspect_path_or_config(
-        path_or_config, step, override_args, state_dict_dirname, dtype, keep_dtype
-    ).to_dict()
-    if as_json:
-        return json.dumps(facts, indent=2) + "\n"
-    return format_report(facts, show_all)
+    with staging() as area:  # an s3:// checkpoint is mirrored there; the report names the URI
+        facts = inspect_path_or_config(
+            path_or_config, step, override_args, state_dict_dirname, dtype, keep_dtype
+        ).to_dict()
+        text = json.dumps(facts, indent=2) + "\n" if as_json else format_report(facts, show_all)
+        return area.rewrite(text)
 
 
 @shardforge_command(

@@ -21,20 +21,26 @@ from shardforge.version import __version__
 COMMANDS: dict[str, str] = {
     "validate": "validate",
     "config-schema": "config_schema",
+    "preprocess": "preprocess",
     "train": "train",
     "merge-sharded-fsdp-weights": "merge_sharded_fsdp_weights",
     "merge-lora": "merge_lora",
     "inspect": "inspect",
+    "inference": "inference",
+    "evaluate": "evaluate",
     "verify": "verify",
 }
 
 SUMMARIES: dict[str, str] = {
     "validate": "Validate a config and print it with defaults resolved.",
     "config-schema": "Print the JSON schema of the config.",
+    "preprocess": "Tokenize and pack the data sets once into dataset_prepared_path for train.",
     "train": "Train with FSDP2 (starts torchrun itself); resumable sharded checkpoints.",
     "merge-sharded-fsdp-weights": "Merge a sharded FSDP checkpoint into a Hugging Face model.",
     "merge-lora": "Fuse a PEFT LoRA adapter into its base model: a Hugging Face model, streamed.",
     "inspect": "Describe a sharded checkpoint: layout, steps, world size, tensors, optimizer.",
+    "inference": "Generate from the trained model: merged, a checkpoint, or base + LoRA adapter.",
+    "evaluate": "Eval loss and perplexity of the trained model on the config's evaluation data.",
     "verify": "Check a merged model directory against its shardforge-manifest.json.",
 }
 

@@ -1,6 +1,7 @@
 """`shardforge merge-lora CONFIG [--lora_model_dir DIR] --output_path DIR`: fuse a PEFT LoRA
 adapter directory into the base model and write a complete Hugging Face model directory,
-streaming one tensor at a time (Axolotl's `merge-lora`)."""
+streaming one tensor at a time (Axolotl's `merge-lora`; its `do_merge_lora(cfg=...)` and
+`do_cli` are here too)."""
 
 from __future__ import annotations
 
@@ -27,19 +28,25 @@ Examples:
 
 
 def do_merge_lora(
-    config: str | Path,
+    *,
+    cfg: Any,
     output_path: str | Path | None = None,
     lora_model_dir: str | Path | None = None,
-    override_args: list[str] | None = None,
-    quiet: bool = False,
+    save_tokenizer: bool = True,
     **options: Any,
 ) -> Path:
-    """Load `config` (plus overrides) and run `merge_lora` with `options` (the other fields of
-    `LoraMergeRequest`, as the command line gives them)."""
+    """Axolotl's `do_merge_lora(cfg=cfg)`: fuse the adapter of `cfg`'s run (`lora_model_dir`,
+    else the config's lora_model_dir, else output_dir) into its base model, written to
+    `output_path` (default <output_dir>/merged, where Axolotl writes it). `cfg`:
+    `shardforge.cli.config.load_cfg`'s result, a mapping, `ShardforgeConfig` or config path;
+    only the keys the merge reads are validated. `options`: the other fields of
+    `LoraMergeRequest` (dtype, max_shard_size, verify, overwrite, quiet). Returns the output
+    directory."""
     from shardforge.merge.lora import merge_lora
 
-    request = LoraMergeRequest(lora_model_dir, output_path, quiet=quiet, **options)
-    cfg = load_config(config, override_args, "merge")
+    request = LoraMergeRequest(
+        lora_model_dir, output_path, save_tokenizer=save_tokenizer, **options
+    )
     return merge_lora(cfg, **dataclasses.asdict(request))
 
 
@@ -57,7 +64,8 @@ def command(config: str, overrides: list[str], **options: Any) -> str:
     @ A computed in float32 and stored in the output dtype; memory stays at about one
     tensor; the output appears only when complete."""
     # --quiet hides the progress bar; the adapter and base model are still printed (on stderr)
-    return f"{do_merge_lora(config, override_args=overrides, **options)}\n"
+    cfg = load_config(config, overrides, "merge-lora")
+    return f"{do_merge_lora(cfg=cfg, **options)}\n"
 
 
 do_cli = fire_entry(command)

@@ -1,5 +1,8 @@
 """`shardforge merge-sharded-fsdp-weights CONFIG --output_path DIR`: merge a sharded FSDP (DCP)
-checkpoint into a complete Hugging Face model directory, streaming with bounded memory."""
+checkpoint into a complete Hugging Face model directory, streaming with bounded memory.
+
+Axolotl's names are here too: `merge_fsdp_weights` (its arguments) and `do_cli` (its fire entry
+point); they import the merge (and torch) only when called."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shardforge.cli._common import config_argument, fire_entry, load_config, shardforge_command
+from shardforge.errors import CheckpointError
 from shardforge.merge.request import MergeRequest
 
 EPILOG = """\b
@@ -63,9 +67,54 @@ def do_merge_sharded_fsdp_weights(
 
     cfg = load_config(config, override_args, "merge")
     with head_start(cfg, output_path, options):
-        from shardforge.merge.api import merge_fsdp_weights
+        from shardforge.merge.api import merge_fsdp_weights as merge
 
-        return merge_fsdp_weights(cfg, output_path, **options)
+        return merge(cfg, output_path, **options)
+
+
+def merge_fsdp_weights(
+    cfg: Any = None,
+    output_path: str | Path | None = None,
+    save_tokenizer: bool = True,
+    *,
+    checkpoint_dir: str | Path | None = None,
+    **options: Any,
+) -> Path:
+    """Axolotl's `merge_fsdp_weights`, called either way Axolotl's scripts call it:
+
+        merge_fsdp_weights(load_cfg("cfg.yml"), output_path="out", save_tokenizer=True)
+        merge_fsdp_weights(checkpoint_dir="run/checkpoint-9/pytorch_model_fsdp_0",
+                           output_path="out", remove_checkpoint_dir=False)   # Axolotl 0.21
+
+    `cfg`: `shardforge.cli.config.load_cfg`'s result (or any mapping, `ShardforgeConfig` or
+    config path); only the keys the merge reads are validated. Without a config, the first
+    folder of `checkpoint_dir` and its parents holding a config.json is the run's (Axolotl
+    saves the model's config in output_dir). The other keywords are the options of
+    `shardforge merge-sharded-fsdp-weights` (`shardforge.merge.api.merge_fsdp_weights`).
+    Returns the output path."""
+    from shardforge.merge.api import merge_fsdp_weights as merge
+
+    if checkpoint_dir is None and isinstance(cfg, str | Path) and Path(cfg).is_dir():
+        cfg, checkpoint_dir = None, cfg  # Axolotl 0.21: merge_fsdp_weights(checkpoint_dir, ...)
+    if checkpoint_dir is not None:
+        options["checkpoint"] = checkpoint_dir
+        if cfg is None:
+            cfg = _run_config(Path(checkpoint_dir))
+    if cfg is None:
+        raise TypeError("merge_fsdp_weights() needs the run's config (cfg) or checkpoint_dir")
+    return merge(cfg, output_path, save_tokenizer, **options)
+
+
+def _run_config(checkpoint_dir: Path) -> dict[str, str]:
+    """A config naming the run of `checkpoint_dir`: the nearest folder (it or a parent, up to
+    the run's output_dir) holding the model's config.json."""
+    for folder in [checkpoint_dir, *checkpoint_dir.parents][:4]:
+        if (folder / "config.json").is_file():
+            return {"base_model": str(folder), "output_dir": str(folder)}
+    raise CheckpointError(
+        f"{checkpoint_dir}: no config.json in it or the folders above it; pass the run's "
+        "config: merge_fsdp_weights(load_cfg('cfg.yml'), output_path=...)"
+    )
 
 
 @shardforge_command(

@@ -18,7 +18,7 @@ Examples:
 """
 
 
-FOR_COMMANDS = ("train", "merge", "inspect")
+FOR_COMMANDS = ("train", "merge", "merge-lora", "inspect")
 
 
 def do_validate(
@@ -26,8 +26,8 @@ def do_validate(
 ) -> str:
     """Validate `config` (plus overrides) for one command; return the resolved config as YAML.
 
-    train: every key, and Axolotl keys for features train lacks are errors; merge / inspect:
-    only the keys that command reads (any Axolotl config passes).
+    train: every key, and Axolotl keys for features train lacks are errors; merge, merge-lora
+    and inspect: only the keys that command reads (any Axolotl config passes).
     """
     cfg = load_config(config, override_args, for_command)
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
@@ -48,8 +48,8 @@ def do_validate(
     ],
 )
 def command(config: str, for_command: str, overrides: list[str]) -> str:
-    """Validate CONFIG for a command and print it with all defaults resolved (for merge and
-    inspect: only the keys they read). Exit 0 when valid, 2 when not (every problem is
+    """Validate CONFIG for a command and print it with all defaults resolved (for merge,
+    merge-lora and inspect: only the keys they read). Exit 0 when valid, 2 when not (every problem is
     listed). Axolotl configs are accepted: keys with no effect are named in a notice; for
     train, keys of features it does not support are errors."""
     return do_validate(config, overrides, for_command)

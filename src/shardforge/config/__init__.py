@@ -3,6 +3,7 @@
 ``load_cfg(path, **overrides)`` returns the validated, read-only `ShardforgeConfig`.
 """
 
+from shardforge.config.dict_default import DictDefault
 from shardforge.config.loader import (
     ConfigLike,
     coerce_cfg,
@@ -17,6 +18,7 @@ __all__ = [
     "ConfigLike",
     "ConfigReadOnlyError",
     "DatasetConfig",
+    "DictDefault",
     "FsdpConfig",
     "ShardforgeConfig",
     "coerce_cfg",

@@ -1,7 +1,7 @@
 """Sort the keys of a config into what a command uses, what it may ignore and what it refuses.
 
-A config may hold shardforge's own keys and any key of Axolotl's schema (the tables in
-``axolotl_keys``). For one command:
+A config may hold shardforge's own keys and any key of Axolotl's schema (the keys in
+``axolotl_keys``, what shardforge does with each in ``axolotl_status``). For one command:
 
     ours, in the command's scope        kept and validated
     ours, outside the scope             not used (merge and inspect read only a few keys)
@@ -9,7 +9,9 @@ A config may hold shardforge's own keys and any key of Axolotl's schema (the tab
     Axolotl, null or its default        a placeholder: changes nothing, accepted everywhere
     Axolotl, ignored                    no effect on results: dropped, named in one notice
     Axolotl, unsupported                train: one problem line each; other commands: not used
-    neither                             a problem, with a suggestion among keys of the same level
+    neither, a near miss of a known key a problem, with a suggestion among keys of the same level
+    neither                             ignored, named in one notice (as Axolotl drops a key
+                                        it does not define)
 
 Pure functions over plain mappings; the loader turns the result into notices and errors.
 """
@@ -23,46 +25,58 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from shardforge.config.axolotl_keys import (
+from shardforge.config.axolotl_status import (
     DATASET_KEYS,
     FSDP_CONFIG_KEYS,
+    LEGACY_FSDP_CONFIG,
+    LEGACY_TOP_LEVEL,
     TOP_LEVEL,
     AxolotlKey,
 )
 from shardforge.config.errors import did_you_mean
 from shardforge.config.schema import DatasetConfig, FsdpConfig, ShardforgeConfig
 
-Command = Literal["train", "merge", "inspect", "all"]
-COMMANDS: tuple[str, ...] = ("train", "merge", "inspect", "all")
+Command = Literal["train", "merge", "merge-lora", "inspect", "all"]
+COMMANDS: tuple[str, ...] = ("train", "merge", "merge-lora", "inspect", "all")
 
-# The keys each command reads (None: every key). The merge does not need the fsdp block: how
-# the shards were cut is in the checkpoint's own metadata.
+# What every merge reads (the chat template only where it writes a tokenizer). Not the fsdp
+# block: how the shards were cut is in the checkpoint's own metadata.
+_MERGE_KEYS = frozenset(
+    {
+        "base_model",
+        "base_model_config",
+        "tokenizer_config",
+        "output_dir",
+        "storage_options",
+        "trust_remote_code",
+        "chat_template",
+        "chat_template_jinja",
+    }
+)
+# A LoRA run's checkpoint without its own adapter_config.json: the merge writes one from these,
+# so it reads them only when the config says the run trained a LoRA adapter (`adapter: lora`)
+LORA_RUN_KEYS = frozenset(
+    {
+        "adapter",
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_target_modules",
+        "lora_target_linear",
+        "lora_modules_to_save",
+        "peft_use_rslora",
+        "peft_use_dora",
+    }
+)
+
+# The keys each command reads (None: every key).
 COMMAND_KEYS: dict[str, frozenset[str] | None] = {
     "train": None,
     "all": None,
-    "merge": frozenset(
-        {
-            "base_model",
-            "base_model_config",
-            "tokenizer_config",
-            "output_dir",
-            "trust_remote_code",
-            "chat_template",
-            "chat_template_jinja",
-            # a LoRA run's checkpoint: its adapter_config.json comes from these
-            "adapter",
-            "lora_r",
-            "lora_alpha",
-            "lora_dropout",
-            "lora_target_modules",
-            "lora_target_linear",
-            "lora_modules_to_save",
-            "peft_use_rslora",
-            "peft_use_dora",
-            "lora_model_dir",
-        }
-    ),
-    "inspect": frozenset({"base_model", "output_dir"}),
+    "merge": _MERGE_KEYS | LORA_RUN_KEYS,
+    # merge-lora reads the adapter's settings from its adapter_config.json
+    "merge-lora": _MERGE_KEYS | {"lora_model_dir"},
+    "inspect": frozenset({"base_model", "output_dir", "storage_options"}),
 }
 # Commands that read only their own keys: everything else in the config is left unread.
 SCOPED: frozenset[str] = frozenset(c for c, keys in COMMAND_KEYS.items() if keys is not None)
@@ -92,6 +106,8 @@ class Sorted:
     placeholders: list[str] = field(default_factory=list)
     unsupported: list[tuple[str, str]] = field(default_factory=list)  # (key, feature)
     renamed: list[str] = field(default_factory=list)
+    # neither shardforge's nor Axolotl's (and no near miss of a known key): ignored
+    undefined: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
 
@@ -148,10 +164,11 @@ def _sort_level(
             continue
         row = theirs.get(name)
         if row is None:
-            hint = suggest(name, [*ours, *theirs]) or (
-                " (neither shardforge's nor Axolotl's); see docs/config.md for the known keys"
-            )
-            out.problems.append(f"{dotted}: unknown key{hint}")
+            hint = suggest(name, [*ours, *theirs])
+            if hint:
+                out.problems.append(f"{dotted}: unknown key{hint}")
+            else:
+                out.undefined.append(dotted)
         elif name in FLAG_VALUES and row.status == "implemented":
             target, flag_value = FLAG_VALUES[name]
             if value:
@@ -178,12 +195,20 @@ def _refused(value: Any, refused: tuple[Any, ...]) -> bool:
     return any(type(value) is type(r) and value == r for r in refused)
 
 
+def command_scope(command: str, data: Mapping[str, Any]) -> frozenset[str] | None:
+    """The keys `command` reads of this config (None: every key)."""
+    scope = COMMAND_KEYS[command]
+    if command == "merge" and scope is not None and data.get("adapter") != "lora":
+        return scope - LORA_RUN_KEYS
+    return scope
+
+
 def sort_keys(data: Mapping[str, Any], command: str) -> Sorted:
     """Sort a normalized config (fsdp already in shardforge's block form) for `command`."""
     if command not in COMMAND_KEYS:
         raise ValueError(f"unknown command {command!r}; expected one of {', '.join(COMMANDS)}")
     out = Sorted(data={})
-    scope = COMMAND_KEYS[command]
+    scope = command_scope(command, data)
     if scope is not None:
         out.unused = [str(k) for k in data if k not in scope]
         nullable = _nullable(ShardforgeConfig)
@@ -235,30 +260,44 @@ def unsupported_problem(key: str, feature: str) -> str:
 
 def compatibility_table() -> str:
     """docs/config.md's Axolotl table (markdown), generated from the same tables the code uses."""
-    from shardforge.config.axolotl_keys import AXOLOTL_COMMIT, AXOLOTL_VERSION
+    from shardforge.config.axolotl_keys import AXOLOTL_VERSION, AXOLOTL_WHEEL_SHA256
 
     lines = [
-        f"Generated from Axolotl {AXOLOTL_VERSION} (commit {AXOLOTL_COMMIT[:12]}) by "
-        "`shardforge config-schema --axolotl-table`.",
+        f"Generated from Axolotl {AXOLOTL_VERSION} (the released wheel, sha256 "
+        f"{AXOLOTL_WHEEL_SHA256[:12]}...) by `shardforge config-schema --axolotl-table`.",
         "",
     ]
+    legacy = {**LEGACY_TOP_LEVEL, **{f"fsdp_config.{k}": r for k, r in LEGACY_FSDP_CONFIG.items()}}
     for title, table, prefix in (
-        ("Top-level keys", TOP_LEVEL, ""),
+        ("Top-level keys", _without(TOP_LEVEL, LEGACY_TOP_LEVEL), ""),
         ("Keys of a `datasets:` entry", DATASET_KEYS, "datasets[]."),
-        ("Keys of `fsdp_config:` (with or without the `fsdp_` prefix)", FSDP_CONFIG_KEYS, ""),
+        (
+            "Keys of `fsdp_config:` (with or without the `fsdp_` prefix)",
+            _without(FSDP_CONFIG_KEYS, LEGACY_FSDP_CONFIG),
+            "",
+        ),
+        (f"Keys Axolotl {AXOLOTL_VERSION} does not define (older examples and docs)", legacy, ""),
     ):
-        counts = {s: sum(r.status == s for r in table.values()) for s in STATUS_ORDER}
-        summary = ", ".join(f"{n} {s}" for s, n in counts.items())
-        lines += [f"#### {title} ({summary})", "", "| key | status | note |", "| --- | --- | --- |"]
-        for key in sorted(table):
-            row = table[key]
-            note = row.note
-            if row.ours and row.ours != key:
-                note = f"as `{row.ours}`" + (f"; {note}" if note else "")
-            note = note.replace("|", "\\|")
-            lines.append(f"| `{prefix}{key}` | {row.status} | {note} |")
-        lines.append("")
+        lines += _section(title, table, prefix)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _without(table: Mapping[str, AxolotlKey], drop: Mapping[str, Any]) -> dict[str, AxolotlKey]:
+    return {k: r for k, r in table.items() if k not in drop}
+
+
+def _section(title: str, table: Mapping[str, AxolotlKey], prefix: str) -> list[str]:
+    counts = {s: sum(r.status == s for r in table.values()) for s in STATUS_ORDER}
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    lines = [f"#### {title} ({summary})", "", "| key | status | note |", "| --- | --- | --- |"]
+    for key in sorted(table):
+        row = table[key]
+        note = row.note
+        if row.ours and row.ours != key:
+            note = f"as `{row.ours}`" + (f"; {note}" if note else "")
+        note = note.replace("|", "\\|")
+        lines.append(f"| `{prefix}{key}` | {row.status} | {note} |")
+    return [*lines, ""]
 
 
 STATUS_ORDER: tuple[str, ...] = ("implemented", "ignored", "unsupported")

@@ -1,49 +1,33 @@
 """Chat templates by name, as Axolotl configs spell them (`chat_template: chatml`).
 
-A value containing `{%` or `{{` is Jinja text; any other value must be one of the names below.
-`tokenizer_default` keeps the tokenizer's own template; `jinja` takes `chat_template_jinja`.
+Every name of Axolotl 0.21's `ChatTemplate` is accepted, each mapped to a template of
+`chat_formats` that renders the same text as Axolotl's. Besides a name the value may be:
 
-Every named template renders prefix-consistently (the rendering of the first k messages is a
-prefix of the rendering of all of them, and `add_generation_prompt` appends exactly the header
-the next assistant turn starts with), which is what lets training find the assistant turns.
+    null                          the tokenizer's own (`chat_template_jinja` when that is set)
+    tokenizer_default             the tokenizer's own, which must exist
+    tokenizer_default_fallback_X  the tokenizer's own, else the template named X
+    jinja                         `chat_template_jinja`: Jinja text, or a file holding it
+    Jinja text                    itself (a value containing `{%` or `{{`)
+
+`train` refuses any other value, listing the names; the other commands read it only where they
+write a tokenizer (the merge keeps the tokenizer's own template then, with a notice).
 """
 
 from __future__ import annotations
 
-from shardforge.errors import ConfigError
+import difflib
+import textwrap
+from pathlib import Path
 
-# <|im_start|>role\ncontent<|im_end|>\n (OpenAI ChatML; Qwen, Hermes, many fine-tunes)
-_CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+from shardforge.config.chat_formats import FORMATS
+from shardforge.errors import ConfigError, shown
 
-# Llama 3 / 3.1 instruct: a header per turn, content trimmed, each turn ended by <|eot_id|>
-_LLAMA3 = (
-    "{% for message in messages %}"
-    "{% if loop.first %}{{ bos_token }}{% endif %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
-    "{{ (message['content'] | trim) + '<|eot_id|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{% endif %}"
-)
-
-# templates without a system role: a system message goes in front of the first user turn
-# (`system`), the rest are the `turns`
-_SYSTEM_IN_FIRST_TURN = (
+# shardforge's Mistral template from before Axolotl's names were all known: "[INST] " without
+# the leading space of mistral_v1, the answer right after "[/INST]"
+_MISTRAL = (
     "{% if messages and messages[0]['role'] == 'system' %}"
     "{% set system = messages[0]['content'] + '\\n\\n' %}{% set turns = messages[1:] %}"
-    "{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}"
-)
-
-# Mistral instruct: [INST] user [/INST]answer</s>; a system message is put in front of the
-# first user message; user and assistant must alternate
-_MISTRAL = (
-    _SYSTEM_IN_FIRST_TURN + "{{ bos_token }}"
+    "{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}{{ bos_token }}"
     "{% for message in turns %}"
     "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
     "{{ raise_exception('mistral: roles must alternate user/assistant/user/...') }}"
@@ -54,75 +38,15 @@ _MISTRAL = (
     "{% endfor %}"
 )
 
-# Gemma (1, 2, 3): <start_of_turn>user|model ... <end_of_turn>; no system role, so a system
-# message is put in front of the first user turn (as Gemma 3 does)
-_GEMMA = (
-    _SYSTEM_IN_FIRST_TURN + "{{ bos_token }}"
-    "{% for message in turns %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{ '<start_of_turn>' + role + '\\n' + (system if loop.first else '') }}"
-    "{{ (message['content'] | trim) + '<end_of_turn>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
-)
-
-# Qwen 2.5: ChatML with Qwen's default system message when the conversation brings none
-_QWEN_25 = (
-    "{% if not messages or messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. "
-    "You are a helpful assistant.<|im_end|>\\n' }}"
-    "{% endif %}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-# Phi-3: <|role|>\ncontent<|end|>\n
-_PHI_3 = (
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
-
-# Alpaca as a chat: system text, then ### Instruction: / ### Response: blocks
-_ALPACA = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}"
-    "{% elif message['role'] == 'user' %}"
-    "{{ '### Instruction:\\n' + message['content'] + '\\n\\n' }}"
-    "{% else %}{{ '### Response:\\n' + message['content'] + eos_token + '\\n\\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '### Response:\\n' }}{% endif %}"
-)
-
 # name -> Jinja text (names are what the config accepts)
-CHAT_TEMPLATES: dict[str, str] = {
-    "chatml": _CHATML,
-    "llama3": _LLAMA3,
-    "mistral": _MISTRAL,
-    "gemma": _GEMMA,
-    "qwen_25": _QWEN_25,
-    "phi_3": _PHI_3,
-    "alpaca": _ALPACA,
-}
+CHAT_TEMPLATES: dict[str, str] = {**FORMATS, "mistral": _MISTRAL}
 
 # names that do not map to a fixed text
 SPECIAL_NAMES: tuple[str, ...] = ("tokenizer_default", "jinja")
+FALLBACK_PREFIX = "tokenizer_default_fallback_"
 
-CHAT_TEMPLATE_NAMES: tuple[str, ...] = (
-    "tokenizer_default",
-    "jinja",
-    "chatml",
-    "llama3",
-    "mistral",
-    "gemma",
-    "qwen_25",
-    "phi_3",
-    "alpaca",
-)
+# every name `chat_template` accepts: Axolotl's and shardforge's `mistral`
+CHAT_TEMPLATE_NAMES: tuple[str, ...] = (*SPECIAL_NAMES, *sorted(CHAT_TEMPLATES))
 
 
 def is_jinja(value: str) -> bool:
@@ -130,16 +54,57 @@ def is_jinja(value: str) -> bool:
     return "{%" in value or "{{" in value
 
 
+def template_problem(value: str | None, jinja_text: str | None) -> str | None:
+    """Why `value` (with `chat_template_jinja`) names no template, or None when it does (or
+    when the tokenizer's own is meant: that is checked where the tokenizer is loaded)."""
+    if value is None or is_jinja(value) or value in CHAT_TEMPLATES or value == SPECIAL_NAMES[0]:
+        return None
+    if value == "jinja":
+        return (
+            None if jinja_text else "chat_template: jinja needs the template in chat_template_jinja"
+        )
+    named = value.removeprefix(FALLBACK_PREFIX)
+    if named != value and named in CHAT_TEMPLATES:
+        return None
+    close = difflib.get_close_matches(value, CHAT_TEMPLATE_NAMES, n=1, cutoff=0.75)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    names = textwrap.fill(
+        ", ".join(CHAT_TEMPLATE_NAMES) + f", {FALLBACK_PREFIX}<name>, or Jinja text (with {{% or "
+        "{{)",
+        width=_WIDTH,
+        initial_indent="    ",
+        subsequent_indent="    ",
+    )
+    return f"chat_template: unknown template name {shown(value, 80)}{hint}; use one of\n{names}"
+
+
+# the list of names goes on lines of at most this many characters (an error's detail lines)
+_WIDTH = 100
+
+
+def _jinja_text(jinja_text: str) -> str:
+    """`chat_template_jinja`: the text itself, or the file it names (as Axolotl reads it)."""
+    if is_jinja(jinja_text) or "\n" in jinja_text:
+        return jinja_text
+    path = Path(jinja_text).expanduser()
+    if not path.is_file():
+        return jinja_text
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("chat_template_jinja", [f"{path}: cannot read it ({exc})"]) from None
+
+
 def resolve_chat_template(
     cfg_value: str | None, jinja_text: str | None, tokenizer_template: str | None
 ) -> str | None:
-    """The Jinja text the config's `chat_template` stands for.
-
-    null: the tokenizer's own (None when it has none); `tokenizer_default`: the tokenizer's own,
-    which must exist; `jinja`: `chat_template_jinja`; a name: its template; Jinja text: itself.
-    """
+    """The Jinja text the config's `chat_template` stands for (see the module's table); None
+    when it means the tokenizer's own and the tokenizer has none."""
     if cfg_value is None:
-        return tokenizer_template
+        return _jinja_text(jinja_text) if jinja_text else tokenizer_template
+    problem = template_problem(cfg_value, jinja_text)
+    if problem is not None:
+        raise ConfigError("chat_template", [problem.removeprefix("chat_template: ")])
     if cfg_value == "tokenizer_default":
         if not tokenizer_template:
             raise ConfigError(
@@ -148,14 +113,8 @@ def resolve_chat_template(
             )
         return tokenizer_template
     if cfg_value == "jinja":
-        if not jinja_text:
-            raise ConfigError("chat_template_jinja", ["chat_template: jinja needs the template"])
-        return jinja_text
-    if cfg_value in CHAT_TEMPLATES:
-        return CHAT_TEMPLATES[cfg_value]
-    if is_jinja(cfg_value):
-        return cfg_value
-    raise ConfigError(
-        "chat_template",
-        [f"unknown template name {cfg_value!r}: use one of {', '.join(CHAT_TEMPLATE_NAMES)}"],
-    )
+        assert jinja_text is not None  # template_problem refused it otherwise
+        return _jinja_text(jinja_text)
+    if cfg_value.startswith(FALLBACK_PREFIX) and cfg_value not in CHAT_TEMPLATES:
+        return tokenizer_template or CHAT_TEMPLATES[cfg_value.removeprefix(FALLBACK_PREFIX)]
+    return CHAT_TEMPLATES.get(cfg_value, cfg_value)

@@ -21,6 +21,9 @@ from shardforge.config.axolotl import (
     sort_keys,
     unsupported_problem,
 )
+from shardforge.config.axolotl_keys import AXOLOTL_VERSION
+from shardforge.config.chat_templates import template_problem
+from shardforge.config.dict_default import DictDefault, config_file
 from shardforge.config.errors import describe_validation_error
 from shardforge.config.normalize import normalize_axolotl
 from shardforge.config.schema import ShardforgeConfig
@@ -204,6 +207,12 @@ def _notices(found: Sorted, command: str, total: int) -> list[str]:
             f"{len(found.ignored)} key(s) cannot change the result here and are ignored: "
             f"{_listing(found.ignored)} (see docs/config.md)"
         )
+    if found.undefined:
+        out.append(
+            f"{len(found.undefined)} key(s) are neither shardforge's nor Axolotl "
+            f"{AXOLOTL_VERSION}'s and are ignored, as Axolotl ignores keys it does not define: "
+            f"{_listing(found.undefined)}"
+        )
     if command == "all" and found.unsupported:
         keys = [k for k, _ in found.unsupported]
         out.append(
@@ -211,6 +220,15 @@ def _notices(found: Sorted, command: str, total: int) -> list[str]:
             f"them; merge and inspect do not use them): {_listing(keys)}"
         )
     return out
+
+
+def _template_problem(data: Mapping[str, Any]) -> str | None:
+    """What is wrong with the config's chat template name, if anything (train refuses it; the
+    other commands use it only where they write a tokenizer)."""
+    value, text = data.get("chat_template"), data.get("chat_template_jinja")
+    if not isinstance(value, str | None) or not isinstance(text, str | None):
+        return None  # a wrong type: the schema says so
+    return template_problem(value, text)
 
 
 def _prepare(
@@ -236,6 +254,11 @@ def _prepare(
         _set_dotted(normalized, dotted, value)
     found = sort_keys(normalized, command)
     problems = problems + found.problems
+    template = _template_problem(found.data)
+    if template and command == "train":
+        problems.append(template)
+    elif template and command == "all":
+        notices.append(f"{template} (train refuses it; the merge keeps the tokenizer's own)")
     problems += [unsupported_problem(key, feature) for key, feature in found.unsupported]
     for notice in [*notices, *_notices(found, command, total)]:
         log.warning("%s: notice: %s", source, notice)
@@ -272,18 +295,35 @@ def load_cfg(path: str | Path, command: str = "all", **overrides: Any) -> Shardf
     return _prepare(read_yaml(path), str(path), command, overrides)
 
 
+def read_cfg(config: str | Path | Mapping[str, Any], **overrides: Any) -> DictDefault:
+    """The config as written (a YAML file, the one YAML file of a directory, or a mapping) with
+    `overrides` applied, not validated: what Axolotl's `load_cfg` gives its callers. An
+    override's nested key is dotted or, as Axolotl spells it, `parent__child`. Each command
+    validates what it reads of it (`coerce_cfg`)."""
+    if isinstance(config, Mapping):
+        data, source = DictDefault(config).to_dict(), getattr(config, "source", "<config>")
+    else:
+        path = config_file(config)
+        data, source = read_yaml(path), str(path)
+    for dotted, value in _flatten(overrides).items():
+        _set_dotted(data, dotted.replace("__", "."), value)
+    return DictDefault(data, source)
+
+
 # what commands and the Python API accept as a config
 ConfigLike = ShardforgeConfig | Mapping[str, Any] | str | Path
 
 
 def coerce_cfg(cfg: ConfigLike, command: str = "all") -> ShardforgeConfig:
     """Accept what users pass as `cfg`: load_cfg's result or a `ShardforgeConfig` (handed on as
-    it is: it was validated once already), a mapping or a path (read and validated for
-    `command`)."""
+    it is: it was validated once already), a mapping (an Axolotl-style `DictDefault` among
+    them) or a path (read and validated for `command`)."""
     if isinstance(cfg, ShardforgeConfig):
         return cfg
     if isinstance(cfg, str | Path):
         return load_cfg(cfg, command=command)
+    if isinstance(cfg, DictDefault):
+        return validate_cfg(cfg.to_dict(), cfg.source, command)
     if isinstance(cfg, Mapping):
         return validate_cfg(cfg, command=command)
     raise TypeError(f"cfg must be a config path, a mapping or load_cfg()'s result, got {type(cfg)}")

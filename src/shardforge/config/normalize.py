@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardforge.config.axolotl_keys import FSDP_CONFIG_KEYS
+from shardforge.config.axolotl_status import FSDP_CONFIG_KEYS
 
 # FSDP1 `sharding_strategy` (fsdp_config) -> FSDP2 settings. FSDP2 has no NO_SHARD.
 SHARDING_STRATEGIES: dict[str, dict[str, Any]] = {

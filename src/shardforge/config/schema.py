@@ -8,13 +8,16 @@ like Axolotl's ``DictDefault`` as well (``cfg.fsdp.offload_params``, ``cfg["base
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_serializer, field_validator, model_validator
 
 from shardforge.config.view import ConfigView
 
 DType = Literal["float32", "bfloat16", "float16"]
+
+# the keys of `storage_options` whose values are secrets (never shown, never dumped)
+STORAGE_SECRET_KEYS = ("secret", "token", "aws_secret_access_key", "aws_session_token", "password")
 
 # what a value of 1 or more must be instead (below 1 it is a fraction), per key
 _WHOLE_OR_FRACTION = {
@@ -179,11 +182,15 @@ class ShardforgeConfig(ConfigView):
     chat_template: str | None = Field(
         None,
         description="Chat template for chat_template data sets and the saved tokenizer: a name "
-        "(see docs/config.md: chatml, llama3, tokenizer_default, jinja, ...) or Jinja text "
-        "(containing `{%` or `{{`). null: the tokenizer's own.",
+        "of Axolotl's (see docs/config.md: chatml, llama3, gemma3, qwen3, tokenizer_default, "
+        "tokenizer_default_fallback_<name>, jinja, ...) or Jinja text (containing `{%` or "
+        "`{{`). null: the tokenizer's own. train refuses an unknown name; the merge keeps the "
+        "tokenizer's own template then.",
     )
     chat_template_jinja: str | None = Field(
-        None, description="The Jinja text used when `chat_template: jinja`."
+        None,
+        description="The Jinja text (or a file holding it) used when `chat_template: jinja` or "
+        "unset.",
     )
     attn_implementation: str | None = Field(
         None,
@@ -211,6 +218,14 @@ class ShardforgeConfig(ConfigView):
         "./model-out",
         description="Where training writes checkpoints; where the merge looks for them.",
     )
+    storage_options: dict[str, Any] | None = Field(
+        None,
+        description="Options of the object store for s3:// paths (output_dir, --checkpoint, "
+        "--output_path): s3fs keywords such as endpoint_url, key, secret, client_kwargs; what "
+        "is not set comes from the AWS environment variables (AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL). Secrets are never shown: a dump of the "
+        "config (validate, tracking) has *** in their place; prefer the environment for them.",
+    )
     seed: int = Field(42, description="Random seed for model init, data order and dropout.")
 
     # -- data ------------------------------------------------------------------------------------
@@ -229,6 +244,13 @@ class ShardforgeConfig(ConfigView):
         "padding each; each sample attends only to itself (position ids restart per sample; "
         "needs an attn_implementation that honours them: eager, sdpa, flex_attention, "
         "flash_attention_2/3).",
+    )
+    dataset_prepared_path: str | None = Field(
+        None,
+        description="Folder of prepared data sets (tokenized, templated, masked, packed), one "
+        "sub-folder per hash of the data files, the tokenizer and the keys that change "
+        "tokens: `shardforge preprocess` writes it, `train` reuses a matching one (else "
+        "prepares and writes it, saying why). null: train prepares the data in memory.",
     )
     micro_batch_size: int = Field(1, gt=0, description="Sequences per rank per forward pass.")
     gradient_accumulation_steps: int = Field(
@@ -449,6 +471,13 @@ class ShardforgeConfig(ConfigView):
         "queue (and are not pruned by save_total_limit until merged).",
     )
 
+    @field_serializer("storage_options")
+    def _secrets_hidden(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A dump (validate, tracking, a saved config) never holds a secret."""
+        if value is None:
+            return None
+        return {k: "***" if k in STORAGE_SECRET_KEYS and v else v for k, v in value.items()}
+
     @field_validator("val_set_size", "eval_steps")
     @classmethod
     def _whole_or_fraction(cls, value: float | None, info: ValidationInfo) -> float | None:
@@ -469,19 +498,4 @@ class ShardforgeConfig(ConfigView):
         ):
             if conflict:
                 raise ValueError(f"{first} and {second} are both set; choose one")
-        if self.chat_template == "jinja" and not self.chat_template_jinja:
-            raise ValueError("chat_template: jinja needs the template text in chat_template_jinja")
         return self
-
-    @field_validator("chat_template")
-    @classmethod
-    def _template_name_or_jinja(cls, value: str | None) -> str | None:
-        from shardforge.config.chat_templates import CHAT_TEMPLATE_NAMES, is_jinja
-        from shardforge.errors import shown
-
-        if value is None or is_jinja(value) or value in CHAT_TEMPLATE_NAMES:
-            return value
-        raise ValueError(
-            f"unknown template name {shown(value, 80)}: use one of "
-            f"{', '.join(CHAT_TEMPLATE_NAMES)}, or Jinja text (with {{% or {{{{)"
-        )

@@ -142,6 +142,13 @@ class TensorFact:
     numel: int
     nbytes: int
 
+    @classmethod
+    def of(cls, name: str, tensor: Any) -> TensorFact:
+        """The fact of anything with a `dtype` and a `shape` (a plan, an entry, a source)."""
+        numel = math.prod(tensor.shape)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return cls(name, dtype, tuple(tensor.shape), numel, numel * tensor.dtype.itemsize)
+
 
 @dataclass(frozen=True)
 class StateSummary:

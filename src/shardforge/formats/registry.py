@@ -13,18 +13,33 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardforge.errors import CheckpointError
+from shardforge.formats.accelerate_bin.format import AccelerateBinFormat
 from shardforge.formats.base import CheckpointFormat, NamedSource
 from shardforge.formats.dcp.format import DcpFormat
+from shardforge.formats.dcp_ranks.format import DcpRanksFormat
+from shardforge.formats.dcp_safetensors.format import DcpSafetensorsFormat
 from shardforge.formats.rankfiles.format import RankFilesFormat
 from shardforge.formats.safetensors.format import SafetensorsFormat
 
-FORMATS: tuple[CheckpointFormat, ...] = (DcpFormat(), RankFilesFormat(), SafetensorsFormat())
+# in `detect` order: the DCP safetensors folder (its consolidated form holds an HF index) before
+# the plain safetensors directory
+FORMATS: tuple[CheckpointFormat, ...] = (
+    DcpFormat(),
+    DcpRanksFormat(),
+    RankFilesFormat(),
+    AccelerateBinFormat(),
+    DcpSafetensorsFormat(),
+    SafetensorsFormat(),
+)
 _BY_NAME: dict[str, CheckpointFormat] = {f.name: f for f in FORMATS}
 assert len(_BY_NAME) == len(FORMATS), "two formats share a name"
 
 # the names layouts use for the sharded formats
 DCP = DcpFormat.name
+DCP_RANKS = DcpRanksFormat.name
 RANK_FILES = RankFilesFormat.name
+ACCELERATE_BIN = AccelerateBinFormat.name
+DCP_SAFETENSORS = DcpSafetensorsFormat.name
 
 
 def format_named(name: str) -> CheckpointFormat:

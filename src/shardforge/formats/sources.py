@@ -58,6 +58,19 @@ def _write_whole(source: TensorSource, reader: ReadCache, dest: Destination) -> 
     dest.progress(data.nbytes)
 
 
+def combine_each(
+    inputs: Sequence[TensorSource], tensors: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Each input's tensor (as its `read` gives it) from the stored tensors of all of them, in
+    their `stored()` order (verification of a source made of others)."""
+    parts, start = [], 0
+    for src in inputs:
+        n = len(src.stored())
+        parts.append(src.combine(tensors[start : start + n]))
+        start += n
+    return parts
+
+
 class WholeTensor:
     """`write` through `slabs` / `read` (every source but a DCP entry)."""
 
@@ -128,11 +141,7 @@ class AveragedSource(WholeTensor):
 
     def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """As `read`, from the inputs' stored tensors (in `stored()` order)."""
-        parts, start = [], 0
-        for src in self.inputs:
-            n = len(src.stored())
-            parts.append(src.combine(tensors[start : start + n]))
-            start += n
+        parts = combine_each(self.inputs, tensors)
         if not self.dtype.is_floating_point:
             return parts[0]
         acc = torch.zeros(self.shape, dtype=torch.float32)
@@ -198,12 +207,7 @@ class FusedLoraSource(WholeTensor):
 
     def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """As `read`, from the stored tensors of base, A and B (in `stored()` order)."""
-        parts, start = [], 0
-        for src in (self.base, self.lora_a, self.lora_b):
-            n = len(src.stored())
-            parts.append(src.combine(tensors[start : start + n]))
-            start += n
-        base, a, b = parts
+        base, a, b = combine_each((self.base, self.lora_a, self.lora_b), tensors)
         return fuse_lora(base, a, b, self.scale, self.transpose)
 
 

@@ -5,8 +5,11 @@ is a zip whose ``data.pkl`` names each tensor's storage by a persistent id
 ``('storage', <storage type>, key, location, numel)``; the storage's bytes are the zip member
 ``data/<key>``. `storage_ref` reads such an id (`STORAGE_TYPES`: the storage-type globals it
 names) and `rebuild_tensor` stands for ``torch._utils._rebuild_tensor_v2``: a tensor becomes a
-`LocalTensor` (which storage, and the view into it), and nothing is loaded. `read_data_pkl`
-gives the one ``data.pkl`` of a file through the checked zip locator.
+`LocalTensor` (which storage, and the view into it), and nothing is loaded. Dtypes without a
+legacy typed storage (float8, uint16/32/64, ...) are saved as an ``UntypedStorage`` of bytes
+and ``torch._utils._rebuild_tensor_v3``, which names the dtype: `rebuild_tensor_v3` gives the
+same `LocalTensor`, its storage counted in elements of that dtype. `read_data_pkl` gives the
+one ``data.pkl`` of a file through the checked zip locator.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardforge.errors import CheckpointError
-from shardforge.io.dtypes import STORAGE_CLASSES, lookup_dtype
+from shardforge.io.dtypes import STORAGE_CLASSES, is_dtype, lookup_dtype
 from shardforge.io.files import open_regular
 from shardforge.io.unpickler import (
     Opaque,
@@ -61,8 +64,10 @@ class _StorageType:
     dtype: str  # its name (`lookup_dtype`)
 
 
-# the legacy typed-storage globals (torch.FloatStorage, ...) a storage reference names
+# the legacy typed-storage globals (torch.FloatStorage, ...) a storage reference names, and the
+# untyped storage (bytes) of the dtypes that have none
 STORAGE_TYPES = {("torch", cls): _StorageType(row.name) for cls, row in STORAGE_CLASSES.items()}
+UNTYPED_STORAGE = _StorageType("uint8")
 
 
 def storage_ref(pid: Any) -> Any:
@@ -83,6 +88,29 @@ def storage_ref(pid: Any) -> Any:
     return StorageRef(key, lookup_dtype(stype.dtype), numel)
 
 
+def rebuild_tensor_v3(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any = False,
+    hooks: Any = None,
+    dtype: Any = None,
+    *_: Any,
+) -> Any:
+    """``torch._utils._rebuild_tensor_v3``: an untyped storage (bytes) viewed as `dtype`."""
+    if isinstance(storage, Opaque):
+        return storage
+    if not is_dtype(dtype):
+        raise Problem("has a tensor record without its dtype (damaged)")
+    if not isinstance(storage, StorageRef) or storage.dtype != lookup_dtype("uint8"):
+        raise Problem("has a tensor that does not reference an untyped storage (damaged)")
+    if storage.numel % dtype.itemsize:
+        raise Problem(f"has storage {storage.key!r} of {storage.numel} bytes for {dtype}")
+    typed = StorageRef(storage.key, dtype, storage.numel // dtype.itemsize)
+    return rebuild_tensor(typed, storage_offset, size, stride)
+
+
 def rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, *_: Any) -> Any:
     """``torch._utils._rebuild_tensor_v2``: the tensor's `LocalTensor` (an `Opaque` storage,
     one the profile does not model, stays opaque)."""
@@ -98,6 +126,8 @@ def rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, *_
 TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): ordered_dict,
     ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor,
+    ("torch._utils", "_rebuild_tensor_v3"): rebuild_tensor_v3,
+    ("torch.storage", "UntypedStorage"): UNTYPED_STORAGE,
     **STORAGE_TYPES,
 }
 

@@ -43,6 +43,7 @@ from shardforge.errors import CheckpointError
 from shardforge.io.digest import FileHash, hash_of
 from shardforge.io.dtypes import torch_ready
 from shardforge.io.files import open_regular
+from shardforge.io.remote import remote_of
 
 if TYPE_CHECKING:
     import torch
@@ -210,7 +211,8 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
-    """Copy bytes file to file, in the kernel where possible; into a hashed output file
+    """Copy bytes file to file, in the kernel where possible (a stand-in of a stored object:
+    its bytes by ranged requests, several at a time); into a hashed output file
     (`io.digest.hashing`), each block is hashed from a mapping of the source first."""
     h = hash_of(dst)
     if h is not None:
@@ -220,7 +222,13 @@ def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> No
 
 
 def _kernel_copy(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
-    """`copy_file_range` (or a bounded read + write where it is unsupported)."""
+    """`copy_file_range` (or a bounded read + write where it is unsupported); a stored
+    object's stand-in by its ranged requests (their bytes written by `pwrite_all`, which
+    feeds the output's hash if it has one)."""
+    remote = remote_of(src)
+    if remote is not None:
+        remote.copy_to(dst, src_off, dst_off, count, write=pwrite_all)
+        return
     while count > 0:
         try:
             n = os.copy_file_range(src, dst, min(count, COPY_BLOCK), src_off, dst_off)
@@ -243,7 +251,12 @@ def _hash_and_copy(
     """Copy into a hashed output, block by block: the source's block is mapped and hashed
     (no copy of it in this process), then copied in the kernel. `in_turn`: the block waits for
     its turn in the file (`FileHash.feed_in_turn`: copy jobs in file order on several
-    threads), else it is kept until then (`FileHash.feed`)."""
+    threads), else it is kept until then (`FileHash.feed`). A stored object's stand-in has no
+    bytes to map: its ranged requests feed the hash as they are written (kept until their
+    turn)."""
+    if remote_of(src) is not None:
+        _kernel_copy(src, dst, src_off, dst_off, count)
+        return
     size = os.fstat(src).st_size
     if src_off + count > size:  # mapped bytes past the end would be a SIGBUS, not an error
         raise CheckpointError(

@@ -13,6 +13,7 @@ import stat
 from pathlib import Path
 
 from shardforge.errors import CheckpointError
+from shardforge.io.remote import remote_of
 
 
 def inside(path: Path, root: Path) -> bool:
@@ -70,6 +71,10 @@ def read_exact_into(fd: int, buf: bytearray | memoryview, offset: int, label: st
     """Fill `buf` from byte `offset` of `fd` (several reads where the kernel gives fewer bytes,
     as Linux does past 2 GiB); CheckpointError when the file ends first, never zeros."""
     view = memoryview(buf).cast("B")
+    remote = remote_of(fd)  # a stand-in of an object in a store: ranged requests
+    if remote is not None:
+        remote.read_into(view, offset, label)
+        return
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)

@@ -49,3 +49,19 @@ def fsync_tree(root: Path) -> None:
                 fsync_file(path)
     for d in reversed(dirs):
         fsync_dir(d)
+
+
+_FALLOC_KEEP_SIZE_PUNCH_HOLE = 0x01 | 0x02
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Give the blocks of [offset, offset + length) back to the file system (the file keeps its
+    size and reads zeros there); False where the system or file system cannot."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fn(fd, _FALLOC_KEEP_SIZE_PUNCH_HOLE, offset, length) == 0

@@ -127,12 +127,37 @@ def remove_stale_temps(out: Path) -> list[Path]:
     return removed
 
 
-def _fresh_temp_sibling(out: Path, tag: str = "tmp") -> Path:
+def _fresh_temp_sibling(out: Path, tag: str = "tmp", resume: bool = False) -> Path:
     """A new empty hidden directory beside `out`, named after its owner (stale ones of a
-    killed merge are removed first)."""
+    killed merge are removed first). With `resume`, the newest stale directory of a killed
+    merge to `out` is taken over instead (renamed to this owner's name), when there is one."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    left = _newest_stale_dir(out) if resume else None
+    if left is not None:
+        taken = Path(tempfile.mkdtemp(prefix=f"{_prefix(out)}.{tag}-{_owner()}-", dir=out.parent))
+        os.rename(left, taken)  # `taken` is an empty directory: the rename replaces it
+        log.info("resuming the interrupted merge to %s", out)
     remove_stale_temps(out)
+    if left is not None:
+        return taken
     return Path(tempfile.mkdtemp(prefix=f"{_prefix(out)}.{tag}-{_owner()}-", dir=out.parent))
+
+
+def _newest_stale_dir(out: Path) -> Path | None:
+    """The most recently changed temporary directory of a merge to `out` whose owner is gone."""
+    found: list[tuple[float, Path]] = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(out.parent):
+            m = _TEMP.match(entry.name)
+            if (
+                m is not None
+                and f".{m['name']}" == _prefix(out)
+                and ".tmp-" in entry.name
+                and entry.is_dir(follow_symlinks=False)
+                and _owner_gone(m)
+            ):
+                found.append((entry.stat(follow_symlinks=False).st_mtime, Path(entry.path)))
+    return max(found)[1] if found else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,12 +344,13 @@ def _output_errors(out: Path, tmp: Path | None = None) -> Iterator[None]:
 
 
 @contextmanager
-def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(out: Path, overwrite: bool = False, resume: bool = False) -> Iterator[Path]:
     """Yield a temporary directory beside `out`; on success it becomes `out` (replacing a
     previous one only with `overwrite`), on any exception it is removed and `out` is left as
-    it was."""
+    it was. With `resume`, the directory a killed merge to `out` left is yielded (with what it
+    wrote) when there is one."""
     with _output_errors(out):
-        tmp = _fresh_temp_sibling(out)
+        tmp = _fresh_temp_sibling(out, resume=resume)
     try:
         with _output_errors(out, tmp):
             yield tmp

@@ -30,6 +30,7 @@ import zlib
 from dataclasses import dataclass
 
 from shardforge.errors import CheckpointError
+from shardforge.io.remote import pread, preadinto
 
 _EOCD = struct.Struct("<4sHHHHIIH")  # end of central directory
 _EOCD_SIG = b"PK\x05\x06"
@@ -106,7 +107,7 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
     parts: list[bytes] = []
     got = 0
     while got < n:
-        data = os.pread(fd, n - got, offset + got)
+        data = pread(fd, n - got, offset + got)
         if not data:
             break
         parts.append(data)
@@ -376,7 +377,7 @@ def check_crc(fd: int, member: ZipMember, label: str, block: int = CRC_BLOCK) ->
     view = memoryview(buf)
     crc, pos, end = 0, member.data_offset, member.data_end
     while pos < end:
-        n = os.preadv(fd, [view[: min(len(buf), end - pos)]], pos)
+        n = preadinto(fd, view[: min(len(buf), end - pos)], pos)
         if n <= 0:
             raise CheckpointError(
                 f"{label}: short read of {_show(member.name)} at byte {pos}; the file is truncated"

@@ -167,14 +167,9 @@ def single(r: Path, dirname: str | None) -> Candidate | None:
 
 def _unfinished(folder: Path) -> str | None:
     """Why `folder` holds shards but is not a complete checkpoint (None: it does not)."""
-    if (folder / METADATA_FILE).is_file() or not folder.is_dir():
+    if not folder.is_dir() or format_of(folder) is not None:
         return None
     if any(folder.glob("*.distcp")):
-        if any(folder.glob("__*.metadata")):
-            return (
-                "has per-rank metadata from use_collectives=False and no global .metadata; "
-                "this layout is not supported"
-            )
         return "has .distcp files but no .metadata: the save did not finish"
     return None
 
@@ -227,11 +222,6 @@ def _nothing_found(r: Path, dirname: str | None) -> CheckpointError:
         )
     if not any(r.iterdir()):
         return CheckpointError(f"{r}: directory is empty; no checkpoint to merge")
-    if list(r.glob("__*.metadata")):
-        return CheckpointError(
-            f"{r}: has per-rank metadata from use_collectives=False and no global .metadata; "
-            "this layout is not supported"
-        )
     if (r / "model.safetensors").is_file() or (r / "model.safetensors.index.json").is_file():
         return CheckpointError(
             f"{r}: holds a full Hugging Face model already (FULL_STATE_DICT save) and no "

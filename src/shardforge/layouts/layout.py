@@ -19,7 +19,14 @@ from pathlib import Path
 
 from shardforge.errors import CheckpointError
 from shardforge.formats.lightning_meta import read_lightning_meta
-from shardforge.formats.registry import DCP, RANK_FILES, detect
+from shardforge.formats.registry import (
+    ACCELERATE_BIN,
+    DCP,
+    DCP_RANKS,
+    DCP_SAFETENSORS,
+    RANK_FILES,
+    detect,
+)
 from shardforge.keymap.keys import TORCHTITAN
 
 log = logging.getLogger("shardforge")
@@ -28,6 +35,10 @@ CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 GLOBAL_STEP_DIR = re.compile(r"^global_step_(\d+)$")
 TITAN_STEP_DIR = re.compile(r"^step-(\d+)$")
 LIGHTNING_STEP = re.compile(r"step=(\d+)")
+# HF Trainer's checkpoint-N and accelerate's automatic naming (checkpoints/checkpoint_N)
+ANY_CHECKPOINT_DIR = re.compile(r"^checkpoint[-_](\d+)$")
+# a step folder of a trainer of one's own: checkpoint-N, checkpoint_N or step-N
+OWN_STEP_DIR = re.compile(r"^(?:checkpoint[-_]|step-)(\d+)$")
 # a Lightning `last*.ckpt` sorts after every numbered step
 LAST = 1 << 62
 # verl keeps the HF config and tokenizer in this folder beside the rank files
@@ -209,6 +220,32 @@ LAYOUTS: tuple[Layout, ...] = (
         "optimizer_0/, scheduler.bin, random_states_R.pkl",
     ),
     Layout(
+        "accelerate-per-rank",
+        ANY_CHECKPOINT_DIR,
+        (".",),
+        (ACCELERATE_BIN,),
+        "checkpoint-N/ or checkpoint_N/ with pytorch_model_fsdp_0_rank<R>.bin (accelerate "
+        "save_fsdp_model with use_dcp=False)",
+        "optimizer_0_rank<R>.bin, scheduler.bin, random_states_<R>.pkl",
+    ),
+    Layout(
+        "collective-free-dcp",
+        OWN_STEP_DIR,
+        (".", "model", "pytorch_model_fsdp_0"),
+        (DCP_RANKS,),
+        "checkpoint-N/, checkpoint_N/ or step-N/ with __<R>.metadata (DCP saved with "
+        "use_collectives=False)",
+        "optimizer entries in the same files, or a folder beside it",
+    ),
+    Layout(
+        "torchtitan-hf",
+        TITAN_STEP_DIR,
+        (".",),
+        (DCP_SAFETENSORS,),
+        "step-N/ with sharded/shard-<S>-model-<K>-of-<N>.safetensors (torchtitan last_save_in_hf)",
+        "none: torchtitan saves only the model in its last, Hugging Face save",
+    ),
+    Layout(
         "lightning",
         None,
         (".",),
@@ -218,7 +255,7 @@ LAYOUTS: tuple[Layout, ...] = (
         state_shared=True,
         finder=find_lightning,
     ),
-    # a model folder given directly: its entries (DCP) or file names (rank files) decide
+    # a model folder given directly: its format (`formats.registry.detect`) decides
     Layout(
         DCP,
         None,
@@ -235,6 +272,33 @@ LAYOUTS: tuple[Layout, ...] = (
         (RANK_FILES,),
         "a folder of model_world_size_W_rank_R.pt files",
         "optim_world_size_W_rank_R.pt beside the rank files",
+        direct=True,
+    ),
+    Layout(
+        ACCELERATE_BIN,
+        None,
+        (".", "model", "pytorch_model_fsdp_0", "actor"),
+        (ACCELERATE_BIN,),
+        "a folder of pytorch_model_fsdp_0_rank<R>.bin files",
+        "optimizer_0_rank<R>.bin beside them",
+        direct=True,
+    ),
+    Layout(
+        DCP_RANKS,
+        None,
+        (".", "model", "pytorch_model_fsdp_0", "actor"),
+        (DCP_RANKS,),
+        "a DCP directory with __<R>.metadata per rank (use_collectives=False)",
+        "optimizer entries in the same files, or a folder beside it",
+        direct=True,
+    ),
+    Layout(
+        DCP_SAFETENSORS,
+        None,
+        (".", "model", "pytorch_model_fsdp_0", "actor"),
+        (DCP_SAFETENSORS,),
+        "a folder of shard-<S>-model-<K>-of-<N>.safetensors files (or sharded/ with them)",
+        "none: DCP's safetensors storage holds tensors only",
         direct=True,
     ),
 )

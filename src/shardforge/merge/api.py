@@ -18,7 +18,7 @@ from shardforge.errors import MergeError
 from shardforge.io.copy import fact_session
 from shardforge.io.publish import check_output_path
 from shardforge.layouts.catalog import list_checkpoints
-from shardforge.merge.locate import checkpoint_root
+from shardforge.merge.locate import checkpoint_root, remote_paths
 from shardforge.merge.request import MergeRequest, merge_keywords
 from shardforge.merge.run import run_merge
 
@@ -36,8 +36,9 @@ def merge_fsdp_weights(
     out = Path(output_path) if output_path is not None else None
     request = MergeRequest(output_path=out, save_tokenizer=save_tokenizer, **options)
     config = coerce_cfg(cfg, command="merge")
-    # the run is scanned, and each .metadata and record parsed, once (head start included)
-    with fact_session():
+    # the run is scanned, and each .metadata and record parsed, once (head start included);
+    # s3:// paths are staged as local ones for the merge (`merge.locate.remote_paths`)
+    with fact_session(), remote_paths(config, request, output_path) as (config, request):
         return _dispatch(config, request)
 
 

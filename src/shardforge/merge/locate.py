@@ -6,14 +6,19 @@ Torch-free (finding files and reading folder names only), so that the merge's he
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError
 from shardforge.io.copy import prefetch
+from shardforge.io.mirror import staging
+from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import LAST, Candidate, list_checkpoints, resolve_checkpoint
+from shardforge.merge.options import one_error
 from shardforge.merge.request import MergeRequest
 from shardforge.sinks.companions import has_tokenizer
 
@@ -104,3 +109,68 @@ def locate(cfg: ShardforgeConfig, request: MergeRequest) -> Located:
     # is checked (a hint to the kernel; nothing is held in this process).
     prefetch(sorted(p for c in inputs for p in c.model_dir.iterdir() if p.is_file()))
     return inputs, merge_sources(cfg, inputs)
+
+
+def remote_problems(request: MergeRequest, remote_input: bool, remote_output: bool) -> list[str]:
+    """What a merge from or to object storage does not do (all reported at once)."""
+    checks = [
+        (
+            remote_output and request.output_format != "hf",
+            "an s3:// --output_path is a Hugging "
+            f"Face directory: drop --format {request.output_format}",
+        ),
+        (
+            remote_output and request.engine != "stream",
+            "an s3:// --output_path is written by the stream engine: drop --engine transformers",
+        ),
+        (
+            remote_output and (request.distributed or request.group is not None),
+            "a distributed merge writes to a shared file system, not s3://: merge on one rank",
+        ),
+        (
+            remote_output and request.per_step,
+            "--all_steps / --steps write local step-N folders: "
+            "merge each step to its own s3:// prefix with --step",
+        ),
+        (
+            remote_input and request.remove_checkpoint_dir,
+            "--remove_checkpoint_dir does not "
+            "delete objects in a store: remove the shards with the store's own tools",
+        ),
+        (
+            remote_input and request.output_path is None,
+            "a checkpoint in s3:// has no local folder to write beside: give --output_path",
+        ),
+    ]
+    return [text for bad, text in checks if bad]
+
+
+@contextlib.contextmanager
+def remote_paths(
+    cfg: ShardforgeConfig, request: MergeRequest, output_path: str | Path | None
+) -> Iterator[tuple[ShardforgeConfig, MergeRequest]]:
+    """A merge whose checkpoint (--checkpoint, else output_dir) or --output_path is an s3://
+    URI, as a local merge: the checkpoint's prefix mirrored in a staging area (`io.mirror`:
+    small files downloaded, data files read by ranged requests), the output a local path that
+    the object-store sink publishes to (`sinks.object_store`). Messages name the URIs."""
+    root = request.checkpoint if request.checkpoint is not None else cfg.output_dir
+    remote_input, remote_output = is_remote(str(root)), is_remote(output_path)
+    if not (remote_input or remote_output):
+        yield cfg, request
+        return
+    problems = remote_problems(request, remote_input, remote_output)
+    if problems:
+        raise one_error(problems, "options an s3:// path does not support")
+    options = cfg.storage_options
+    with staging() as area:
+        changes: dict[str, object] = {}
+        if remote_output:
+            from shardforge.sinks.object_store import check_target
+
+            changes["output_path"] = out = area.output(str(output_path), options)
+            check_target(area.targets[out], request.overwrite, request.resume)
+        if remote_input and request.checkpoint is not None:
+            changes["checkpoint"] = area.mirror(str(root), options)
+        elif remote_input:
+            cfg = cfg.model_copy(update={"output_dir": str(area.mirror(str(root), options))})
+        yield cfg, replace(request, **changes)  # type: ignore[arg-type]

@@ -3,7 +3,7 @@ Hugging Face model directory, streamed one tensor at a time.
 
     from shardforge.config import load_cfg
     from shardforge.merge.lora import merge_lora
-    merge_lora(load_cfg("cfg.yml", command="merge"), "out/merged", verify=True)
+    merge_lora(load_cfg("cfg.yml", command="merge-lora"), "out/merged", verify=True)
 
 Every output tensor is a source (`shardforge.formats.sources`): an untouched base tensor is
 copied file to file from the base model's safetensors; an adapted weight is a
@@ -16,8 +16,8 @@ on the meta device): every adapted module exists and is targeted by the adapter'
 (r, in) and B is (out, r) with the module's own r, every modules_to_save copy has its module's
 shape, and the base model's files hold every tensor the architecture needs.
 
-`fuse_sources` is the piece other callers share (a LoRA checkpoint of FSDP training): base
-tensors by Hugging Face name + the adapter's names and sources -> the output's sources.
+The fuse itself (`merge.lora_fuse.fuse_sources`) is shared with the merge of a LoRA training
+checkpoint.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from shardforge.formats.safetensors.reader import (
     open_safetensors_dir,
     open_safetensors_file,
 )
-from shardforge.formats.sources import FusedLoraSource, TensorSource
+from shardforge.formats.sources import TensorSource
 from shardforge.io.copy import ReadCache, prefetch
 from shardforge.io.files import open_regular, read_exact_into
 from shardforge.io.publish import (
@@ -47,11 +47,13 @@ from shardforge.io.publish import (
     check_output_path,
     sigterm_as_interrupt,
 )
-from shardforge.keymap.keys import check_tied_copies, same_tensor
-from shardforge.keymap.lora import LoraNames, LoraSettings, split_adapter_names
+from shardforge.keymap.keys import check_tied_copies
+from shardforge.keymap.lora import LoraNames, split_adapter_names
+from shardforge.keymap.lora_settings import LoraSettings
 from shardforge.merge.check import ExpectedModel, build_expected, check_against
 from shardforge.merge.check import load_config as load_model_config
 from shardforge.merge.dtypes import main_dtype, output_rules, planned_specs
+from shardforge.merge.lora_fuse import fuse_sources, unties
 from shardforge.sinks.base import Companions, Output, WriteOptions
 from shardforge.sinks.companions import has_tokenizer
 from shardforge.sinks.hf_dir import HfDirectorySink
@@ -135,189 +137,6 @@ def read_adapter(directory: str | Path) -> Adapter:
     return Adapter(root, settings, names, tensors, base if isinstance(base, str) else None)
 
 
-# ---------------------------------------------------------------------------- the fuse
-
-
-def _module_of(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
-def _factor_problems(
-    module: str,
-    weight: tuple[int, ...],
-    a: TensorSource,
-    b: TensorSource,
-    r: int,
-    transpose_base: bool,
-    embedding: bool,
-) -> list[str]:
-    """What is wrong with the shapes of one module's factors (A is (r, in), B is (out, r))."""
-    if len(weight) != 2:
-        return [f"{module}: the base weight {list(weight)} is not a matrix"]
-    rows, cols = weight
-    if embedding or transpose_base:
-        # an embedding: A (r, num_embeddings), B (dim, r); fan_in_fan_out: the weight is
-        # (in, out); either way the delta is (B @ A).T
-        want_a, want_b = (r, rows), (cols, r)
-    else:
-        want_a, want_b = (r, cols), (rows, r)
-    out = []
-    for label, src, want in (("A", a, want_a), ("B", b, want_b)):
-        if tuple(src.shape) != want:
-            out.append(
-                f"{module}: LoRA {label} is {list(src.shape)}, expected {list(want)} "
-                f"(base weight {list(weight)}, r={r})"
-            )
-        if not src.dtype.is_floating_point:
-            out.append(f"{module}: LoRA {label} has dtype {src.dtype}, not a floating type")
-    return out
-
-
-def fuse_sources(
-    base: Mapping[str, TensorSource],
-    names: LoraNames,
-    tensors: Mapping[str, TensorSource],
-    settings: LoraSettings,
-    expected: ExpectedModel,
-    source: str,
-) -> dict[str, TensorSource]:
-    """The output's sources, by Hugging Face name, in `expected.saved_names` order.
-
-    `base`: the base model's tensors by Hugging Face name (tied targets may be present: they
-    are dropped); `names.base` (the adapter's own base copies, e.g. embeddings saved with
-    ``save_embedding_layers``, or every base tensor of a LoRA training checkpoint) override
-    them; `tensors`: input name -> source for every name in `names`. One MergeError lists
-    every problem (untargeted or unknown modules, shapes, tied weights) before anything is
-    written.
-    """
-    merged: dict[str, TensorSource] = dict(base)
-    merged.update({hf: tensors[n] for hf, n in names.base.items()})
-    problems: list[str] = []
-    unknown = [n for n in merged if n not in expected.shapes]
-    problems += [f"base tensor {n} is not part of the architecture" for n in unknown]
-    for name in expected.saved_names:
-        if name not in merged:
-            problems.append(f"base tensor {name} is missing")
-        elif tuple(merged[name].shape) != expected.shapes[name]:
-            problems.append(
-                f"base tensor {name} is {list(merged[name].shape)}, the architecture has "
-                f"{list(expected.shapes[name])}"
-            )
-    kept = expected.tied  # target -> the name stored for it
-    out: dict[str, TensorSource] = {n: merged[n] for n in expected.saved_names if n in merged}
-    changed: dict[str, str] = {}  # output name -> what changed it
-    for module, pair in names.pairs.items():
-        weight = f"{module}.{pair.weight}"
-        if not settings.targets(module):
-            problems.append(
-                f"{module}: the adapter holds LoRA weights for it, but its target_modules "
-                f"({shown(settings.target_modules, 80)}) do not name it"
-            )
-            continue
-        stored = kept.get(weight, weight)
-        if weight not in expected.shapes or stored not in out:
-            problems.append(f"{module}: the adapter adapts it, the base model has no {weight}")
-            continue
-        r = settings.rank(module)
-        transpose_base = settings.fan_in_fan_out and not pair.embedding
-        a, b = tensors[pair.a], tensors[pair.b]
-        found = _factor_problems(
-            module, expected.shapes[weight], a, b, r, transpose_base, pair.embedding
-        )
-        if found:
-            problems += found
-            continue
-        if stored in changed:
-            problems.append(
-                f"{module}: {weight} is tied to {stored}, which {changed[stored]} changes too; "
-                "two changes of one tied weight are not fused"
-            )
-            continue
-        changed[stored] = f"the LoRA of {module}"
-        out[stored] = FusedLoraSource(
-            out[stored], a, b, settings.scale(module), pair.embedding or transpose_base
-        )
-    copies: dict[str, list[str]] = {}  # output name -> the tied copies saved for it
-    for hf, input_name in names.replacements.items():
-        module = _module_of(hf)
-        stored = kept.get(hf, hf)
-        partners = [stored, *(t for t, s in kept.items() if s == stored)]
-        # with ensure_weight_tying peft saves the tied partner too, naming only one of them
-        named = settings.saves(module) or (
-            settings.ensure_weight_tying and any(settings.saves(_module_of(p)) for p in partners)
-        )
-        if not named:
-            problems.append(
-                f"{hf}: the adapter holds a copy of it, but modules_to_save "
-                f"({shown(list(settings.modules_to_save), 80)}) does not name {module}"
-            )
-            continue
-        if hf not in expected.shapes or stored not in out:
-            problems.append(f"{hf}: a modules_to_save copy of a tensor the base model lacks")
-            continue
-        src = tensors[input_name]
-        if tuple(src.shape) != expected.shapes[hf]:
-            problems.append(
-                f"{hf}: the modules_to_save copy is {list(src.shape)}, the base model has "
-                f"{list(expected.shapes[hf])} (a resized vocabulary is not fused)"
-            )
-            continue
-        if hf != stored and not settings.ensure_weight_tying:
-            problems.append(
-                f"{hf}: a modules_to_save copy of a weight tied to {stored}, which the saved "
-                "model stores for both (untie the weights first: see `unties`)"
-            )
-            continue
-        copies.setdefault(stored, []).append(hf)
-        if stored in changed and changed[stored] != "a modules_to_save copy":
-            problems.append(f"{hf}: changed by both {changed[stored]} and a modules_to_save copy")
-            continue
-        changed[stored] = "a modules_to_save copy"
-        if hf == stored:
-            out[stored] = src
-    for stored, found in copies.items():
-        if len(found) > 1 or found[0] != stored:
-            problems += _tied_copies(stored, found, names, tensors)
-    if problems:
-        raise MergeError(
-            f"the adapter does not fit the base model ({len(problems)} problem"
-            f"{'s' if len(problems) > 1 else ''}); check base_model and lora_model_dir",
-            [f"{source}: {p}" if i == 0 else p for i, p in enumerate(problems)],
-        )
-    return out
-
-
-def _tied_copies(
-    stored: str, found: list[str], names: LoraNames, tensors: Mapping[str, TensorSource]
-) -> list[str]:
-    """The saved copies of one tied pair (ensure_weight_tying) must be the same tensor; the
-    one stored under the kept name is written."""
-    if stored not in found:
-        return [f"{stored}: only its tied partner {found[0]} has a modules_to_save copy"]
-    with ReadCache() as reader:
-        first = tensors[names.replacements[stored]].read(reader)
-        for other in found:
-            if other != stored:
-                copy = tensors[names.replacements[other]].read(reader)
-                if not same_tensor(first, copy):
-                    return [
-                        f"{other}: its modules_to_save copy differs from {stored}'s, to "
-                        "which it is tied"
-                    ]
-    return []
-
-
-def unties(names: LoraNames, settings: LoraSettings, expected: ExpectedModel) -> list[str]:
-    """The tied targets (``lm_head.weight``) that a modules_to_save copy of one member of
-    their pair unties: without ``ensure_weight_tying`` peft's `merge_and_unload` sets
-    ``tie_word_embeddings`` false and keeps the copy on one side and the original on the
-    other, so the merged model stores both."""
-    if settings.ensure_weight_tying:
-        return []
-    saved = set(names.replacements)
-    return sorted(t for t, s in expected.tied.items() if t in saved or s in saved)
-
-
 # ------------------------------------------------------------------------------ the merge
 
 
@@ -388,6 +207,55 @@ def base_sources(
     return {n: s for n, s in base.items() if n not in expected.tied}
 
 
+def _log_adapter(adapter: Adapter) -> None:
+    s = adapter.settings
+    log.info(
+        "adapter: %s (r=%d, lora_alpha=%g%s, %d adapted modules, %d saved tensors)",
+        adapter.directory,
+        s.r,
+        s.lora_alpha,
+        ", rsLoRA" if s.use_rslora else "",
+        len(adapter.names.pairs),
+        len(adapter.names.replacements),
+    )
+
+
+def _tokenizer_source(cfg: ShardforgeConfig, adapter_dir: Path, base_dir: Path) -> str:
+    """The config's tokenizer_config, else the adapter's own tokenizer, else the base model's."""
+    if cfg.tokenizer_config:
+        return cfg.tokenizer_config
+    return str(adapter_dir if has_tokenizer(adapter_dir) else base_dir)
+
+
+def _untie(
+    adapter: Adapter, config: Any, expected: ExpectedModel, trust_remote_code: bool
+) -> tuple[ExpectedModel, dict[str, str]]:
+    """The architecture with the tied pairs the adapter's modules_to_save copies untie
+    (`unties`) untied, as peft's merge_and_unload: the saved copy on one side, the original
+    on the other. Returns the architecture and target -> source of the untied pairs."""
+    untied = {
+        name: expected.tied[name] for name in unties(adapter.names, adapter.settings, expected)
+    }
+    if not untied:
+        return expected, untied
+    config.tie_word_embeddings = False
+    expected = build_expected(config, trust_remote_code)
+    if any(t in expected.tied for t in untied):
+        raise MergeError(
+            f"{adapter.directory}: a modules_to_save copy of a tied weight "
+            f"({', '.join(untied)}) needs the weights untied, and setting "
+            "tie_word_embeddings false does not untie them for this architecture"
+        )
+    log.warning(
+        "%s: a modules_to_save copy of one of the tied weights %s: the merged model unties "
+        "them (tie_word_embeddings: false), as peft's merge_and_unload does; train with "
+        "ensure_weight_tying to keep them tied",
+        adapter.directory,
+        ", ".join(f"{t} / {s}" for t, s in untied.items()),
+    )
+    return expected, untied
+
+
 def prepare_lora(
     cfg: ShardforgeConfig,
     lora_model_dir: str | Path | None = None,
@@ -398,26 +266,11 @@ def prepare_lora(
     """Read and check the adapter and the base model, choose the sources and plan the files."""
     adapter_dir = Path(lora_model_dir or getattr(cfg, "lora_model_dir", None) or cfg.output_dir)
     adapter = read_adapter(adapter_dir)
-    s = adapter.settings
-    log.info(
-        "adapter: %s (r=%d, lora_alpha=%g%s, %d adapted modules, %d saved tensors)",
-        adapter_dir,
-        s.r,
-        s.lora_alpha,
-        ", rsLoRA" if s.use_rslora else "",
-        len(adapter.names.pairs),
-        len(adapter.names.replacements),
-    )
+    _log_adapter(adapter)
     base_dir = base_directory(cfg.base_model)
     log.info("base model: %s", base_dir)
     prefetch(sorted(p for p in base_dir.iterdir() if p.suffix == ".safetensors"))
     config_source = cfg.base_model_config or str(base_dir)
-    if cfg.tokenizer_config:
-        tokenizer_source = cfg.tokenizer_config
-    elif has_tokenizer(adapter_dir):
-        tokenizer_source = str(adapter_dir)
-    else:
-        tokenizer_source = str(base_dir)
     config = load_model_config(config_source, cfg.trust_remote_code)
     expected = build_expected(config, cfg.trust_remote_code)
     if expected.renamed_on_save:
@@ -425,26 +278,7 @@ def prepare_lora(
             f"{config_source}: this architecture is saved under other names than it uses in "
             "memory (transformers weight conversion); merge-lora does not fuse it yet"
         )
-    untied: dict[str, str] = {}
-    for name in unties(adapter.names, adapter.settings, expected):
-        untied[name] = expected.tied[name]
-    if untied:
-        # as peft's merge_and_unload: the saved copy on one side, the original on the other
-        config.tie_word_embeddings = False
-        expected = build_expected(config, cfg.trust_remote_code)
-        if any(t in expected.tied for t in untied):
-            raise MergeError(
-                f"{adapter_dir}: a modules_to_save copy of a tied weight "
-                f"({', '.join(untied)}) needs the weights untied, and setting "
-                "tie_word_embeddings false does not untie them for this architecture"
-            )
-        log.warning(
-            "%s: a modules_to_save copy of one of the tied weights %s: the merged model unties "
-            "them (tie_word_embeddings: false), as peft's merge_and_unload does; train with "
-            "ensure_weight_tying to keep them tied",
-            adapter_dir,
-            ", ".join(f"{t} / {s}" for t, s in untied.items()),
-        )
+    expected, untied = _untie(adapter, config, expected, cfg.trust_remote_code)
     base = base_sources(base_dir, expected, config_source, untied)
     by_name = fuse_sources(
         base, adapter.names, adapter.tensors, adapter.settings, expected, str(adapter_dir)
@@ -453,8 +287,8 @@ def prepare_lora(
     specs, _ = planned_specs(
         ((n, base[n].dtype, by_name[n].shape) for n in expected.saved_names), rules
     )
-    shard = max_shard_size or default_max_shard_size()
-    plan = plan_output(specs, shard, expected.total_parameters)
+    plan = plan_output(specs, max_shard_size or default_max_shard_size(), expected.total_parameters)
+    tokenizer_source = _tokenizer_source(cfg, adapter_dir, base_dir)
     return LoraMerge(
         adapter,
         base_dir,
@@ -527,7 +361,7 @@ def merge_lora(
         MergeError: the adapter does not fit the base model, the output exists, no disk space,
             failed verification.
     """
-    config = coerce_cfg(cfg, command="merge")
+    config = coerce_cfg(cfg, command="merge-lora")
     out = Path(output_path if output_path is not None else default_output_path(config))
     out = out.absolute()
     check_output_path(out, overwrite, [])  # fail fast, before reading anything
@@ -562,7 +396,6 @@ __all__ = [
     "Adapter",
     "LoraMerge",
     "default_output_path",
-    "fuse_sources",
     "merge_lora",
     "prepare_lora",
     "read_adapter",

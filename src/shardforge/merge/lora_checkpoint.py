@@ -30,12 +30,8 @@ from shardforge.errors import CheckpointError, MergeError
 from shardforge.formats.sources import TensorSource
 from shardforge.io.files import open_regular
 from shardforge.keymap.keys import clean_name
-from shardforge.keymap.lora import (
-    PEFT_PREFIX,
-    LoraNames,
-    LoraSettings,
-    split_model_names,
-)
+from shardforge.keymap.lora import PEFT_PREFIX, LoraNames, split_adapter_names, split_model_names
+from shardforge.keymap.lora_settings import LoraSettings
 from shardforge.merge.check import ExpectedModel
 
 MAX_ADAPTER_CONFIG = 1 << 20
@@ -61,7 +57,9 @@ def _best_split(
     keys: Mapping[str, str], expected: ExpectedModel, source: str
 ) -> tuple[LoraNames, dict[str, str]]:
     """`split_model_names` under the wrapper prefix (``model.`` from accelerate's
-    ``{"model": state_dict}``, ...) that puts the most names on the architecture's."""
+    ``{"model": state_dict}``, ...) that puts the most names on the architecture's; or the
+    adapter file's names (`split_adapter_names`: what ``get_peft_model_state_dict`` gives,
+    accelerate's ``adapter_only`` save)."""
     cleaned = {clean_name(k): k for k in keys}
     prefixes = {""} | {n.split(".", 1)[0] + "." for n in cleaned if "." in n}
     best: tuple[int, LoraNames, dict[str, str]] | None = None
@@ -70,16 +68,16 @@ def _best_split(
         stripped = {n[len(prefix) :]: k for n, k in cleaned.items() if n.startswith(prefix)}
         if len(stripped) != len(cleaned):
             continue
-        try:
-            names = split_model_names(stripped, source=source)
-        except CheckpointError as exc:
-            error = error or exc
-            continue
-        hits = sum(f"{m}.{p.weight}" in expected.shapes for m, p in names.pairs.items()) + sum(
-            n in expected.shapes for n in [*names.base, *names.replacements]
-        )
-        if best is None or hits > best[0]:
-            best = (hits, names, stripped)
+        for split in (split_model_names, split_adapter_names):
+            try:
+                names = split(stripped, source=source)
+            except CheckpointError as exc:
+                error = error or exc
+                continue
+            hits = sum(f"{m}.{p.weight}" in expected.shapes for m, p in names.pairs.items())
+            hits += sum(n in expected.shapes for n in [*names.base, *names.replacements])
+            if best is None or hits > best[0]:
+                best = (hits, names, stripped)
     if best is None:
         assert error is not None  # the unprefixed names were tried
         raise error

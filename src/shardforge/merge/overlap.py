@@ -72,13 +72,14 @@ from shardforge.io.publish import (
     check_output_path,
     sigterm_as_interrupt,
 )
+from shardforge.io.remote import is_remote
 from shardforge.keymap.keys import clean_name, is_optimizer_key, looks_like_torchtitan
 from shardforge.keymap.lora import has_lora
 from shardforge.layouts.catalog import Candidate
 from shardforge.merge.dtypes import dtype_choice_name
 from shardforge.merge.locate import checkpoint_root, merge_sources, pick_inputs
 from shardforge.merge.request import OPTION_NAMES, MergeRequest
-from shardforge.sinks.cast import CONFIG_DTYPE_KEYS, cast_rules, config_dtype_name, decide
+from shardforge.sinks.cast import CONFIG_DTYPE_KEYS, cast_rules, config_dtype_name, decide_all
 from shardforge.sinks.manifest import new_hashes
 from shardforge.sinks.plan import OutputPlan, PlannedFile, TensorSpec, layout_files
 
@@ -196,8 +197,8 @@ def _guess(
         del entries["lm_head.weight"]  # stored once, under the embedding
     # the merge's own cast rules; the model class's keep list is not known before transformers
     # is imported (a model that has one makes this guess wrong: `accept` finds it)
-    rules = cast_rules(target, keep)
-    specs = [TensorSpec(n, decide(n, e.dtype, rules).dtype, e.shape) for n, e in entries.items()]
+    decided = decide_all(((n, e.dtype) for n, e in entries.items()), cast_rules(target, keep))
+    specs = [TensorSpec(n, decided[n].dtype, e.shape) for n, e in entries.items()]
     return Guess(guess_plan(specs, shard), entries)
 
 
@@ -228,7 +229,7 @@ class EarlyCopy:
         self.guess: Guess | None = None  # set once every early byte is copied
         self.copied: dict[str, list[FileSlab]] = {}  # output name -> the slabs copied
         # file name -> its hash so far (None: no manifest; `io.digest`)
-        self.hashes: dict[str, FileHash] | None = new_hashes()
+        self.hashes: dict[str, FileHash | str] | None = new_hashes()
         self.outcome = "running"
         self.started = False  # `start` was called
         self._began = threading.Event()  # the copy's thread runs
@@ -376,7 +377,9 @@ class EarlyCopy:
                     return f"another source for {name}"
         return None
 
-    def take(self, directory: Path) -> tuple[dict[str, list[FileSlab]], dict[str, FileHash] | None]:
+    def take(
+        self, directory: Path
+    ) -> tuple[dict[str, list[FileSlab]], dict[str, FileHash | str] | None]:
         """Move the accepted files into the merge's hidden output directory; the slabs they
         hold and their hashes so far (the sink writes the rest:
         `sinks.safetensors_files.finish_plan`)."""
@@ -424,6 +427,7 @@ def eligible(request: MergeRequest, inputs: Sequence[Candidate]) -> bool:
         and request.output_format == "hf"
         and request.engine == "stream"
         and not request.dry_run
+        and not request.resume
         and len(inputs) == 1
     )
 
@@ -481,6 +485,8 @@ def _head_start_copy(
 ) -> EarlyCopy | None:
     """The early copy of the merge `options` ask for, started; None when it would not copy
     early or anything is amiss (the merge itself then finds and reports it)."""
+    if is_remote(output_path) or is_remote(options.get("checkpoint")) or is_remote(cfg.output_dir):
+        return None  # object storage: the merge stages it first (`merge.locate.remote_paths`)
     try:
         values = {k: v for k, v in options.items() if k in OPTION_NAMES and k != "output_path"}
         out = Path(output_path) if output_path is not None else None

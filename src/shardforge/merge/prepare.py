@@ -28,6 +28,7 @@ from shardforge.formats.dcp.source import DcpSource
 from shardforge.formats.registry import DCP, open_checkpoint
 from shardforge.formats.sources import FusedLoraSource, TensorSource, average
 from shardforge.io.copy import ReadCache
+from shardforge.io.mirror import remote_target
 from shardforge.keymap.keys import KeyMap, check_tied_copies, is_optimizer_key, map_keys
 from shardforge.keymap.lora import has_lora
 from shardforge.keymap.names import adapt_names
@@ -42,6 +43,7 @@ from shardforge.sinks.base import Companions, Output, Sink
 from shardforge.sinks.cast import Decision
 from shardforge.sinks.engine import TransformersSink
 from shardforge.sinks.hf_dir import AdapterDirectorySink
+from shardforge.sinks.object_store import ObjectStoreSink
 from shardforge.sinks.plan import OutputPlan, default_max_shard_size, plan_output
 from shardforge.sinks.registry import SINKS
 
@@ -64,8 +66,7 @@ class Prepared:
 def _open_named(candidate: Candidate, config: Any) -> dict[str, NamedSource]:
     """The candidate's tensors by checkpoint key, with their original paths."""
     opened = open_checkpoint(candidate.kind, candidate.model_dir)
-    if candidate.kind == DCP:
-        check_model_keys(candidate.model_dir, list(opened))
+    check_model_keys(candidate.model_dir, list(opened))
     return adapt_names(candidate.adapter, candidate.model_dir, opened, config)
 
 
@@ -76,7 +77,7 @@ def _hf_sources(
     source: str,
 ) -> tuple[KeyMap, dict[str, TensorSource]]:
     """The candidate's tensors under HF names, checked against the architecture."""
-    keymap = map_keys({k: n.path for k, n in named.items()}, expected.shapes)
+    keymap = map_keys({k: n.path for k, n in named.items()}, expected.accepted)
     try:
         check_against(expected, named, keymap.to_hf, list(keymap.unexpected), source)
     except MergeError as exc:
@@ -118,16 +119,17 @@ def prepare(
         log.info("averaging %d checkpoints: %s", len(inputs), ", ".join(map(label, inputs)))
     else:
         by_name = per_input[0][1]
+    plain = len(inputs) == 1 and all(
+        isinstance(src, DcpSource) and src.fmt == DCP and src.entry.key == key
+        for key, src in ((k, by_name[hf]) for k, hf in keymap.to_hf.items())
+    )
+    by_name = expected.to_saved(by_name)  # under the names save_pretrained writes
     rules = output_rules(request.dtype, config, request.keep_dtype, expected.keep)
     specs, casts = planned_specs(
         ((n, by_name[n].dtype, by_name[n].shape) for n in expected.saved_names), rules
     )
     shard = None if request.single_file else request.max_shard_size or default_max_shard_size()
     plan = plan_output(specs, shard, expected.total_parameters)
-    plain = len(inputs) == 1 and all(
-        isinstance(src, DcpSource) and src.entry.key == key
-        for key, src in ((k, by_name[hf]) for k, hf in keymap.to_hf.items())
-    )
     return Prepared(sources, expected, keymap, by_name, plan, main_dtype(specs), plain, casts=casts)
 
 
@@ -141,10 +143,16 @@ def prepare_lora(
 ) -> Prepared:
     """A LoRA checkpoint: a PEFT adapter directory, or with --merge_lora the fused model
     (`shardforge.merge.lora_checkpoint`)."""
-    from shardforge.merge.lora import base_directory, base_sources, fuse_sources
+    from shardforge.merge.lora import base_directory, base_sources
+    from shardforge.merge.lora_fuse import fuse_sources
 
     if len(opened) > 1:
         raise MergeError("averaging LoRA checkpoints is not supported; merge one step")
+    if expected.renamed_on_save:
+        raise MergeError(
+            f"{sources.config}: this architecture is saved under other names than it uses in "
+            "memory (transformers weight conversion); its LoRA checkpoints are not merged yet"
+        )
     model_dir = sources.checkpoint.model_dir
     named = {k: n.source for k, n in opened[0].items() if not is_optimizer_key(n.path)}
     lora = open_lora(named, model_dir, cfg, expected)
@@ -229,7 +237,15 @@ def deliverable(
         tuple(prep.expected.saved_names),
     )
     sink: Sink
-    if adapter:
+    target = remote_target(request.output_path)
+    if target is not None:
+        if adapter:
+            raise MergeError(
+                f"{target.uri}: a LoRA checkpoint's adapter directory is written to local paths "
+                "only; merge it with --merge_lora, or to a local --output_path"
+            )
+        sink = ObjectStoreSink(target)
+    elif adapter:
         sink = AdapterDirectorySink()
     elif request.engine != "stream":
         shard = request.max_shard_size or default_max_shard_size()

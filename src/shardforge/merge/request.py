@@ -134,6 +134,12 @@ class MergeRequest:
         doc="See [merge.md](merge.md#removing-the-shards).",
     )
     overwrite: bool = flag("Replace an existing output (only once the new one is complete).")
+    resume: bool = flag(
+        "Continue an interrupted merge to the same output: what it finished (files of its "
+        "hidden directory, or parts uploaded to s3://) is re-checked and kept, the rest written.",
+        doc="Finished files are re-checked by size and SHA-256, uploaded parts by size; a merge "
+        "of other inputs or another plan is refused. See [storage.md](storage.md#resume).",
+    )
     engine: Engine = field(
         default="stream",
         metadata=option(
@@ -276,6 +282,8 @@ class MergeRequest:
             problems.append("--engine transformers writes --format hf of one checkpoint only")
         if self.single_file and self.max_shard_size is not None:
             problems.append(f"--max_shard_size does not apply to --format {self.output_format}")
+        if self.resume and (self.single_file or self.engine != "stream"):
+            problems.append("--resume continues a --format hf merge of the stream engine")
         if self.average_last is not None and self.average_last < 1:
             problems.append(f"--average_last {self.average_last}: expected a count of at least 1")
         return problems
@@ -331,6 +339,7 @@ class MergeRequest:
                 (f"--format {self.output_format}", self.single_file),
                 ("--remove_checkpoint_dir", self.remove_checkpoint_dir),
                 ("--dry_run", self.dry_run),
+                ("--resume", self.resume),
             )
             if on
         ]

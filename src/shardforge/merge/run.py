@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError
+from shardforge.io.mirror import remote_target
 from shardforge.io.publish import (
     check_free_space,
     check_output_file,
@@ -65,7 +66,7 @@ def _early_copy(
 ) -> contextlib.AbstractContextManager[EarlyCopy | None]:
     inputs, sources = located
     out = request.output_path
-    if out is None or not eligible(request, inputs):
+    if out is None or not eligible(request, inputs) or remote_target(out) is not None:
         return contextlib.nullcontext(None)
     return early_copy(
         inputs[0],
@@ -85,11 +86,6 @@ def _checked(
     check = check_output_file if request.single_file else check_output_path
     out = request.output_path or default_output(prep.sources.checkpoint.model_dir)
     check(out, request.overwrite, [c.model_dir for c in prep.sources.inputs])
-    if request.engine == "stream" and prep.expected.renamed_on_save:
-        raise MergeError(
-            f"{prep.sources.config}: this architecture is saved under other names than it uses "
-            "in memory (transformers weight conversion); merge it with --engine transformers"
-        )
     if request.engine != "stream" and not prep.plain_dcp:
         raise MergeError("--engine transformers reads plain DCP checkpoints only")
     if removal is not None and removal.model_dir != prep.sources.checkpoint.model_dir.absolute():
@@ -116,9 +112,9 @@ def _run_prepared(
         return out
     used = early is not None and isinstance(sink, HfDirectorySink)
     used = used and early is not None and early.accept(prep.plan, prep.by_name)
-    if not used:  # (an accepted early copy has its space allocated already)
+    if not used and remote_target(out) is None:  # (an early copy has its space already)
         check_free_space(out, prep.plan.total_bytes)
-    options = WriteOptions(request.overwrite, request.verifies, request.quiet)
+    options = WriteOptions(request.overwrite, request.verifies, request.quiet, request.resume)
     if used:
         assert early is not None and isinstance(sink, HfDirectorySink)
         sink.write(output, out, options, prefill=early.take)

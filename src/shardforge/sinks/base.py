@@ -64,6 +64,7 @@ class WriteOptions:
     overwrite: bool = False
     verify: bool = False
     quiet: bool = False
+    resume: bool = False  # continue an interrupted write to the same output
 
 
 def human(n: float) -> str:

@@ -13,7 +13,9 @@ The rules, in order (the first that applies decides):
 1. no target dtype (``--dtype as_saved``, or none given and the config names none): as stored;
 2. integer and bool tensors (and complex, quantized): never cast;
 3. FP8 / FP4 tensors (`io.dtypes` kinds ``float8`` and ``float4``): kept, since their scales
-   are other tensors a cast would not apply (packed MXFP4 blocks are uint8: rule 2);
+   are other tensors a cast would not apply (packed MXFP4 blocks are uint8: rule 2); and those
+   scales (``weight_scale_inv`` beside an FP8 weight: `keymap.quantized.kept_as_stored`), which
+   are floating tensors the weight's values are read with;
 4. a name matched by a keep pattern: the model class's ``_keep_in_fp32_modules`` and
    ``_keep_in_fp32_modules_strict`` (matched as the installed transformers matches them when it
    loads a model) and every ``--keep_dtype PATTERN``: kept as stored;
@@ -30,6 +32,7 @@ from typing import Any, Literal
 
 from shardforge.errors import MergeError
 from shardforge.io.dtypes import DTYPE_NAMES, dtype_info, dtype_name, is_dtype
+from shardforge.keymap.quantized import kept_as_stored
 
 # --dtype spellings -> the dtype's name (None: keep each tensor's stored dtype)
 DTYPE_CHOICES: dict[str, str | None] = {
@@ -52,7 +55,7 @@ MODEL_KEEP_LISTS: tuple[str, ...] = ("_keep_in_fp32_modules", "_keep_in_fp32_mod
 # example names shown per rule by `describe`
 EXAMPLES = 3
 
-Rule = Literal["as_saved", "integer", "bool", "other", "fp8", "keep", "same", "cast"]
+Rule = Literal["as_saved", "integer", "bool", "other", "fp8", "scale", "keep", "same", "cast"]
 # what each rule says in --dry_run and inspect (the keep rule names its pattern after it)
 RULE_WORDS: dict[str, str] = {
     "cast": "cast",
@@ -62,6 +65,7 @@ RULE_WORDS: dict[str, str] = {
     "bool": "kept: bool tensors are never cast",
     "other": "kept: not a floating dtype",
     "fp8": "kept: FP8/FP4 weights keep their dtype (their scales are other tensors)",
+    "scale": "kept: the scales of FP8/FP4 and MXFP4 weights",
     "keep": "kept",
 }
 
@@ -146,8 +150,9 @@ class Decision:
         return RULE_WORDS[self.rule]
 
 
-def decide(name: str, saved: Any, rules: CastRules) -> Decision:
-    """The output dtype of tensor `name` stored as `saved` (see the module docstring)."""
+def decide(name: str, saved: Any, rules: CastRules, scale: bool = False) -> Decision:
+    """The output dtype of tensor `name` stored as `saved` (see the module docstring);
+    `scale`: it is the scale of a quantized weight (`decide_all` knows from the others)."""
     info = dtype_info(saved)
     if rules.target is None:
         return Decision(saved, "as_saved", saved)
@@ -163,6 +168,8 @@ def decide(name: str, saved: Any, rules: CastRules) -> Decision:
             else "other"
         )
         return Decision(saved, rule, saved)
+    if scale:
+        return Decision(saved, "scale", saved)
     for pattern in rules.keep:
         if pattern.matches(name):
             return Decision(saved, "keep", saved, pattern)
@@ -172,8 +179,11 @@ def decide(name: str, saved: Any, rules: CastRules) -> Decision:
 
 
 def decide_all(tensors: Iterable[tuple[str, Any]], rules: CastRules) -> dict[str, Decision]:
-    """`decide` for every (name, stored dtype), in their order."""
-    return {name: decide(name, saved, rules) for name, saved in tensors}
+    """`decide` for every (name, stored dtype) of one output, in their order (the scales of
+    its quantized weights found among them: `keymap.quantized.kept_as_stored`)."""
+    saved = dict(tensors)
+    quantized = kept_as_stored(saved)
+    return {n: decide(n, d, rules, scale=n in quantized) for n, d in saved.items()}
 
 
 def describe(decisions: Mapping[str, Decision], examples: int = EXAMPLES) -> list[str]:

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardforge.errors import MergeError
+from shardforge.errors import MergeError, shown
 
 if TYPE_CHECKING:
     import torch
@@ -63,10 +63,10 @@ def write_tokenizer(
     chat_template_jinja: str | None = None,
 ) -> None:
     """Save the tokenizer of `source` into `out`, with the config's chat template (a name such as
-    `llama3` stands for its template text; `tokenizer_default` keeps the tokenizer's own)."""
+    `llama3` stands for its template text; `tokenizer_default` keeps the tokenizer's own). A
+    template the config names but that cannot be had (an unknown name, `jinja` without its
+    text) is no reason to fail a merge: the tokenizer keeps its own, with one notice."""
     from transformers import AutoTokenizer
-
-    from shardforge.config.chat_templates import resolve_chat_template
 
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
@@ -75,8 +75,29 @@ def write_tokenizer(
             f"cannot load the tokenizer from {source!r} ({type(exc).__name__}); set "
             "tokenizer_config, or pass --no-save-tokenizer"
         ) from None
-    if chat_template and chat_template != "tokenizer_default":
-        tok.chat_template = resolve_chat_template(
-            chat_template, chat_template_jinja, tok.chat_template
-        )
+    template = chat_template_for(tok, chat_template, chat_template_jinja)
+    if template is not None:
+        tok.chat_template = template
     tok.save_pretrained(out)
+
+
+def chat_template_for(
+    tok: Any, chat_template: str | None, chat_template_jinja: str | None
+) -> str | None:
+    """The chat template the written tokenizer gets: the config's, else the tokenizer's own."""
+    from shardforge.config.chat_templates import resolve_chat_template
+    from shardforge.errors import ConfigError
+
+    own = tok.chat_template if isinstance(tok.chat_template, str) else None
+    try:
+        return resolve_chat_template(chat_template, chat_template_jinja, own)
+    except ConfigError as exc:
+        reason = exc.problems[0]
+        if reason.startswith("unknown template name"):  # not the whole list of names here
+            reason = f"unknown template name {shown(chat_template, 80)} (docs/config.md)"
+        log.warning(
+            "notice: chat_template: %s; the tokenizer keeps its own chat template (%s)",
+            reason,
+            "it has one" if own else "it has none",
+        )
+        return own

@@ -18,6 +18,7 @@ from shardforge.sinks.companions import write_config, write_generation_config, w
 from shardforge.sinks.manifest import new_hashes, write_manifest
 from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from shardforge.sinks.progress import progress
+from shardforge.sinks.resume import LocalJournal, fingerprint
 from shardforge.sinks.safetensors_files import Hashes, finish_plan, write_index, write_plan
 from shardforge.sinks.verify import verify_output
 
@@ -37,6 +38,13 @@ def _verified(output: Output, directory: Path, quiet: bool) -> None:
     with progress(output.plan.total_bytes, "verifying", quiet) as update:
         n = verify_output(output.plan, output.sources, directory, update, output.tied)
     log.info("verified %d tensors: identical to the checkpoint", n)
+
+
+def resume_fingerprint(output: Output) -> str:
+    """The fingerprint of `output` (`sinks.resume`): its plan and the checkpoint folders."""
+    return fingerprint(
+        output.plan, [str(s.directory) for src in output.sources.values() for s in src.stored()]
+    )
 
 
 def write_companions(companions: Companions, dtype: object, directory: Path) -> None:
@@ -77,15 +85,17 @@ class HfDirectorySink(Sink):
         self, output: Output, out: Path, options: WriteOptions, prefill: Prefill | None = None
     ) -> None:
         """`prefill`: an accepted early copy that holds part of the weights already."""
-        with atomic_directory(out, options.overwrite) as tmp:
+        with atomic_directory(out, options.overwrite, options.resume) as tmp:
+            journal = LocalJournal(tmp, resume_fingerprint(output), options.resume)
             with progress(output.plan.total_bytes, "merging", options.quiet) as update:
                 if prefill is not None:
                     copied, hashes = prefill(tmp)
-                    finish_plan(output.plan, output.sources, tmp, copied, update, hashes)
+                    finish_plan(output.plan, output.sources, tmp, copied, update, journal, hashes)
                     write_index(output.plan, tmp)
                 else:
                     hashes = new_hashes()
-                    write_plan(output.plan, output.sources, tmp, update, hashes)
+                    write_plan(output.plan, output.sources, tmp, update, journal, hashes)
+            journal.close()
             if output.companions is not None:
                 write_companions(output.companions, output.dtype, tmp)
             if options.verify:
@@ -115,7 +125,7 @@ class AdapterDirectorySink(Sink):
         hashes = new_hashes()
         with atomic_directory(out, options.overwrite) as tmp:
             with progress(output.plan.total_bytes, "merging", options.quiet) as update:
-                write_plan(output.plan, output.sources, tmp, update, hashes)
+                write_plan(output.plan, output.sources, tmp, update, hashes=hashes)
             if options.verify:
                 _verified(output, tmp, options.quiet)
             os.replace(tmp / SAFE_WEIGHTS_NAME, tmp / ADAPTER_WEIGHTS)

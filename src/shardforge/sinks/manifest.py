@@ -31,6 +31,7 @@ from typing import Any
 from shardforge.formats.base import SourceFile, TensorSource
 from shardforge.formats.registry import format_named
 from shardforge.io.digest import FileHash
+from shardforge.io.mirror import public_name
 from shardforge.version import __version__
 
 MANIFEST = "shardforge-manifest.json"
@@ -45,7 +46,7 @@ READ_BLOCK = 1 << 20
 SMALL_SOURCE = 16 << 20
 
 
-def new_hashes() -> dict[str, FileHash] | None:
+def new_hashes() -> dict[str, FileHash | str] | None:
     """Where a writer puts each file's hash as it writes it (None: no manifest)."""
     return {} if ENABLED else None
 
@@ -54,19 +55,26 @@ def write_manifest(
     directory: Path,
     hashes: Mapping[str, FileHash | str] | None,
     sources: Iterable[TensorSource] = (),
+    elsewhere: Mapping[str, int] | None = None,
 ) -> None:
     """Write the manifest of `directory` (every other file in it; `hashes`: the hashes of
     those hashed as they were written, or their SHA-256 already known; the identity of what
-    `sources` were read from); nothing when `hashes` is None (`ENABLED` off)."""
+    `sources` were read from); nothing when `hashes` is None (`ENABLED` off). `elsewhere`:
+    files of the output that are not in `directory` (name -> size; uploaded already), with
+    their hash in `hashes`."""
     if hashes is None:
         return
+    sizes = {
+        p.relative_to(directory).as_posix(): p.stat().st_size
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != MANIFEST
+    }
+    sizes.update(elsewhere or {})
     files: dict[str, dict[str, Any]] = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
-        name = path.relative_to(directory).as_posix()
-        size = path.stat().st_size
+    for name, size in sorted(sizes.items()):
         written = hashes.get(name)
         if written is None:
-            digest = _hash_file(path)
+            digest = _hash_file(directory / name)
         else:
             digest = written if isinstance(written, str) else written.hexdigest(size)
         files[name] = {"size": size, "sha256": digest}
@@ -108,8 +116,8 @@ def source_identity(sources: Iterable[TensorSource]) -> list[dict[str, Any]]:
     """Each location the sources' stored tensors come from (`TensorSource.stored`), as its
     format describes it (`CheckpointFormat.identity`), in a stable order."""
     where = sorted({(s.fmt, s.directory.absolute()) for src in sources for s in src.stored()})
-    return [
-        {"location": str(location), "format": fmt, "files": _files(fmt, location)}
+    return [  # a checkpoint in object storage under its URI, not its local mirror's path
+        {"location": public_name(str(location)), "format": fmt, "files": _files(fmt, location)}
         for fmt, location in where
     ]
 

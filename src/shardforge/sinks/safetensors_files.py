@@ -29,9 +29,12 @@ from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan, PlannedFi
 if TYPE_CHECKING:
     import torch
 
+    from shardforge.sinks.resume import LocalJournal
+
 Progress = Callable[[int], None]
-# file name -> the hash of its bytes as they were written (`sinks.manifest`)
-Hashes = MutableMapping[str, FileHash]
+# file name -> the hash of its bytes as they were written (`sinks.manifest`), or the SHA-256
+# of a file an interrupted merge wrote and this one kept (`sinks.resume`)
+Hashes = MutableMapping[str, FileHash | str]
 
 
 def write_plan(
@@ -39,16 +42,26 @@ def write_plan(
     sources: Mapping[str, TensorSource],
     directory: Path,
     progress: Progress,
+    journal: LocalJournal | None = None,
     hashes: Hashes | None = None,
 ) -> None:
-    """Create every planned file (and the index when sharded) in `directory`; fsync them. With
-    `hashes`, each file's hash as it was written is added to it."""
+    """Create every planned file (and the index when sharded) in `directory`; fsync them.
+    With a `journal`, a file an interrupted merge finished is kept (`sinks.resume`) and each
+    file written is recorded. With `hashes`, each file's hash as it was written (or, for a
+    kept file, its SHA-256 as the journal recorded it) is added to it."""
     with ReadCache() as reader:
         for pf in plan.files:
+            if journal is not None and journal.kept(pf):
+                progress(pf.size)
+                if hashes is not None:
+                    hashes[pf.name] = journal.digest(pf.name)
+                continue
             fd = os.open(directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 preallocate(fd, pf.size)
-                h = None if hashes is None else hashes.setdefault(pf.name, FileHash())
+                h = None if hashes is None else FileHash()
+                if hashes is not None and h is not None:
+                    hashes[pf.name] = h
                 with hashing(fd, h):
                     pwrite_all(fd, memoryview(pf.header), 0)
                     progress(len(pf.header))
@@ -56,7 +69,15 @@ def write_plan(
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            _finished(pf, journal, h)
     write_index(plan, directory)
+
+
+def _finished(pf: PlannedFile, journal: LocalJournal | None, h: FileHash | str | None) -> None:
+    """`pf` is written and fsynced: the journal records it, with the SHA-256 it was written
+    with when it was hashed (else the journal hashes it)."""
+    if journal is not None:
+        journal.finish(pf, h.hexdigest(pf.size) if isinstance(h, FileHash) else h)
 
 
 def _fill(
@@ -109,6 +130,7 @@ def finish_plan(
     directory: Path,
     copied: Mapping[str, list[FileSlab]],
     progress: Progress,
+    journal: LocalJournal | None = None,
     hashes: Hashes | None = None,
 ) -> None:
     """Write every tensor the early copy did not into the existing planned files; fsync them
@@ -122,8 +144,10 @@ def finish_plan(
                 done = {t.spec.name for t in pf.tensors if t.spec.name in copied}
                 progress(sum(t.spec.nbytes for t in pf.tensors if t.spec.name in done))
                 h = None if hashes is None else hashes[pf.name]
+                assert not isinstance(h, str)  # (the early copy's hash of it so far)
                 with hashing(fd, h):
                     _fill(pf, sources, reader, fd, progress, done, ordered=h is not None)
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            _finished(pf, journal, h)

@@ -213,14 +213,20 @@ def _checks(
 
 
 def _batches(checks: list[_Check], batch_bytes: int) -> Iterator[list[_Check]]:
+    """Checks in batches of about `batch_bytes` of stored tensors, each stored tensor counted
+    once per batch (the experts cut from one fused tensor share it: read once)."""
     batch: list[_Check] = []
+    seen: set[StoredTensor] = set()
     size = 0
     for check in checks:
-        n = sum(s.nbytes for s in check.source.stored())
+        stored = check.source.stored()
+        n = sum(s.nbytes for s in stored if s not in seen)
         if batch and size + n > batch_bytes:
             yield batch
-            batch, size = [], 0
+            batch, seen, size = [], set(), 0
+            n = sum(s.nbytes for s in dict.fromkeys(stored))
         batch.append(check)
+        seen.update(stored)
         size += n
     if batch:
         yield batch

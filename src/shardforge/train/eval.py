@@ -4,7 +4,9 @@
     build_datasets(cfg, tokenizer)      training sequences, and evaluation sequences (held out
                                         of the training samples, or `test_datasets`)
     eval_interval(cfg, ...)             steps between evaluations (eval_steps, evals_per_epoch)
-    evaluate(model, seqs, size, rt)     the eval loss: a global token mean over all ranks
+    eval_batch_size(cfg)                sequences per forward pass of an evaluation
+    evaluate(model, seqs, size, rt)     the eval loss: a global token mean over all ranks (also
+                                        `shardforge evaluate`'s, on one process)
 
 The eval loss is the sum of the token losses of all evaluation sequences divided by their number
 of target tokens. The sequences are cut into chunks of `eval_batch_size`; chunk k is one forward
@@ -31,12 +33,12 @@ from shardforge.train.data import (
     IGNORE_INDEX,
     Sample,
     Sequences,
-    data_files,
     load_samples,
     model_inputs,
     pad_token_id,
     to_sequences,
 )
+from shardforge.train.readers import data_files
 from shardforge.train.runtime import Runtime
 
 log = logging.getLogger("shardforge")
@@ -156,8 +158,14 @@ def _sequence_losses(
     return per_sequence.cpu(), int((labels != IGNORE_INDEX).sum())
 
 
+def eval_batch_size(cfg: ShardforgeConfig) -> int:
+    """Sequences per forward pass of an evaluation: eval_batch_size, else micro_batch_size."""
+    return cfg.eval_batch_size or cfg.micro_batch_size
+
+
 def evaluate(model: torch.nn.Module, seqs: Sequences, batch_size: int, rt: Runtime) -> EvalResult:
-    """The global eval loss over all of `seqs` (every rank calls this with the same `seqs`)."""
+    """The global eval loss over all of `seqs` (every rank calls this with the same `seqs`; a
+    single process without a process group is world size 1)."""
     n = len(seqs)
     rounds = math.ceil(math.ceil(n / batch_size) / rt.world_size)
     slots = torch.zeros(n + 1, dtype=torch.float64)  # a loss per sequence, then the tokens
@@ -176,9 +184,11 @@ def evaluate(model: torch.nn.Module, seqs: Sequences, batch_size: int, rt: Runti
                     slots[n] += tokens
     finally:
         model.train(was_training)
-    total = slots.to(rt.device)
-    dist.all_reduce(total)
-    total = total.cpu()
+    total = slots
+    if rt.world_size > 1:
+        total = slots.to(rt.device)
+        dist.all_reduce(total)
+        total = total.cpu()
     tokens = int(total[n].item())
     loss = float(total[:n].sum().item()) / max(tokens, 1)
     return EvalResult(loss, perplexity(loss), tokens)
@@ -199,7 +209,7 @@ class Evaluator:
         self.rt = rt
         self.every = every
         self.total_steps = total_steps
-        self.batch_size = cfg.eval_batch_size or cfg.micro_batch_size
+        self.batch_size = eval_batch_size(cfg)
 
     @classmethod
     def of(

@@ -32,7 +32,7 @@ from shardforge.io.dist import finish_together
 from shardforge.train import checkpointing as ckpt
 from shardforge.train.data import GlobalOrder, load_tokenizer
 from shardforge.train.diagnostics import StepMemory, report_sharding
-from shardforge.train.eval import Evaluator, build_datasets
+from shardforge.train.eval import Evaluator
 from shardforge.train.full_save import save_full_model
 from shardforge.train.lora import prepare_lora, save_adapter
 from shardforge.train.model import (
@@ -50,6 +50,7 @@ from shardforge.train.optim import (
     scheduler_state,
 )
 from shardforge.train.packing import check_packing
+from shardforge.train.prepared import prepared_datasets
 from shardforge.train.runtime import (
     Runtime,
     device_mesh,
@@ -249,7 +250,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg)
         self.model_config = load_model_config(cfg)
         grow_vocab_size(self.model_config, self.tokenizer)  # before the model is built
-        self.data = build_datasets(cfg, self.tokenizer)  # training (and held-out / test) ones
+        # training (and held-out / test) ones; through dataset_prepared_path when it is set
+        self.data = prepared_datasets(cfg, self.tokenizer, rt)
         self.seqs = self.data.train
         self.global_batch = cfg.micro_batch_size * rt.world_size * cfg.gradient_accumulation_steps
         if len(self.seqs) < self.global_batch:

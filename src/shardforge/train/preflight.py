@@ -14,7 +14,6 @@ from pathlib import Path
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError, ShardforgeError
 from shardforge.train import checkpointing as ckpt
-from shardforge.train.data import data_files
 from shardforge.train.eval import check_eval
 from shardforge.train.model import (
     WEIGHT_FILES,
@@ -24,6 +23,7 @@ from shardforge.train.model import (
     wrap_classes,
 )
 from shardforge.train.packing import check_packing
+from shardforge.train.readers import data_files
 from shardforge.train.runtime import mesh_shape
 from shardforge.train.tracking import check_trackers
 
@@ -198,7 +198,9 @@ def check_device(cfg: ShardforgeConfig) -> list[Problem]:
     return out
 
 
-CHECKS: tuple[Callable[[ShardforgeConfig], list[Problem]], ...] = (
+Check = Callable[[ShardforgeConfig], list[Problem]]
+
+CHECKS: tuple[Check, ...] = (
     check_datasets,
     check_eval,
     check_trackers,
@@ -209,20 +211,24 @@ CHECKS: tuple[Callable[[ShardforgeConfig], list[Problem]], ...] = (
     check_resume,
     check_device,
 )
+# what preparing the data sets needs (`shardforge preprocess`): data files and the tokenizer
+DATA_CHECKS: tuple[Check, ...] = (check_datasets, check_eval, check_tokenizer)
 
 
 def preflight(
-    cfg: ShardforgeConfig, source: str = "config", world: tuple[int, int] | None = None
+    cfg: ShardforgeConfig,
+    source: str = "config",
+    world: tuple[int, int] | None = None,
+    checks: tuple[Check, ...] | None = None,
 ) -> None:
-    """Run every check; raise one ConfigError listing all problems, each with its key.
-
-    `world` is (world size, ranks per machine) when known: then the HSDP mesh sizes are checked.
-    """
+    """Run every check (of `checks`, default CHECKS); raise one ConfigError listing all
+    problems, each with its key. `world` is (world size, ranks per machine) when known: then the
+    HSDP mesh sizes are checked."""
     problems: list[Problem] = []
-    checks = list(CHECKS)
+    todo = list(CHECKS if checks is None else checks)
     if world is not None:
-        checks.append(lambda c: check_mesh(c, world))
-    for check in checks:
+        todo.append(lambda c: check_mesh(c, world))
+    for check in todo:
         seen = {key for key, _ in problems}
         problems += [p for p in check(cfg) if p[0] not in seen]  # one problem per key
     if problems:

@@ -145,10 +145,14 @@ def test_tensor_record_is_described_not_loaded() -> None:
     st = parse_tensor_record(_record_pickle(torch.arange(6, dtype=torch.int32).view(2, 3)[:, 1:]))
     assert (st.dtype, st.size, st.stride, st.storage_offset) == (torch.int32, (2, 2), (3, 1), 1)
     assert (st.storage_key, st.storage_numel) == ("0", 6)
-    # a tensor kind not modelled here (float8: _rebuild_tensor_v3 with an untyped storage) is
-    # unsupported, for torch's weights-only loader, after the whole pickle was checked
+    # float8 (_rebuild_tensor_v3 over an untyped storage of bytes) is described in its dtype
+    fp8 = parse_tensor_record(_record_pickle(torch.zeros(2, 3, dtype=torch.float8_e4m3fn)))
+    assert (fp8.dtype, fp8.size, fp8.storage_numel) == (torch.float8_e4m3fn, (2, 3), 6)
+    # a tensor kind not modelled here (a quantized tensor) is unsupported, for torch's
+    # weights-only loader, after the whole pickle was checked
+    quantized = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
     with pytest.raises(UnsupportedRecord):
-        parse_tensor_record(_record_pickle(torch.zeros(2, dtype=torch.float8_e4m3fn)))
+        parse_tensor_record(_record_pickle(quantized))
 
 
 def test_values_are_plain() -> None:

@@ -216,21 +216,21 @@ def test_tiling_is_exact_and_quick_for_many_chunks() -> None:
     between chunks that are not neighbours in any order, a gap, and a chunk outside are found."""
     import time
 
-    from shardforge.formats.dcp.metadata import _check_tiling
+    from shardforge.formats.dcp.metadata import check_tiling
 
     where = Path("m")
     start = time.perf_counter()
     rows = [Chunk((i, 0), (1, 8), Path("f"), 0, 1) for i in range(8192)]
-    _check_tiling("rows", (8192, 8), rows[::-1], where)  # every pair: 33 million checks
-    _check_tiling("grid", (32 * 4, 32 * 4), _grid(32, 32, 4), where)
+    check_tiling("rows", (8192, 8), rows[::-1], where)  # every pair: 33 million checks
+    check_tiling("grid", (32 * 4, 32 * 4), _grid(32, 32, 4), where)
     assert time.perf_counter() - start < 5.0
     grid = _grid(8, 8, 4)
     grid[63] = Chunk((1, 2), (4, 4), Path("f"), 0, 1)  # the last block moved onto the first ones
     with pytest.raises(CheckpointError, match="overlap"):
-        _check_tiling("grid", (32, 32), grid, where)
+        check_tiling("grid", (32, 32), grid, where)
     with pytest.raises(CheckpointError, match="cover 1008 of 1024 elements"):
-        _check_tiling("grid", (32, 32), _grid(8, 8, 4)[:-1], where)
+        check_tiling("grid", (32, 32), _grid(8, 8, 4)[:-1], where)
     with pytest.raises(CheckpointError, match="lies outside its shape"):
-        _check_tiling("grid", (32, 31), _grid(8, 8, 4), where)
+        check_tiling("grid", (32, 31), _grid(8, 8, 4), where)
     with pytest.raises(CheckpointError, match="negative dimension"):
-        _check_tiling("t", (-1, 4), [], where)
+        check_tiling("t", (-1, 4), [], where)

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from rank_helpers import make_rank_files
 
+from helpers.meshes import mesh_rank_files
+
 
 @pytest.fixture(scope="session")
 def ranks_2_fp32(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
@@ -18,3 +20,9 @@ def ranks_2_fp32(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def ranks_3_bf16(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(model_dir, rank_dir): 3 ranks, bfloat16."""
     return make_rank_files(tmp_path_factory.mktemp("w3"), 3, "bfloat16")
+
+
+@pytest.fixture(scope="session")
+def mesh_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Rank files over a 2x2 mesh (FSDP2 + TP, HSDP, every placement mix): `helpers.meshes`."""
+    return mesh_rank_files(tmp_path_factory)

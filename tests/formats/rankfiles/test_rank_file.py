@@ -110,8 +110,8 @@ def test_hostile_pickles_inside_a_real_rank_file(
         b"cbuiltins\neval\n(S'1'\ntR.": "builtins.eval",
         # setting attributes on an allowed callable (BUILD on a non-record)
         b"ctorch\nSize\n}S'x'\nK\x01sb.": "sets the state of a function",
-        # a placement the reader does not merge
-        b"ctorch.distributed.tensor.placement_types\n_StridedShard\n)\x81.": "strided sharding",
+        # a placement where a state dict belongs
+        b"ctorch.distributed.tensor.placement_types\n_StridedShard\n)\x81.": "a _Strided, not",
         b"ctorch.distributed._shard.sharded_tensor.api\nShardedTensor\n.": "FSDP1 ShardedTensor",
         b"garbage": "damaged",
         pickle.dumps([1, 2], protocol=2): "not a state dict",

@@ -46,8 +46,6 @@ def test_rank_state_dict_plain_entries() -> None:
 @pytest.mark.parametrize(
     ("module", "name", "message"),
     [
-        ("torch.distributed.tensor.placement_types", "_StridedShard", "strided sharding"),
-        ("torch.distributed.tensor.placement_types", "Partial", "a Partial"),
         ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor", "FSDP1 ShardedTensor"),
         ("torch.distributed.tensor", "Whatever", "not on the allow-list"),
     ],
@@ -59,7 +57,18 @@ def test_layouts_that_cannot_be_merged_are_named(module: str, name: str, message
 
 
 def test_placements_read_as_torch_prints_them() -> None:
-    assert [str(Placement("shard", 1)), str(Placement("replicate"))] == ["Shard(1)", "Replicate()"]
+    shown = [
+        Placement("shard", 1),
+        Placement("replicate"),
+        Placement("strided", 0, 2),
+        Placement("unmodelled", label="Partial(sum)"),
+    ]
+    assert list(map(str, shown)) == [
+        "Shard(1)",
+        "Replicate()",
+        "_StridedShard(dim=0, sf=2)",
+        "Partial(sum)",
+    ]
 
 
 def test_rank_profile_refuses_the_corpus(tmp_path: Path) -> None:

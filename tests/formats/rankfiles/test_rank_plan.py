@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 
 from shardforge.errors import CheckpointError
 from shardforge.formats.rankfiles import Placement, plan_rank_files
-from shardforge.formats.rankfiles.rank_plan import local_box
 from shardforge.layouts.catalog import resolve_checkpoint
 
 
@@ -72,16 +71,17 @@ def test_plan_describes_uneven_shards(ranks_3_bf16: tuple[Path, Path]) -> None:
 
 
 @pytest.mark.slow
-def test_hsdp_replicate_shard_mesh(tmp_path: Path) -> None:
+def test_hsdp_replicate_shard_mesh(mesh_root: Path, tmp_path: Path) -> None:
     """HSDP: mesh (2 replicas, 2 shards), placements (Replicate(), Shard(0)); the replicas'
-    copies are read once (from the lowest rank)."""
-    model_dir, rank_dir = make_rank_files(tmp_path, 4, "float32", mesh_shape=(2, 2))
+    copies are read once (from the lowest rank) and the others compared."""
+    rank_dir = mesh_root / "hsdp"
     plan = plan_rank_files(rank_dir)
     norm = plan["model.norm.weight"]
     assert norm.placements == (Placement("replicate"), Placement("shard", 0))
     assert norm.mesh_shape == (2, 2)
-    assert [(p.rank, p.offsets) for p in norm.pieces] == [(0, (0,)), (1, (35,))]
-    _check_round_trip(model_dir, rank_dir, torch.float32)
+    assert [(p.rank, p.offsets) for p in norm.pieces] == [(0, (0,)), (1, (32,))]
+    assert [(c.rank, p.rank) for c, p in norm.copies] == [(2, 0), (3, 1)]
+    _check_round_trip(mesh_root / "base", rank_dir, torch.float32)
     # half of the ranks renamed as a complete 2-rank set: the mesh says 4 ranks
     half = tmp_path / "half"
     half.mkdir()
@@ -90,7 +90,7 @@ def test_hsdp_replicate_shard_mesh(tmp_path: Path) -> None:
             rank_dir / f"model_world_size_4_rank_{r}.pt", half / f"model_world_size_2_rank_{r}.pt"
         )
     with pytest.raises(
-        CheckpointError, match=r"mesh of shape \(2, 2\) \(4 ranks\) but there are 2"
+        CheckpointError, match=r"lies on 4 ranks \(mesh \(2, 2\)\), 2 rank files found"
     ):
         plan_rank_files(half)
 
@@ -104,24 +104,6 @@ def test_shard_dim_1(tmp_path: Path) -> None:
     assert emb.placements == (Placement("shard", 1),)
     assert [(p.offsets, p.sizes) for p in emb.pieces] == [((0, 0), (331, 32)), ((0, 32), (331, 32))]
     _check_round_trip(model_dir, rank_dir, torch.float32, dim0_slabs=False)
-
-
-def test_local_box_matches_torch_chunking() -> None:
-    shard0, rep = Placement("shard", 0), Placement("replicate")
-    sizes = [local_box((10, 3), (shard0,), (4,), (c,)) for c in range(4)]
-    assert sizes == [((0, 0), (3, 3)), ((3, 0), (3, 3)), ((6, 0), (3, 3)), ((9, 0), (1, 3))]
-    # more ranks than rows: trailing ranks hold empty shards at the end
-    assert local_box((2, 3), (shard0,), (3,), (2,)) == ((2, 0), (0, 3))
-    assert local_box((5,), (rep, shard0), (2, 2), (1, 1)) == ((3,), (2,))
-    # two mesh dims sharding the same tensor dim nest (mesh dim 0 first)
-    assert local_box((8,), (shard0, shard0), (2, 2), (1, 0)) == ((4,), (2,))
-    for n in (2, 3, 4, 7):
-        t = torch.arange(29)
-        chunks = torch.chunk(t, n)
-        for c in range(n):
-            (off,), (size,) = local_box((29,), (shard0,), (n,), (c,))
-            expected = chunks[c] if c < len(chunks) else t[:0]
-            assert torch.equal(t[off : off + size], expected)
 
 
 @pytest.mark.slow
@@ -152,10 +134,7 @@ def test_files_of_different_runs_disagree(ranks_3_bf16: tuple[Path, Path], tmp_p
     shutil.copytree(ranks_3_bf16[1], other)
     (other / "model_world_size_3_rank_2.pt").unlink()
     shutil.copy(other / "model_world_size_3_rank_1.pt", other / "model_world_size_3_rank_2.pt")
-    with pytest.raises(
-        CheckpointError,
-        match=r"rank_2\.pt and model_world_size_3_rank_1\.pt hold the same mesh position",
-    ):
+    with pytest.raises(CheckpointError, match=r"rank_2\.pt: .* was saved by rank 1: .* renamed"):
         plan_rank_files(other)
 
 
@@ -202,3 +181,103 @@ def test_verl_layout_round_trip(ranks_2_fp32: tuple[Path, Path], tmp_path: Path)
     assert merged.keys() == original.keys()
     assert all(torch.equal(merged[k], original[k]) for k in original)
     assert torch.equal(logits(model_dir, merged), logits(model_dir))
+
+
+# ------------------------------------------------------------------------ 2-D meshes (gloo x4)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.slow
+def test_fsdp_tp_mesh_merges_bit_exact(mesh_root: Path, tmp_path: Path) -> None:
+    """FSDP2 + TP on a 2x2 mesh, saved per rank as verl does: planned from the placements,
+    merged (and verified) bit for bit, loaded by transformers with the same logits."""
+    from shardforge.merge.api import merge_fsdp_weights
+
+    plan = plan_rank_files(mesh_root / "tp")
+    q = plan["model.layers.0.self_attn.q_proj.weight"]
+    assert q.placements == (Placement("strided", 0, 2), Placement("shard", 0))
+    assert [(p.rank, p.offsets) for p in q.pieces] == [
+        (0, (0, 0)),
+        (1, (32, 0)),
+        (2, (16, 0)),
+        (3, (48, 0)),
+    ]
+    assert q.slabs() is not None  # FSDP2's rows of TP's rows: whole rows, copied file to file
+    o = plan["model.layers.0.self_attn.o_proj.weight"]
+    assert o.placements == (Placement("shard", 0), Placement("shard", 1)) and o.slabs() is None
+    emb = plan["model.embed_tokens.weight"]  # on the dp sub-mesh: the tp ranks hold copies
+    assert emb.mesh_shape == (2,) and [(c.rank, p.rank) for c, p in emb.copies] == [(1, 0), (3, 2)]
+
+    base = mesh_root / "base"
+    out = merge_fsdp_weights(
+        {"base_model": str(base), "output_dir": str(tmp_path)},
+        tmp_path / "merged",
+        checkpoint=mesh_root / "tp",
+        verify=True,
+        quiet=True,
+    )
+    original = load_file(base / "model.safetensors")
+    merged = load_file(out / "model.safetensors")
+    assert merged.keys() == original.keys()
+    assert all(torch.equal(_bits(merged[k]), _bits(original[k])) for k in original)
+    assert torch.equal(logits(out), logits(base))
+
+
+@pytest.mark.slow
+def test_every_placement_mix_is_assembled_exactly(mesh_root: Path) -> None:
+    """(Replicate, Shard), (Shard, Replicate), (Shard, Shard) on two dims and on one,
+    strided shards, float8 and int64: each full tensor bit for bit, by the merge's sources and
+    by the independent reader (torch's own placement code)."""
+    from shardforge.formats.base import StoredTensor
+    from shardforge.formats.rankfiles.reference import RankFilesReference
+
+    expected = torch.load(mesh_root / "placements.pt", weights_only=True)
+    plan = plan_rank_files(mesh_root / "placements")
+    got = full_tensors(plan)
+    assert got.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(_bits(got[key]), _bits(tensor)), key
+    assert plan["shard_shard"].placements == (Placement("shard", 0), Placement("shard", 1))
+    assert [p.runs[0] for p in plan["strided_alone"].pieces] == [((0, 2), (4, 2)), ((2, 2), (6, 2))]
+    assert len(plan["int_replicated"].copies) == 3 and len(plan["replicate_shard"].copies) == 2
+    wanted = [
+        StoredTensor("rank-files", mesh_root / "placements", k, t.dtype, tuple(t.shape))
+        for k, t in expected.items()
+    ]
+    reference = RankFilesReference(mesh_root / "placements").load(wanted)
+    assert all(torch.equal(_bits(reference[k]), _bits(t)) for k, t in expected.items())
+
+
+@pytest.mark.slow
+def test_replicated_copies_that_differ_are_one_error(mesh_root: Path) -> None:
+    with pytest.raises(CheckpointError) as info:
+        full_tensors(plan_rank_files(mesh_root / "diverged"))
+    message = info.value.message
+    assert "\n" not in message and len(message) <= 300
+    assert "tensor 'buffer' differs between ranks 1 and 3" in message
+
+
+def test_plain_copies_that_differ_are_one_error(tmp_path: Path) -> None:
+    torch.save({"step": torch.tensor([4, 2])}, tmp_path / "model_world_size_2_rank_0.pt")
+    torch.save({"step": torch.tensor([4, 3])}, tmp_path / "model_world_size_2_rank_1.pt")
+    with pytest.raises(CheckpointError, match=r"'step' differs between ranks 0 and 1; it is saved"):
+        full_tensors(plan_rank_files(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("folder", "named"),
+    [
+        ("partial", r"tensor 'summed' has placements \(Partial\(sum\), Shard\(0\)\)"),
+        ("uneven", r"tensor 'uneven' .*_StridedShard\(dim=0, sf=2\) over 2 ranks .* uneven"),
+    ],
+)
+def test_placements_not_modelled_are_refused_naming_the_tensor(
+    mesh_root: Path, folder: str, named: str
+) -> None:
+    with pytest.raises(CheckpointError, match=named) as info:
+        plan_rank_files(mesh_root / folder)
+    assert "\n" not in info.value.message and len(info.value.message) <= 300

@@ -26,10 +26,6 @@ from shardforge.io.copy import ReadCache
 DISTCP_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
-def dtype_label(dtype: object) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def state_summary(meta: CheckpointMetadata, keys: list[str], location: str) -> StateSummary | None:
     """How much of `meta` the entries `keys` hold (None: none)."""
     if not keys:
@@ -59,6 +55,9 @@ def _by_kind(meta: CheckpointMetadata) -> tuple[dict[str, list[str]], list[str]]
 
 
 class DcpFormat(CheckpointFormat):
+    """A DCP directory; a DCP whose metadata is stored otherwise (per rank) is a subclass
+    with its own `detect`, `metadata`, `metadata_files` and `reference`."""
+
     name = "dcp"
     looked_for = "a DCP directory with .metadata"
     shards_described = "the .metadata file and the .distcp files it names"
@@ -66,24 +65,29 @@ class DcpFormat(CheckpointFormat):
     def detect(self, folder: Path) -> bool:
         return (folder / METADATA_FILE).is_file()
 
+    def metadata(self, folder: Path) -> CheckpointMetadata:
+        """Every entry of the checkpoint, checked (paths, tiling, byte ranges)."""
+        return read_metadata(folder)
+
+    def metadata_files(self, folder: Path) -> list[PurePath]:
+        """The metadata files, relative to `folder` (removed with the shards)."""
+        return [PurePath(METADATA_FILE)]
+
     def open(self, folder: Path) -> dict[str, NamedSource]:
         from shardforge.formats.dcp.source import DcpSource
 
-        meta = read_metadata(folder)
+        meta = self.metadata(folder)
         return {
-            k: NamedSource(e.path, DcpSource(e, meta.directory)) for k, e in meta.tensors.items()
+            k: NamedSource(e.path, DcpSource(e, meta.directory, self.name))
+            for k, e in meta.tensors.items()
         }
 
     def describe(self, folder: Path) -> Contents:
         """Model tensors, optimizer and other training state mixed in (state beside the
         folder is the layout's: `shardforge.inspection`)."""
-        meta = read_metadata(folder)
+        meta = self.metadata(folder)
         by_kind, model_non_tensor = _by_kind(meta)
-        tensors = tuple(
-            TensorFact(k, dtype_label(e.dtype), e.shape, e.numel, e.nbytes)
-            for k in by_kind["model"]
-            for e in (meta.tensors[k],)
-        )
+        tensors = tuple(TensorFact.of(k, meta.tensors[k]) for k in by_kind["model"])
         ranks = {int(m.group(1)) for p in folder.iterdir() if (m := DISTCP_FILE.match(p.name))}
         return Contents(
             storage=self.name,
@@ -97,9 +101,9 @@ class DcpFormat(CheckpointFormat):
         )
 
     def shard_files(self, folder: Path) -> list[PurePath]:
-        """`.metadata` and every data file its entries name; refused when an entry is
+        """The metadata and every data file its entries name; refused when an entry is
         optimizer or other training state (it lives in the same files)."""
-        meta = read_metadata(folder)
+        meta = self.metadata(folder)
         by_kind, _ = _by_kind(meta)
         found = {kind: keys for kind, keys in by_kind.items() if kind != "model" and keys}
         if found:
@@ -112,7 +116,8 @@ class DcpFormat(CheckpointFormat):
                 f"shards would delete it - {NOT_REMOVED}"
             )
         files = {c.file for e in meta.tensors.values() for c in e.chunks}
-        return [PurePath(METADATA_FILE), *sorted(PurePath(f.relative_to(folder)) for f in files)]
+        data = sorted(PurePath(f.relative_to(folder)) for f in files)
+        return [*self.metadata_files(folder), *data]
 
     def reference(self, location: Path) -> ReferenceReader:
         from shardforge.formats.dcp.reference import DcpReference

@@ -20,6 +20,7 @@ from shardforge.formats.dcp.pickles import (
 from shardforge.io.copy import file_fact, identity
 from shardforge.io.dtypes import DtypeName, is_dtype, resolve_dtype
 from shardforge.io.files import inside, open_regular
+from shardforge.io.remote import pread
 
 if TYPE_CHECKING:
     import torch
@@ -71,22 +72,22 @@ class CheckpointMetadata:
         return replace(self, tensors=tensors)
 
 
-def _safe_relative(directory: Path, relative: Any, key: str) -> Path:
+def _safe_relative(directory: Path, relative: Any, key: str, meta_path: Path) -> Path:
     rel = PurePath(str(relative))
-    if rel.is_absolute() or ".." in rel.parts or str(relative).startswith(("/", "\\")):
+    if (
+        rel.is_absolute()
+        or ".." in rel.parts
+        or str(relative).startswith(("/", "\\"))
+        or not inside(directory / rel, directory)
+    ):
         raise CheckpointError(
-            f"{directory / METADATA_FILE}: storage path {str(relative)!r} of {key!r} leaves the "
-            "checkpoint directory; refusing to read it"
-        )
-    if not inside(directory / rel, directory):
-        raise CheckpointError(
-            f"{directory / METADATA_FILE}: storage path {str(relative)!r} of {key!r} leaves the "
+            f"{meta_path}: storage path {str(relative)!r} of {key!r} leaves the "
             "checkpoint directory; refusing to read it"
         )
     return directory / rel
 
 
-def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk], where: Path) -> None:
+def check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk], where: Path) -> None:
     """The chunks tile the tensor exactly: each lies inside it, no two overlap, and together
     they hold every element (Python integers: nothing overflows)."""
     if any(d < 0 for d in shape):
@@ -128,18 +129,18 @@ def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk], where: 
         )
 
 
-def _data_file(directory: Path, path: Path) -> int:
-    """The size of a data file named in `.metadata` (a regular file inside `directory`, in
+def _data_file(directory: Path, path: Path, meta_path: Path) -> int:
+    """The size of a data file named in `meta_path` (a regular file inside `directory`, in
     torch.save format)."""
     if not os.path.lexists(path):
         raise CheckpointError(
-            f"{path}: data file named in {directory / METADATA_FILE} is missing; the "
+            f"{path}: data file named in {meta_path} is missing; the "
             "checkpoint is incomplete (copy every __*.distcp file)"
         )
     fd = open_regular(path, directory)
     try:
         size = os.fstat(fd).st_size
-        head = os.pread(fd, 4, 0)
+        head = pread(fd, 4, 0)  # a stand-in of a stored object: one ranged request
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
     finally:
@@ -153,21 +154,22 @@ def _data_file(directory: Path, path: Path) -> int:
     return size
 
 
-def _check_files(directory: Path, tensors: dict[str, TensorEntry]) -> None:
+def check_files(directory: Path, tensors: dict[str, TensorEntry], meta_path: Path) -> None:
     """Every data file is a regular file inside the directory; every chunk's byte range lies
-    inside its file, and no two chunks' byte ranges overlap."""
+    inside its file, and no two chunks' byte ranges overlap (`meta_path` names the metadata
+    in messages)."""
     sizes: dict[Path, int] = {}
     ranges: dict[Path, list[tuple[int, int, str]]] = {}
     for entry in tensors.values():
         for c in entry.chunks:
             if c.byte_offset < 0 or c.byte_length < 0:
                 raise CheckpointError(
-                    f"{directory / METADATA_FILE}: {entry.key!r} has a chunk at byte "
+                    f"{meta_path}: {entry.key!r} has a chunk at byte "
                     f"{c.byte_offset} of length {c.byte_length} in {c.file.name}; corrupt "
                     "metadata"
                 )
             if c.file not in sizes:
-                sizes[c.file] = _data_file(directory, c.file)
+                sizes[c.file] = _data_file(directory, c.file, meta_path)
             end = c.byte_offset + c.byte_length
             if end > sizes[c.file]:
                 raise CheckpointError(
@@ -181,7 +183,7 @@ def _check_files(directory: Path, tensors: dict[str, TensorEntry]) -> None:
             if b_start < a_end:
                 same = "the same" if a_start == b_start else "overlapping"
                 raise CheckpointError(
-                    f"{directory / METADATA_FILE}: {a!r} and {b!r} are stored at {same} bytes "
+                    f"{meta_path}: {a!r} and {b!r} are stored at {same} bytes "
                     f"({a_start} and {b_start}) of {path.name}; corrupt or crafted metadata"
                 )
 
@@ -202,7 +204,8 @@ def read_metadata(directory: str | Path) -> CheckpointMetadata:
         if per_rank:
             raise CheckpointError(
                 f"{d}: has per-rank metadata ({per_rank[0]}, ...) from use_collectives=False and "
-                "no global .metadata; this layout is not supported"
+                "no global .metadata; it is read as a collective-free DCP (format dcp-ranks), "
+                "not here"
             )
         raise CheckpointError(f"{d}: no {METADATA_FILE} file; not a complete DCP checkpoint")
     # parsed once per merge, head start included (`io.copy.fact_session`)
@@ -211,22 +214,32 @@ def read_metadata(directory: str | Path) -> CheckpointMetadata:
 
 
 def _read(d: Path, meta_path: Path) -> CheckpointMetadata:
+    meta = read_entries(d, meta_path, tile=True)
+    check_files(d, meta.tensors, meta_path)
+    return meta
+
+
+def read_entries(d: Path, meta_path: Path, tile: bool) -> CheckpointMetadata:
+    """The entries of the metadata file `meta_path` of the DCP directory `d`, each storage path
+    checked to stay inside `d`; with `tile`, each tensor's chunks checked to tile it
+    (`check_tiling`). The data files are not looked at (`check_files`)."""
     raw = load_metadata_pickle(meta_path)
     try:
-        tensors, non_tensor = _parse(raw, d, meta_path)
+        tensors, non_tensor = _parse(raw, d, meta_path, tile)
     except CheckpointError:
         raise
     except (AttributeError, TypeError, ValueError, KeyError, RecursionError) as exc:
         reason = f"{type(exc).__name__}: {exc}"[:200]
         raise CheckpointError(f"{meta_path}: malformed DCP metadata ({reason})") from None
-    _check_files(d, tensors)
     version = getattr(raw, "version", None)
     return CheckpointMetadata(
         d, tensors, tuple(non_tensor), version if isinstance(version, str) else None
     )
 
 
-def _parse(raw: Any, d: Path, meta_path: Path) -> tuple[dict[str, TensorEntry], list[str]]:
+def _parse(
+    raw: Any, d: Path, meta_path: Path, tile: bool
+) -> tuple[dict[str, TensorEntry], list[str]]:
     """The tensor entries of an unpickled Metadata record (file checks are separate)."""
     if not isinstance(raw, Metadata):
         raise CheckpointError(f"{meta_path}: not a DCP Metadata object")
@@ -271,11 +284,12 @@ def _parse(raw: Any, d: Path, meta_path: Path) -> tuple[dict[str, TensorEntry], 
                 )
             relative = str(info.relative_path)
             if relative not in files:
-                files[relative] = _safe_relative(d, info.relative_path, key)
+                files[relative] = _safe_relative(d, info.relative_path, key, meta_path)
             chunks.append(
                 Chunk(offsets, sizes, files[relative], int(info.offset), int(info.length))
             )
-        _check_tiling(key, shape, chunks, meta_path)
+        if tile:
+            check_tiling(key, shape, chunks, meta_path)
         path = planner.get(key)
         path_t = tuple(str(p) for p in path) if isinstance(path, tuple | list) else (key,)
         dtype: Any = getattr(item.properties, "dtype", None)

@@ -37,6 +37,7 @@ class DcpSource(Described):
 
     entry: TensorEntry
     directory: Path | None = None  # the DCP directory (default: its first data file's folder)
+    fmt: str = DCP  # the registry row whose reference reader reads it (`StoredTensor.fmt`)
 
     @property
     def described(self) -> TensorEntry:
@@ -55,7 +56,7 @@ class DcpSource(Described):
     def stored(self) -> tuple[StoredTensor, ...]:
         chunks = self.entry.chunks
         directory = self.directory or (chunks[0].file.parent if chunks else Path("."))
-        return (StoredTensor(DCP, directory, self.entry.key, self.dtype, self.shape),)
+        return (StoredTensor(self.fmt, directory, self.entry.key, self.dtype, self.shape),)
 
     def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return tensors[0]

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 from pathlib import Path, PurePath
+from typing import ClassVar
 
 from shardforge.errors import CheckpointError
 from shardforge.formats.base import (
@@ -20,7 +21,7 @@ from shardforge.formats.base import (
     StoredRecord,
     TensorFact,
 )
-from shardforge.formats.rankfiles.names import RANK_FILE, parse_rank_name
+from shardforge.formats.rankfiles.names import RANK_NAMES, RankNames
 
 log = logging.getLogger("shardforge")
 
@@ -50,9 +51,10 @@ def check_fsdp_config(model_dir: Path, world_size: int) -> None:
         )
 
 
-def _rank_state(rank_dir: Path, kind: str) -> StateSummary | None:
-    """The per-rank state files of `kind` beside the model's (counted, never read)."""
-    pattern = RANK_STATE_FILES[kind]
+def _rank_state(rank_dir: Path, pattern: re.Pattern[str] | None) -> StateSummary | None:
+    """The per-rank state files matching `pattern` beside the model's (counted, never read)."""
+    if pattern is None:
+        return None
     files = [p for p in sorted(rank_dir.iterdir()) if pattern.match(p.name) and p.is_file()]
     if not files:
         return None
@@ -68,52 +70,54 @@ def _rank_state(rank_dir: Path, kind: str) -> StateSummary | None:
 
 
 class RankFilesFormat(CheckpointFormat):
+    """Per-rank DTensor files named as `names` says; a format naming its files otherwise (and
+    keeping its optimizer files under other names) is a subclass setting the class facts."""
+
     name = "rank-files"
     looked_for = "a folder of model_world_size_W_rank_R.pt files"
     shards_described = "the model_world_size_W_rank_R.pt files"
+    # how the model files are named
+    names: ClassVar[RankNames] = RANK_NAMES
+    # per-rank optimizer ("optimizer") and other training state ("other") files beside them
+    state_files: ClassVar[dict[str, re.Pattern[str]]] = RANK_STATE_FILES
 
     def detect(self, folder: Path) -> bool:
-        return folder.is_dir() and any(RANK_FILE.match(p.name) for p in folder.iterdir())
+        return folder.is_dir() and any(self.names.parse(p) for p in folder.iterdir())
 
     def open(self, folder: Path) -> dict[str, NamedSource]:
-        from shardforge.formats.rankfiles.rank_file import read_rank_file
-        from shardforge.formats.rankfiles.rank_plan import list_rank_files, plan_from_files
+        from shardforge.formats.rankfiles.rank_plan import plan_from_files, read_rank_files
         from shardforge.formats.rankfiles.source import RankFileSource
 
-        paths = list_rank_files(folder)
-        check_fsdp_config(folder, len(paths))
-        plans = plan_from_files([read_rank_file(p) for p in paths.values()])
-        return {k: NamedSource((k,), RankFileSource(p)) for k, p in plans.items()}
+        files = read_rank_files(folder, self.names)
+        check_fsdp_config(folder, len(files))
+        plans = plan_from_files(files)
+        return {k: NamedSource((k,), RankFileSource(p, self.name)) for k, p in plans.items()}
 
     def describe(self, folder: Path) -> Contents:
         """Tensors (metadata only); optimizer files beside them are counted, not read."""
-        from shardforge.formats.rankfiles.rank_plan import plan_rank_files
+        from shardforge.formats.rankfiles.rank_plan import plan_from_files, read_rank_files
 
-        plan = plan_rank_files(folder)
-        world_sizes = {names[0] for p in folder.iterdir() if (names := parse_rank_name(p))}
-        tensors = tuple(
-            TensorFact(k, str(tp.dtype).removeprefix("torch."), tp.shape, tp.numel, tp.nbytes)
-            for k, tp in plan.items()
-        )
+        files = read_rank_files(folder, self.names)
+        tensors = tuple(TensorFact.of(k, tp) for k, tp in plan_from_files(files).items())
         return Contents(
             storage=self.name,
             tensors=tensors,
             non_tensor_keys=(),
-            world_size=next(iter(world_sizes)) if len(world_sizes) == 1 else None,
-            world_size_source="model_world_size_W_rank_R.pt file names",
-            optimizer=_rank_state(folder, "optimizer"),
-            other_state=_rank_state(folder, "other"),
+            world_size=len(files),
+            world_size_source=f"{self.names.shown} file names",
+            optimizer=_rank_state(folder, self.state_files.get("optimizer")),
+            other_state=_rank_state(folder, self.state_files.get("other")),
         )
 
     def shard_files(self, folder: Path) -> list[PurePath]:
         from shardforge.formats.rankfiles.rank_plan import list_rank_files
 
-        return [PurePath(p.name) for p in list_rank_files(folder).values()]
+        return [PurePath(p.name) for p in list_rank_files(folder, self.names).values()]
 
     def reference(self, location: Path) -> ReferenceReader:
         from shardforge.formats.rankfiles.reference import RankFilesReference
 
-        return RankFilesReference(location)
+        return RankFilesReference(location, self.names)
 
     def identity(self, location: Path) -> list[SourceFile]:
         """Every rank file: one zip record, with the CRC-32 stored for each of its members
@@ -123,7 +127,7 @@ class RankFilesFormat(CheckpointFormat):
         from shardforge.io.zip_record import read_zip_record
 
         out = []
-        for path in list_rank_files(location).values():
+        for path in list_rank_files(location, self.names).values():
             fd = open_regular(path, location)
             try:
                 size = os.fstat(fd).st_size

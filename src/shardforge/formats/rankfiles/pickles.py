@@ -3,7 +3,10 @@
 `RANK_STATE_DICT` is the profile of a rank file's ``data.pkl`` for the allow-list unpickler
 (`shardforge.io.unpickler`); `load_rank_pickle` gives plain per-key records: a `LocalTensor`
 for a plain tensor, a `DTensorRecord` (global shape, placements, mesh, this rank's coordinate,
-its local tensor) for a DTensor. Old module paths (torch < 2.5 kept DTensor under
+its local tensor) for a DTensor. Placements are read as plain `Placement`s: ``Shard(d)``,
+``_StridedShard(d, split_factor)`` (FSDP2 over a tensor-parallel dimension), ``Replicate()``,
+and the ones the merge does not model (``Partial``: a pending reduction) kept by name so that
+the planner can refuse them naming the tensor. Old module paths (torch < 2.5 kept DTensor under
 ``torch.distributed._tensor``) map onto the same records; as torch 2.13 writes it (checked with
 ``pickletools.dis``).
 """
@@ -42,15 +45,31 @@ __all__ = [
 RANK_STATE_DICT_MAX_BYTES = 256 << 20  # a rank file's state dict: ~400 bytes per tensor
 
 
+# the kinds of `Placement` the planner models; any other is refused naming the tensor
+SHARD, STRIDED, REPLICATE = "shard", "strided", "replicate"
+
+
 @dataclass(frozen=True)
 class Placement:
-    """How a DTensor is laid out along one mesh dimension: Shard(dim) or Replicate()."""
+    """How a DTensor is laid out along one mesh dimension, as torch prints it: ``Shard(d)``,
+    ``_StridedShard(dim=d, sf=k)``, ``Replicate()``, or a placement the merge does not model
+    (kind "unmodelled", `label` says which: ``Partial(sum)``)."""
 
-    kind: str  # "shard" | "replicate"
+    kind: str  # SHARD | STRIDED | REPLICATE | "unmodelled"
     dim: int | None = None
+    split_factor: int = 1  # _StridedShard: the shards made along `dim` before this one
+    label: str = ""  # an unmodelled placement's name
+
+    @property
+    def shards(self) -> bool:
+        return self.kind in (SHARD, STRIDED)
 
     def __str__(self) -> str:
-        return f"Shard({self.dim})" if self.kind == "shard" else "Replicate()"
+        if self.kind == SHARD:
+            return f"Shard({self.dim})"
+        if self.kind == STRIDED:
+            return f"_StridedShard(dim={self.dim}, sf={self.split_factor})"
+        return "Replicate()" if self.kind == REPLICATE else self.label
 
 
 @dataclass(frozen=True)
@@ -63,12 +82,32 @@ class DTensorRecord:
     mesh_shape: tuple[int, ...] | None
     coordinate: tuple[int, ...] | None
     local: LocalTensor
+    # the order mesh dims shard each tensor dim, when the spec names one: ((tensor dim,
+    # (mesh dims...)), ...); None: left to right (what every placement above assumes)
+    shard_order: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+    mesh_rank: int | None = None  # the global rank that saved it, as its mesh recorded
 
 
-# DTensorSpec, DeviceMesh, _MeshLayout / _FlatLayout, Shard, Replicate as plain records
-_Spec, _Mesh, _Layout, _Shard, _Replicate = (
-    record_class(name, __name__) for name in ("_Spec", "_Mesh", "_Layout", "_Shard", "_Replicate")
+# DTensorSpec, DeviceMesh, _MeshLayout / _FlatLayout, Shard, _StridedShard, Replicate as records
+_Spec, _Mesh, _Layout, _Shard, _Strided, _Replicate = (
+    record_class(name, __name__)
+    for name in ("_Spec", "_Mesh", "_Layout", "_Shard", "_Strided", "_Replicate")
 )
+
+# placements torch may save that the merge does not model (a pending reduction: the saved
+# values are not the tensor's) -> the modules torch keeps them in; read as records keeping their
+# name, refused by the planner naming the tensor
+_DT_MODULES = (
+    "torch.distributed.tensor.placement_types",
+    "torch.distributed._tensor.placement_types",
+)
+UNMODELLED_PLACEMENTS: dict[str, tuple[str, ...]] = {
+    "Partial": _DT_MODULES,
+    "_MaskPartial": (*_DT_MODULES, "torch.distributed.tensor._ops._embedding_ops"),
+    "MaskPartial": _DT_MODULES,
+    "_NormPartial": ("torch.distributed.tensor._ops._math_ops",),
+}
+_UNMODELLED = {name: record_class(name, __name__) for name in UNMODELLED_PLACEMENTS}
 
 
 class _TensorMeta(NamedTuple):
@@ -121,14 +160,36 @@ def _flat_prod(shape: Any) -> int:
 
 
 def _placement(p: Any) -> Placement:
-    if isinstance(p, _Shard):
+    if isinstance(p, (_Shard, _Strided)):
         dim = p.get("dim")
         if type(dim) is not int:
             raise Problem("has a Shard placement without a dimension")
-        return Placement("shard", dim)
+        if isinstance(p, _Shard):
+            return Placement(SHARD, dim)
+        factor = p.get("split_factor")
+        if type(factor) is not int or factor < 1:
+            raise Problem("has a _StridedShard placement without a split factor")
+        return Placement(STRIDED, dim, factor)
     if isinstance(p, _Replicate):
-        return Placement("replicate")
+        return Placement(REPLICATE)
+    name = type(p).__name__
+    if _UNMODELLED.get(name) is type(p):
+        op = p.get("reduce_op", p.get("norm_type", ""))
+        shown = sanitize(op) if isinstance(op, (str, int, float)) else ""
+        return Placement("unmodelled", label=f"{name}({shown})")
     raise Problem(f"has an unexpected placement {sanitize(p)}")
+
+
+def _shard_order(spec: Record) -> tuple[tuple[int, tuple[int, ...]], ...] | None:
+    """The spec's `shard_order` (torch >= 2.10), None when it names none."""
+    order = spec.get("shard_order")
+    if order is None:
+        return None
+    if not isinstance(order, tuple) or not all(isinstance(e, _ShardOrderEntry) for e in order):
+        raise Problem("has a DTensor spec with a malformed shard order")
+    return tuple(
+        (ints((e.tensor_dim,), "shard order")[0], ints(e.mesh_dims, "shard order")) for e in order
+    )
 
 
 def _mesh_shape(mesh: Record) -> tuple[int, ...] | None:
@@ -165,6 +226,7 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> DTens
     if not isinstance(placements, tuple):
         raise Problem("has a DTensor spec without placements")
     coordinate = mesh.get("_coordinate_on_dim")
+    rank = mesh.get("_rank")
     return DTensorRecord(
         dtype=dtype,
         global_shape=ints(size, "DTensor size"),
@@ -172,19 +234,14 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> DTens
         mesh_shape=_mesh_shape(mesh),
         coordinate=None if coordinate is None else ints(coordinate, "mesh coordinate"),
         local=local,
+        shard_order=_shard_order(spec),
+        mesh_rank=rank if type(rank) is int else None,
     )
 
 
 _DT = "torch.distributed.tensor"
 _SPEC_MODULES = (f"{_DT}._dtensor_spec", "torch.distributed._tensor.placement_types")
 _PLACEMENT_MODULES = (f"{_DT}.placement_types", "torch.distributed._tensor.placement_types")
-
-# globals that are legitimate in DTensor pickles but describe layouts this reader cannot merge
-UNSUPPORTED_GLOBALS: dict[str, str] = {
-    "_StridedShard": "strided sharding (FSDP2 combined with tensor parallelism)",
-    "Partial": "a Partial (pending reduction) placement",
-    "_NormPartial": "a Partial (pending reduction) placement",
-}
 
 # modules whose classes mean a known, legitimate layout this reader does not merge
 UNSUPPORTED_MODULES: dict[str, str] = {
@@ -195,16 +252,14 @@ UNSUPPORTED_MODULES: dict[str, str] = {
 }
 
 
-def _unsupported_rank_global(module: str, name: str) -> None:
+def _unsupported_rank_global(module: str, name: str) -> Any:
+    """Known layouts of other kinds are refused naming them; anything else is left to the
+    allow-list's refusal."""
     shown = f"{sanitize(module)}.{sanitize(name)}"
-    if module.startswith("torch.distributed") and name in UNSUPPORTED_GLOBALS:
-        raise Problem(
-            f"holds {UNSUPPORTED_GLOBALS[name]} ({shown}), which shardforge cannot merge; only "
-            "Shard(dim) and Replicate() placements are supported"
-        )
     for prefix, what in UNSUPPORTED_MODULES.items():
         if module == prefix or module.startswith(prefix + "."):
             raise Problem(f"holds {what} ({shown}); shardforge cannot merge it")
+    return None
 
 
 RANK_STATE_DICT = Profile(
@@ -224,6 +279,8 @@ RANK_STATE_DICT = Profile(
         **{(m, "TensorMeta"): _TensorMeta for m in _SPEC_MODULES},
         (f"{_DT}._dtensor_spec", "ShardOrderEntry"): _ShardOrderEntry,
         **{(m, "Shard"): _Shard for m in _PLACEMENT_MODULES},
+        **{(m, "_StridedShard"): _Strided for m in _PLACEMENT_MODULES},
+        **{(m, n): _UNMODELLED[n] for n, ms in UNMODELLED_PLACEMENTS.items() for m in ms},
         **{(m, "Replicate"): _Replicate for m in _PLACEMENT_MODULES},
         ("torch.distributed.device_mesh", "DeviceMesh"): _Mesh,
         ("torch.distributed._mesh_layout", "_MeshLayout"): _Layout,

@@ -48,6 +48,9 @@ class TensorRecord:
     data_offset: int  # absolute byte offset of the storage record's first byte in the file
     member_size: int  # bytes in the storage record
     storage: ZipMember  # that member (its bytes and stored CRC-32)
+    # a DTensor's shard order when its spec names one (`pickles.DTensorRecord.shard_order`)
+    shard_order: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+    mesh_rank: int | None = None  # the global rank its mesh says saved it
 
     @property
     def is_dtensor(self) -> bool:
@@ -84,10 +87,12 @@ class RankFile:
     tensors: dict[str, TensorRecord]
 
 
-def read_rank_file(path: str | Path) -> RankFile:
-    """Parse a rank file's zip directory and data.pkl; CheckpointError on anything unexpected."""
+def read_rank_file(path: str | Path, position: tuple[int, int] | None = None) -> RankFile:
+    """Parse a rank file's zip directory and data.pkl; CheckpointError on anything unexpected.
+    `position` is its (world size, rank) where its name does not say (default: parsed from
+    ``model_world_size_W_rank_R.pt``)."""
     p = Path(path)
-    names = parse_rank_name(p)
+    names = position or parse_rank_name(p)
     if names is None:
         raise CheckpointError(f"{p}: not named model_world_size_<W>_rank_<R>.pt")
     world_size, rank = names
@@ -132,8 +137,10 @@ def _record(
         if entry.dtype != local.storage.dtype:
             raise CheckpointError(f"{path}: entry {key!r}: DTensor and local dtypes differ")
         dtensor = (entry.global_shape, entry.placements, entry.mesh_shape, entry.coordinate)
+        order, mesh_rank = entry.shard_order, entry.mesh_rank
     else:
         dtensor = (local.size, (), None, None)
+        order, mesh_rank = None, None
     global_shape, placements, mesh_shape, coordinate = dtensor
     if len(local.size) != len(local.stride) or len(local.size) != len(global_shape):
         raise CheckpointError(f"{path}: entry {key!r}: inconsistent shape and stride")
@@ -162,6 +169,8 @@ def _record(
         data_offset=member.data_offset,
         member_size=member.size,
         storage=member,
+        shard_order=order,
+        mesh_rank=mesh_rank,
     )
     return rec
 

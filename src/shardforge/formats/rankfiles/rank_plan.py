@@ -2,13 +2,16 @@
 
     plan = plan_rank_files("global_step_100/actor")    # key -> TensorPlan; all checks first
 
-(`shardforge.formats.sources.RankFileSource` then reads one full tensor at a time, or copies its slabs.)
+(`shardforge.formats.rankfiles.source.RankFileSource` then reads one full tensor at a time, or
+copies its slabs.)
 
-Each rank's local shard is placed where torch puts it: ``Shard(d)`` on a mesh dimension of
-size n gives coordinate c the c-th ``torch.chunk``-style piece (ceil(len/n) rows each, the last
-ones shorter or empty); ``Replicate()`` gives every coordinate the whole extent, and the copy
-held by the lowest rank is read. Multi-axis meshes (HSDP: ``(Replicate(), Shard(0))``) follow
-from the same rule applied per mesh dimension.
+Each rank's local shard is placed where torch puts it (`formats.rankfiles.mesh`: ``Shard``,
+``_StridedShard`` and ``Replicate`` over meshes of any number of dimensions, each dimension's
+indices proven to tile the tensor). A tensor on a mesh smaller than the set of files (FSDP2's
+data-parallel sub-mesh of a 2-D FSDP + TP mesh: the embedding on ``dp`` only) and a tensor
+replicated over a mesh dimension are held by several ranks: the copy held by the lowest rank is
+read, the others are kept as `TensorPlan.copies` for the source to compare byte for byte. A
+plain tensor saved by every rank is the same: rank 0's is read, every other rank's compared.
 """
 
 from __future__ import annotations
@@ -21,26 +24,41 @@ import torch
 
 from shardforge.errors import CheckpointError
 from shardforge.formats.base import Sized
-from shardforge.formats.rankfiles.pickles import Placement
-from shardforge.formats.rankfiles.rank_file import (
-    RankFile,
-    TensorRecord,
-    parse_rank_name,
-    read_rank_file,
+from shardforge.formats.rankfiles.mesh import (
+    Runs,
+    Unmodelled,
+    blocks,
+    check_modelled,
+    check_tiling,
+    local_runs,
 )
+from shardforge.formats.rankfiles.names import RANK_NAMES, RankNames
+from shardforge.formats.rankfiles.pickles import Placement
+from shardforge.formats.rankfiles.rank_file import RankFile, TensorRecord, read_rank_file
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One local shard to read and where it goes in the full tensor."""
+    """One local shard to read and where it goes in the full tensor: per tensor dimension, the
+    runs of global indices (first, count) its rows hold, in order (one run for an ordinary
+    shard; several for a strided one)."""
 
     rank: int
-    offsets: tuple[int, ...]
+    runs: tuple[Runs, ...]
     record: TensorRecord
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Where the piece starts along every dimension."""
+        return tuple(r[0][0] if r else 0 for r in self.runs)
 
     @property
     def sizes(self) -> tuple[int, ...]:
         return self.record.local_shape
+
+    def blocks(self) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        """(global offsets, local offsets, sizes) of each box of the piece."""
+        return blocks(self.runs)
 
 
 @dataclass(frozen=True)
@@ -55,7 +73,8 @@ class Slab:
 
 @dataclass(frozen=True)
 class TensorPlan(Sized):
-    """How one full tensor is assembled: its metadata and the distinct pieces to read."""
+    """How one full tensor is assembled: its metadata, the distinct pieces to read, and the
+    copies other ranks hold of them (`copies`: (copy, the piece it must equal))."""
 
     key: str
     dtype: torch.dtype
@@ -63,10 +82,12 @@ class TensorPlan(Sized):
     placements: tuple[Placement, ...]
     mesh_shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
+    copies: tuple[tuple[Piece, Piece], ...] = ()
 
     def slabs(self) -> list[Slab] | None:
-        """The pieces as verbatim byte copies, when every piece is a contiguous slab along dim 0
-        (the usual FSDP2 ``Shard(0)`` case); None when some piece must be assembled in memory.
+        """The pieces as verbatim byte copies, when every piece's rows are whole rows of the
+        tensor (the usual FSDP2 ``Shard(0)`` case, and FSDP2 + TP's ``_StridedShard(0)``);
+        None when some piece must be assembled in memory.
 
         Copying each slab's bytes to ``tensor_start + dst_offset`` yields the full tensor in C
         order, so a writer can copy file to file without reading the data through Python.
@@ -75,62 +96,47 @@ class TensorPlan(Sized):
         out = []
         for piece in self.pieces:
             rec = piece.record
-            if not rec.contiguous or piece.sizes[1:] != self.shape[1:] or any(piece.offsets[1:]):
+            if not rec.contiguous or piece.sizes[1:] != self.shape[1:]:
                 return None
-            src = rec.data_offset + rec.storage_offset * self.dtype.itemsize
-            out.append(
-                Slab(
-                    rec.path,
-                    src,
-                    rec.local_numel * self.dtype.itemsize,
-                    piece.offsets[0] * row if self.shape else 0,
-                )
-            )
+            start = rec.data_offset + rec.storage_offset * self.dtype.itemsize
+            if not self.shape:
+                out.append(Slab(rec.path, start, self.dtype.itemsize, 0))
+                continue
+            local = 0
+            for first, n in piece.runs[0]:
+                out.append(Slab(rec.path, start + local * row, n * row, first * row))
+                local += n
         return out
 
 
-def local_box(
-    shape: tuple[int, ...],
-    placements: tuple[Placement, ...],
-    mesh_shape: tuple[int, ...],
-    coordinate: tuple[int, ...],
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(offsets, sizes) of the local shard at `coordinate`, as torch's Shard/Replicate place it."""
-    offsets, sizes = [0] * len(shape), list(shape)
-    for mesh_dim, p in enumerate(placements):
-        if p.kind != "shard":
-            continue
-        assert p.dim is not None
-        n, c, full = mesh_shape[mesh_dim], coordinate[mesh_dim], sizes[p.dim]
-        chunk = -(-full // n)
-        start = min(c * chunk, full)
-        sizes[p.dim] = min(full, start + chunk) - start
-        offsets[p.dim] += start
-    return tuple(offsets), tuple(sizes)
+def _placements_text(placements: tuple[Placement, ...]) -> str:
+    return "(" + ", ".join(map(str, placements)) + ")"
 
 
-def list_rank_files(directory: str | Path) -> dict[int, Path]:
-    """rank -> path of the ``model_world_size_W_rank_R.pt`` files in `directory` (one W only)."""
+def list_rank_files(directory: str | Path, names: RankNames = RANK_NAMES) -> dict[int, Path]:
+    """rank -> path of the per-rank model files in `directory` (`names`: how the format names
+    them; one world size only, every rank below it present)."""
     d = Path(directory)
     if not d.is_dir():
         raise CheckpointError(f"{d}: not a directory")
-    found: dict[int, dict[int, Path]] = {}
+    found: dict[int | None, dict[int, Path]] = {}
     for p in sorted(d.iterdir()):
-        names = parse_rank_name(p)
-        if names is not None and p.is_file():
-            found.setdefault(names[0], {})[names[1]] = p
+        parsed = names.parse(p)
+        if parsed is not None and p.is_file():
+            found.setdefault(parsed[0], {})[parsed[1]] = p
     if not found:
-        raise CheckpointError(f"{d}: no model_world_size_<W>_rank_<R>.pt files")
+        raise CheckpointError(f"{d}: no {names.shown} files")
     if len(found) > 1:
-        sizes = ", ".join(str(w) for w in sorted(found))
+        sizes = ", ".join(str(w) for w in sorted(w for w in found if w is not None))
         raise CheckpointError(
             f"{d}: rank files of different world sizes ({sizes}) are mixed in one folder; "
             "keep only the files of one run"
         )
-    world_size, ranks = next(iter(found.items()))
+    named_world, ranks = next(iter(found.items()))
+    world_size = named_world if named_world is not None else max(ranks) + 1
     missing = [r for r in range(world_size) if r not in ranks]
     if missing:
-        listed = ", ".join(f"model_world_size_{world_size}_rank_{r}.pt" for r in missing)
+        listed = ", ".join(names.file(world_size, r) for r in missing)
         raise CheckpointError(f"{d}: rank file(s) missing: {listed}")
     extra = sorted(r for r in ranks if r >= world_size)
     if extra:
@@ -138,43 +144,62 @@ def list_rank_files(directory: str | Path) -> dict[int, Path]:
     return dict(sorted(ranks.items()))
 
 
-def _mesh_of(recs: list[TensorRecord], world_size: int) -> tuple[tuple[int, ...], list[tuple]]:
-    first = recs[0]
-    ndim = len(first.placements)
+def read_rank_files(directory: str | Path, names: RankNames = RANK_NAMES) -> list[RankFile]:
+    """Every per-rank model file of `directory`, parsed (metadata only), in rank order."""
+    paths = list_rank_files(directory, names)
+    return [read_rank_file(p, (len(paths), rank)) for rank, p in paths.items()]
+
+
+def _coordinates(recs: list[TensorRecord], ndim: int) -> list[tuple[int, ...]]:
     coords = []
     for rank, rec in enumerate(recs):
         coord = rec.coordinate
-        if coord is None and ndim == 1:
+        if coord is None and ndim == 1 and len(recs) == (rec.mesh_shape or (len(recs),))[0]:
             coord = (rank,)
         if coord is None or len(coord) != ndim:
             raise CheckpointError(f"{rec.path}: {rec.key!r}: this rank's mesh position is unknown")
+        if rec.mesh_rank is not None and rec.mesh_rank != rank:
+            raise CheckpointError(
+                f"{rec.path}: {rec.key!r} was saved by rank {rec.mesh_rank}: a rank file is "
+                "renamed or comes from another run"
+            )
         coords.append(coord)
+    return coords
+
+
+def _mesh_of(recs: list[TensorRecord], world_size: int) -> tuple[tuple[int, ...], list[tuple]]:
+    """The mesh shape and every rank's coordinate; each coordinate is held by the same number
+    of ranks (one when the mesh spans every file; more for a sub-mesh of a larger one)."""
+    first = recs[0]
+    ndim = len(first.placements)
+    coords = _coordinates(recs, ndim)
     mesh_shape = first.mesh_shape or tuple(max(c[i] for c in coords) + 1 for i in range(ndim))
     if len(mesh_shape) != ndim:
         raise CheckpointError(f"{first.path}: {first.key!r}: mesh and placements disagree")
-    if math.prod(mesh_shape) != world_size:
+    size = math.prod(mesh_shape)
+    if not size or world_size % size:
         raise CheckpointError(
-            f"{first.path}: {first.key!r} is laid out on a device mesh of shape "
-            f"{mesh_shape} ({math.prod(mesh_shape)} ranks) but there are {world_size} rank "
-            "files; meshes that span more ranks than wrote files (e.g. tensor parallelism) "
-            "are not supported"
+            f"{first.path}: {first.key!r} lies on {size} ranks (mesh "
+            f"{mesh_shape}), {world_size} rank files found; a rank file is missing, or the "
+            "mesh spans ranks that wrote none"
         )
-    seen: dict[tuple[int, ...], Path] = {}
+    seen: dict[tuple[int, ...], list[Path]] = {}
     for rec, coord in zip(recs, coords, strict=True):
         if any(not 0 <= c < n for c, n in zip(coord, mesh_shape, strict=True)):
             raise CheckpointError(
                 f"{rec.path}: {rec.key!r}: mesh position {coord} is outside mesh {mesh_shape}"
             )
-        if coord in seen:
+        held = seen.setdefault(coord, [])
+        if len(held) == world_size // size:
             raise CheckpointError(
-                f"{rec.path} and {seen[coord].name} hold the same mesh position {coord} for "
+                f"{rec.path} and {held[0].name} hold the same mesh position {coord} for "
                 f"{rec.key!r}: a rank file is duplicated or comes from another run"
             )
-        seen[coord] = rec.path
+        held.append(rec.path)
     return mesh_shape, coords
 
 
-def _plan_key(key: str, recs: list[TensorRecord]) -> TensorPlan:
+def _check_agree(key: str, recs: list[TensorRecord]) -> None:
     first = recs[0]
     for rec in recs[1:]:
         same = (rec.dtype, rec.global_shape, rec.placements) == (
@@ -188,36 +213,63 @@ def _plan_key(key: str, recs: list[TensorRecord]) -> TensorPlan:
                 f"{[str(p) for p in rec.placements]} but {first.path.name} says {first.dtype} "
                 f"{list(first.global_shape)} {[str(p) for p in first.placements]}"
             )
-        if rec.mesh_shape != first.mesh_shape:
+        if (rec.mesh_shape, rec.shard_order) != (first.mesh_shape, first.shard_order):
             raise CheckpointError(
                 f"{rec.path}: {key!r} is on a device mesh of shape {rec.mesh_shape} but "
                 f"{first.path.name} says {first.mesh_shape}"
             )
-    shape = first.global_shape
-    if not first.is_dtensor:  # a plain tensor saved by every rank: take rank 0's
-        return TensorPlan(key, first.dtype, shape, (), (), (Piece(0, (0,) * len(shape), first),))
-    for p in first.placements:
-        if p.kind == "shard" and not (p.dim is not None and 0 <= p.dim < len(shape)):
-            raise CheckpointError(f"{first.path}: {key!r}: {p} on a {len(shape)}-D tensor")
-    mesh_shape, coords = _mesh_of(recs, len(recs))
-    pieces: dict[tuple[int, ...], Piece] = {}
-    for rank, (rec, coord) in enumerate(zip(recs, coords, strict=True)):
-        offsets, sizes = local_box(shape, first.placements, mesh_shape, coord)
-        if sizes != rec.local_shape:
+
+
+def _pieces(
+    key: str, recs: list[TensorRecord], runs: list[tuple[Runs, ...]]
+) -> tuple[tuple[Piece, ...], tuple[tuple[Piece, Piece], ...]]:
+    """The distinct pieces (the lowest rank's copy of each) and every other copy."""
+    pieces: dict[tuple[Runs, ...], Piece] = {}
+    copies: list[tuple[Piece, Piece]] = []
+    for rank, (rec, held) in enumerate(zip(recs, runs, strict=True)):
+        if rec.local_shape != tuple(sum(n for _, n in r) for r in held):
             raise CheckpointError(
                 f"{rec.path}: {key!r} holds a local shard of shape {list(rec.local_shape)}, "
-                f"but {[str(p) for p in first.placements]} on mesh {mesh_shape} gives "
-                f"{list(sizes)} at position {coord}"
+                f"but {_placements_text(rec.placements)} on mesh {rec.mesh_shape} gives "
+                f"{[sum(n for _, n in r) for r in held]} at position {rec.coordinate}"
             )
-        if math.prod(sizes) and offsets not in pieces:
-            pieces[offsets] = Piece(rank, offsets, rec)
-    covered = sum(math.prod(p.sizes) for p in pieces.values())
-    if covered != math.prod(shape):
+        piece = Piece(rank, held, rec)
+        if rec.local_numel == 0 and math.prod(rec.global_shape) > 0:
+            continue
+        if held in pieces:
+            copies.append((piece, pieces[held]))
+        else:
+            pieces[held] = piece
+    return tuple(pieces.values()), tuple(copies)
+
+
+def _plan_key(key: str, recs: list[TensorRecord]) -> TensorPlan:
+    first = recs[0]
+    _check_agree(key, recs)
+    shape = first.global_shape
+    if not first.is_dtensor:  # a plain tensor saved by every rank: read rank 0's, compare
+        whole = tuple(((0, n),) if n else () for n in shape)
+        pieces, copies = _pieces(key, recs, [whole] * len(recs))
+        return TensorPlan(key, first.dtype, shape, (), (), pieces, copies)
+    mesh_shape, coords = _mesh_of(recs, len(recs))
+    try:
+        check_modelled(shape, first.placements, first.shard_order)
+        check_tiling(shape, first.placements, mesh_shape)
+        runs = [local_runs(shape, first.placements, mesh_shape, c) for c in coords]
+    except Unmodelled as exc:
+        raise CheckpointError(
+            f"{first.path.parent}: tensor {key!r} has placements "
+            f"{_placements_text(first.placements)} on a mesh of shape {mesh_shape}: {exc}; "
+            "shardforge cannot merge it"
+        ) from None
+    pieces, copies = _pieces(key, recs, runs)
+    covered = sum(math.prod(p.sizes) for p in pieces)
+    if covered != math.prod(shape):  # (proven by check_tiling; a last guard)
         raise CheckpointError(
             f"{first.path.parent}: {key!r}: the ranks' shards cover {covered} of "
             f"{math.prod(shape)} elements"
         )
-    return TensorPlan(key, first.dtype, shape, first.placements, mesh_shape, tuple(pieces.values()))
+    return TensorPlan(key, first.dtype, shape, first.placements, mesh_shape, pieces, copies)
 
 
 def plan_from_files(files: list[RankFile]) -> dict[str, TensorPlan]:
@@ -232,8 +284,6 @@ def plan_from_files(files: list[RankFile]) -> dict[str, TensorPlan]:
     return {key: _plan_key(key, [rf.tensors[key] for rf in files]) for key in keys0}
 
 
-def plan_rank_files(directory: str | Path) -> dict[str, TensorPlan]:
+def plan_rank_files(directory: str | Path, names: RankNames = RANK_NAMES) -> dict[str, TensorPlan]:
     """Open every rank file of `directory` (metadata only) and plan each full tensor."""
-    paths = list_rank_files(directory)
-    files = [read_rank_file(p) for p in paths.values()]
-    return plan_from_files(files)
+    return plan_from_files(read_rank_files(directory, names))

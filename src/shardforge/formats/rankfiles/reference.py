@@ -1,10 +1,11 @@
 """Per-rank DTensor files' independent reader for `--verify`: ``torch.load(weights_only=True,
-mmap=True)``, each full tensor assembled where torch's own placement arithmetic puts each
-rank's local tensor (``DTensor.__create_chunk_list__``)."""
+mmap=True)``, each full tensor assembled where torch's own placement code puts each rank's
+local tensor: every placement's ``_split_tensor`` (what ``distribute_tensor`` shards with)
+applied, left to right over the mesh, to a vector of each dimension's indices. Nothing of the
+merge's own placement arithmetic (`formats.rankfiles.mesh`) is used."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 
 from shardforge.errors import MergeError
 from shardforge.formats.base import ReferenceReader, StoredTensor
+from shardforge.formats.rankfiles.names import RANK_NAMES, RankNames
 from shardforge.formats.reference import check_zip_crcs, torch_load, verify_failed
 
 
@@ -24,13 +26,14 @@ class RankFilesReference(ReferenceReader):
     tensors are copied out."""
 
     directory: Path
+    names: RankNames = RANK_NAMES
     crc_checked: bool = False
     files: list[Path] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         from shardforge.formats.rankfiles.rank_plan import list_rank_files
 
-        self.files = list(list_rank_files(self.directory).values())
+        self.files = list(list_rank_files(self.directory, self.names).values())
 
     def check_crcs(self, keys: set[str]) -> None:
         if self.crc_checked:
@@ -46,8 +49,6 @@ class RankFilesReference(ReferenceReader):
         return loaded
 
     def load(self, wanted: Sequence[StoredTensor]) -> dict[str, torch.Tensor]:
-        from torch.distributed.tensor import DTensor
-
         out = {s.key: torch.empty(s.shape, dtype=s.dtype) for s in wanted}
         filled: dict[str, set[tuple[int, ...]]] = {s.key: set() for s in wanted}
         covered = dict.fromkeys(out, 0)
@@ -64,23 +65,7 @@ class RankFilesReference(ReferenceReader):
                         f"is {value.dtype} {list(value.shape)} for torch.load but "
                         f"{full.dtype} {list(full.shape)} for the merge",
                     )
-                if not isinstance(value, DTensor):  # a plain tensor: every rank has it all
-                    if not filled[key]:
-                        full.copy_(value)
-                        filled[key].add(())
-                        covered[key] = full.numel()
-                    continue
-                for chunk in value.__create_chunk_list__():
-                    offsets = tuple(int(o) for o in chunk.offsets)
-                    sizes = tuple(int(n) for n in chunk.sizes)
-                    if offsets in filled[key] or not math.prod(sizes):
-                        continue  # a replica of a box already read, or an empty shard
-                    region = full
-                    for dim, (start, size) in enumerate(zip(offsets, sizes, strict=True)):
-                        region = region.narrow(dim, start, size)
-                    region.copy_(value.to_local())
-                    filled[key].add(offsets)
-                    covered[key] += math.prod(sizes)
+                covered[key] += _place(key, path, value, full, filled[key])
             del state
         for key, full in out.items():
             if covered[key] != full.numel():
@@ -90,3 +75,50 @@ class RankFilesReference(ReferenceReader):
                     f"is covered by {covered[key]} of {full.numel()} elements for torch.load",
                 )
         return out
+
+
+def _place(
+    key: str, path: Path, value: torch.Tensor, full: torch.Tensor, filled: set[tuple[int, ...]]
+) -> int:
+    """Copy `value` (a plain tensor, or a DTensor's local shard) into its place in `full`
+    unless a copy of it was placed already; the number of elements placed."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(value, DTensor):  # a plain tensor: every rank has it all
+        if filled:
+            return 0
+        full.copy_(value)
+        filled.add(())
+        return full.numel()
+    mesh, coord = value.device_mesh, value.device_mesh.get_coordinate()
+    if coord is None:
+        raise verify_failed(key, path, "has no mesh position for torch.load")
+    index = [torch.arange(n) for n in full.shape]
+    sharding = []
+    for mesh_dim, p in enumerate(value.placements):
+        if not isinstance(p, (Shard, _StridedShard)):
+            if p.is_replicate():
+                continue
+            raise verify_failed(key, path, f"has placement {p}, which is not read")
+        d = p.dim
+        parts, _ = p._split_tensor(
+            index[d].view([1] * d + [-1]),
+            mesh.size(mesh_dim),
+            with_padding=False,
+            contiguous=False,
+        )
+        index[d] = parts[coord[mesh_dim]].reshape(-1)
+        sharding.append(coord[mesh_dim])
+    local = value.to_local()
+    if tuple(sharding) in filled or not local.numel():
+        return 0  # a copy of a piece already placed, or an empty shard
+    if full.dim():
+        n = full.dim()
+        full[tuple(ix.view([1] * d + [-1] + [1] * (n - d - 1)) for d, ix in enumerate(index))] = (
+            local
+        )
+    else:
+        full.copy_(local)
+    filled.add(tuple(sharding))
+    return local.numel()

@@ -36,10 +36,7 @@ class SafetensorsFormat(CheckpointFormat):
         return {k: NamedSource((k,), s) for k, s in open_safetensors_dir(folder).items()}
 
     def describe(self, folder: Path) -> Contents:
-        tensors = tuple(
-            TensorFact(k, str(n.dtype).removeprefix("torch."), n.shape, _numel(n.shape), _nbytes(n))
-            for k, n in self.open(folder).items()
-        )
+        tensors = tuple(TensorFact.of(k, n) for k, n in self.open(folder).items())
         return Contents(
             storage=self.name,
             tensors=tensors,
@@ -63,14 +60,3 @@ class SafetensorsFormat(CheckpointFormat):
         from shardforge.formats.safetensors.reference import SafetensorsReference
 
         return SafetensorsReference(location)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _nbytes(named: NamedSource) -> int:
-    return _numel(named.shape) * named.dtype.itemsize

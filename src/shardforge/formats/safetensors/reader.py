@@ -161,6 +161,14 @@ def _entry(
 
 def read_header(fd: int, size: int, path: Path) -> dict[str, SafetensorsSource]:
     """Every tensor of the safetensors file open as `fd` (`size` bytes), checked."""
+    return read_header_and_metadata(fd, size, path)[0]
+
+
+def read_header_and_metadata(
+    fd: int, size: int, path: Path
+) -> tuple[dict[str, SafetensorsSource], dict[str, str]]:
+    """Every tensor of the safetensors file open as `fd` (`size` bytes), checked, and the
+    header's `__metadata__` (strings by name; empty when there is none)."""
     if size < LENGTH_BYTES:
         raise _bad(path, f"it has {size} bytes, fewer than the {LENGTH_BYTES}-byte header length")
     head = bytearray(LENGTH_BYTES)
@@ -201,7 +209,7 @@ def read_header(fd: int, size: int, path: Path) -> dict[str, SafetensorsSource]:
     for (_, end_a, a), (begin_b, _, b) in itertools.pairwise(ranges):
         if begin_b < end_a:
             raise _bad(path, f"tensors {shown(a)} and {shown(b)} overlap")
-    return out
+    return out, dict(meta or {})
 
 
 def open_safetensors_file(
@@ -283,4 +291,5 @@ __all__ = [
     "open_safetensors_dir",
     "open_safetensors_file",
     "read_header",
+    "read_header_and_metadata",
 ]

@@ -1,0 +1,203 @@
+"""Object-storage prefixes as local paths for one command: the staging area.
+
+    with staging() as area:
+        local = area.mirror("s3://bucket/run", storage_options)   # a folder the layouts scan
+        out = area.output("s3://bucket/merged", storage_options)  # a path the sink publishes to
+
+A mirror is a local folder with the prefix's tree: the small files (`.metadata`, JSON, the
+tokenizer, Lightning's `meta.pt`) downloaded whole, every large data file (`.distcp`,
+`.safetensors`, `.bin`, `.pt`) a sparse stand-in of its size that holds no byte on disk and
+whose reads the byte path sends to the store by ranged requests (`io.remote`). The layouts,
+formats and the merge then find, check and read a remote checkpoint exactly as a local one,
+and no checkpoint data is copied down. Disk: the small files only (plus what a sink stages,
+`sinks.object_store`); the area is removed when the block ends, however it ends.
+
+Messages name the URI, not the staging folder: a `ShardforgeError` leaving the block has the
+folder replaced by ``s3://`` in its lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardforge.errors import CheckpointError, ShardforgeError
+from shardforge.io.remote import (
+    RemoteObject,
+    RemoteURI,
+    filesystem,
+    forget_stand_ins,
+    register_stand_in,
+    storage_errors,
+)
+
+# names of data files read by byte ranges (stand-ins when large)
+DATA_SUFFIXES = (".distcp", ".safetensors", ".bin", ".pt", ".pth")
+# a data file at most this large is downloaded whole (fewer requests for tiny shards)
+DOWNLOAD_LIMIT = 1 << 20
+# the folder under which each staging area is made (default: the system's temporary folder)
+STAGING_ENV = "SHARDFORGE_STAGING_DIR"
+_SCHEME_DIR = "s3"
+
+
+@dataclass(frozen=True)
+class RemoteTarget:
+    """An output prefix in a store: where an object-store sink publishes."""
+
+    uri: RemoteURI
+    fs: Any
+    storage_options: Mapping[str, Any] | None
+    staging: Path  # a local folder for what the sink stages
+
+
+@dataclass
+class StagingArea:
+    root: Path
+    stand_ins: list[tuple[int, int]] = field(default_factory=list)
+    mirrors: dict[str, tuple[Path, Mapping[str, Any] | None]] = field(default_factory=dict)
+    targets: dict[Path, RemoteTarget] = field(default_factory=dict)
+
+    def local(self, uri: RemoteURI) -> Path:
+        """The local path that stands for `uri` (its messages are rewritten back)."""
+        return (
+            self.root / _SCHEME_DIR / uri.bucket / uri.key
+            if uri.key
+            else (self.root / _SCHEME_DIR / uri.bucket)
+        )
+
+    def mirror(self, text: str, storage_options: Mapping[str, Any] | None = None) -> Path:
+        """The local mirror of the prefix `text` (made once per area)."""
+        uri = RemoteURI.parse(text)
+        if str(uri) not in self.mirrors:
+            fs = filesystem(storage_options)
+            self.mirrors[str(uri)] = (self._stage(uri, fs, storage_options), storage_options)
+        return self.mirrors[str(uri)][0]
+
+    def output(self, text: str, storage_options: Mapping[str, Any] | None = None) -> Path:
+        """A local path standing for the output prefix `text` (nothing is created there)."""
+        uri = RemoteURI.parse(text)
+        path = self.local(uri)
+        staging = Path(tempfile.mkdtemp(prefix="output-", dir=self.root))
+        self.targets[path] = RemoteTarget(
+            uri, filesystem(storage_options), storage_options, staging
+        )
+        return path
+
+    def _stage(self, uri: RemoteURI, fs: Any, options: Mapping[str, Any] | None) -> Path:
+        local = self.local(uri)
+        with storage_errors(uri, options):
+            listing = fs.find(uri.path, detail=True)
+        objects = {p: i for p, i in listing.items() if i.get("type") != "directory"}
+        if not objects:
+            raise CheckpointError(f"{uri}: nothing is stored under this prefix")
+        downloads: list[tuple[str, Path]] = []
+        for path, info in sorted(objects.items()):
+            rel = uri.relative(path) if path != uri.path else uri.name
+            target = _inside(local, rel, uri)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            size = int(info.get("size") or 0)
+            if target.name.endswith(DATA_SUFFIXES) and size > DOWNLOAD_LIMIT:
+                self._stand_in(
+                    target, RemoteObject(fs, RemoteURI.parse(f"s3://{path}"), size, options)
+                )
+            else:
+                downloads.append((path, target))
+        if downloads:
+            with storage_errors(uri, options):
+                fs.get([p for p, _ in downloads], [str(t) for _, t in downloads])
+        return local
+
+    def _stand_in(self, target: Path, obj: RemoteObject) -> None:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+        try:
+            os.ftruncate(fd, obj.size)  # sparse: no block on disk
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        register_stand_in(st, obj)
+        self.stand_ins.append((st.st_dev, st.st_ino))
+
+    def rewrite(self, text: str) -> str:
+        return text.replace(f"{self.root}/{_SCHEME_DIR}/", "s3://")
+
+    def close(self) -> None:
+        forget_stand_ins(self.stand_ins)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _inside(local: Path, rel: str, uri: RemoteURI) -> Path:
+    """`local / rel`, refused when a key would leave the mirror (`..`, an absolute name)."""
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise CheckpointError(
+            f"{uri}: holds the object {rel[:200]!r}, whose name leaves its folder; refusing it"
+        )
+    return local.joinpath(*parts)
+
+
+_ACTIVE: list[StagingArea] = []
+
+
+def remote_target(path: Path | None) -> RemoteTarget | None:
+    """The store prefix the local `path` stands for, when it is a staged output."""
+    if path is None:
+        return None
+    for area in _ACTIVE:
+        if path in area.targets:
+            return area.targets[path]
+    return None
+
+
+def mirrored(text: str, storage_options: Mapping[str, Any] | None = None) -> Path:
+    """The local mirror of the prefix `text` in the innermost active staging area."""
+    if not _ACTIVE:
+        raise RuntimeError("mirrored() needs an active staging() block")
+    return _ACTIVE[-1].mirror(text, storage_options)
+
+
+def public_name(text: str) -> str:
+    """`text` with every active staging folder written as the URI it stands for."""
+    for area in _ACTIVE:
+        text = area.rewrite(text)
+    return text
+
+
+def remote_location(path: Path) -> tuple[RemoteURI, Mapping[str, Any] | None] | None:
+    """The URI (and its storage options) of a mirrored local `path` (None: not mirrored)."""
+    for area in _ACTIVE:
+        for text, (local, options) in area.mirrors.items():
+            if path == local or path.is_relative_to(local):
+                rel = path.relative_to(local).as_posix()
+                uri = RemoteURI.parse(text)
+                return (uri.child(rel) if rel != "." else uri), options
+    return None
+
+
+def _rewritten(area: StagingArea, exc: ShardforgeError) -> None:
+    exc.message = area.rewrite(exc.message)
+    exc.details = [area.rewrite(d) for d in exc.details]
+    exc.args = (exc.message, *exc.args[1:])
+
+
+@contextlib.contextmanager
+def staging() -> Iterator[StagingArea]:
+    """A staging area for the block (see the module docstring)."""
+    parent = os.environ.get(STAGING_ENV) or None
+    if parent is not None:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+    area = StagingArea(Path(tempfile.mkdtemp(prefix="shardforge-staging-", dir=parent)))
+    _ACTIVE.append(area)
+    try:
+        yield area
+    except ShardforgeError as exc:
+        _rewritten(area, exc)
+        raise
+    finally:
+        _ACTIVE.remove(area)
+        area.close()

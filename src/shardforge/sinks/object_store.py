@@ -1,0 +1,396 @@
+"""The object-store output: the Hugging Face directory of `sinks.hf_dir`, published under an
+s3:// prefix by multipart uploads (`sinks.uploads` makes the requests).
+
+Write: each planned file is filled in a sparse staging file, tensor by tensor in file order,
+by the same `TensorSource.write` as a local merge. As soon as every byte of a part is written,
+the part is read, uploaded on one of `UPLOADS` threads and its blocks given back to the file
+system: staging holds the parts in flight and the tensor being written. The part size follows
+the throughput measured so far (`uploads.PartSizer`).
+
+Publish rule: nothing under the prefix changes before every part of every file is uploaded.
+Then (with --overwrite, the previous index removed first) the weight files are completed, the
+config and tokenizer put, objects of a previous model that the new one lacks removed, and the
+index - the single weights file when unsharded - written last: a reader of the prefix never
+finds an index before every shard is complete. Any failure aborts the uploads and removes what
+this merge had completed; the journal beside the prefix goes too.
+
+Resume (--resume): the journal of the interrupted merge must name the same plan and inputs;
+its completed files are kept when their size and ETag still match, its uploaded parts when
+their size matches, and only the rest is read and uploaded.
+
+The integrity manifest (`sinks.manifest`) is put last: each file's SHA-256 is computed as its
+staging file is filled (every tensor is then written, also those of parts an interrupted merge
+uploaded, which are not uploaded again) and kept in the journal for a resumed merge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from collections import deque
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from shardforge.errors import MergeError
+from shardforge.formats.base import Destination
+from shardforge.formats.sources import TensorSource
+from shardforge.io.copy import ReadCache, pwrite_all
+from shardforge.io.digest import FileHash, hash_of, hashing
+from shardforge.io.fs import punch_hole
+from shardforge.io.mirror import RemoteTarget
+from shardforge.io.remote import storage_errors
+from shardforge.sinks.base import Output, Progress, Sink, WriteOptions, human
+from shardforge.sinks.hf_dir import HfDirectorySink, resume_fingerprint, write_companions
+from shardforge.sinks.manifest import MANIFEST as MANIFEST_NAME
+from shardforge.sinks.manifest import new_hashes, write_manifest
+from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, PlannedFile
+from shardforge.sinks.progress import progress
+from shardforge.sinks.safetensors_files import Hashes, write_index
+from shardforge.sinks.uploads import (
+    FileUpload,
+    Journal,
+    PartSizer,
+    Store,
+    abort_left,
+    owner_alive,
+    part_ranges,
+)
+from shardforge.sinks.verify import verify_output
+
+log = logging.getLogger("shardforge")
+
+# parts uploaded at once (each held in memory while it is sent)
+UPLOADS = 4
+
+
+def check_target(target: RemoteTarget, overwrite: bool, resume: bool) -> None:
+    """Before anything is read: the bucket answers, no live merge writes there, and the prefix
+    is empty unless --overwrite (or --resume of an interrupted merge's journal)."""
+    store = Store(target)
+    if not target.uri.key:
+        raise MergeError(f"{target.uri}: name a prefix inside the bucket (s3://BUCKET/PREFIX)")
+    store.head_bucket()
+    left = Journal.load(store)
+    if left is not None and owner_alive(left.get("owner") or {}):
+        raise MergeError(
+            f"{target.uri}: another merge (pid {left['owner'].get('pid')}) is writing there; "
+            "wait for it or choose another --output_path"
+        )
+    if left is not None and not resume:
+        abort_left(store, left)
+        log.info("removed the uploads of an interrupted merge to %s", target.uri)
+        left = None
+    if overwrite or left is not None:
+        return
+    if next(iter(store.objects()), None) is not None:
+        raise MergeError(
+            f"{target.uri}: output prefix holds objects; pass --overwrite to replace them"
+        )
+
+
+class ObjectStoreSink(Sink):
+    """A Hugging Face model directory under an s3:// prefix (see the module docstring)."""
+
+    name = "hf"
+
+    def __init__(self, target: RemoteTarget) -> None:
+        self.target = target
+        self.store = Store(target)
+        self.sizer = PartSizer()
+        self.uploaded = 0  # part bytes this merge sent
+
+    # -------------------------------------------------------------------------- protocol
+
+    def write(self, output: Output, out: Path, options: WriteOptions) -> None:
+        local = self.target.staging / "directory"
+        local.mkdir(parents=True, exist_ok=True)
+        journal = self._journal(output, options.resume)
+        hashes = new_hashes()  # each file's, as its staging file is filled (`sinks.manifest`)
+        done: list[str] = []
+        try:
+            with (
+                progress(output.plan.total_bytes, "uploading", options.quiet) as update,
+                ReadCache() as reader,
+                ThreadPoolExecutor(UPLOADS) as pool,
+            ):
+                for pf in output.plan.files:
+                    self._upload_file(pf, output.sources, reader, pool, journal, update, hashes)
+            write_index(output.plan, local)
+            if output.companions is not None:
+                write_companions(output.companions, output.dtype, local)
+            self._manifest(output, local, hashes)
+            self._publish(output, local, journal, options, done)
+        except BaseException:
+            journal.abort_all()
+            self._remove(done)
+            raise
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        log.info("uploaded %s of parts to %s", human(self.uploaded), self.target.uri)
+
+    def verify(self, output: Output, location: Path, progress: Progress | None = None) -> int:
+        """The uploaded weight files read back into the staging area (with the index about to
+        be published), then compared by the safetensors library as a local output is
+        (`sinks.verify`)."""
+        folder = self.target.staging / "verify"
+        folder.mkdir(parents=True, exist_ok=True)
+        names = [pf.name for pf in output.plan.files]
+        try:
+            write_index(output.plan, folder)  # the index to publish (not uploaded yet)
+            with storage_errors(self.target.uri, self.target.storage_options):
+                self.target.fs.get(
+                    [self.target.uri.child(n).path for n in names], [str(folder / n) for n in names]
+                )
+            return verify_output(output.plan, output.sources, folder, progress, output.tied)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def files(self, output: Output, out: Path) -> list[tuple[str, int | None, int | None]]:
+        return HfDirectorySink().files(output, out)
+
+    def describe(self, output: Output, out: Path) -> list[str]:
+        """The local directory's description, for the prefix: no free disk to check there,
+        the local staging instead."""
+        lines = [
+            line for line in super().describe(output, out)[1:] if not line.startswith("free disk")
+        ]
+        largest = max((t.spec.nbytes for _, t in output.plan.tensors()), default=0)
+        return [
+            f"output: {self.target.uri} (format hf, multipart uploads)",
+            *lines,
+            f"local staging: up to {human(largest)} (the largest tensor) + {UPLOADS} parts",
+        ]
+
+    # ----------------------------------------------------------------------------- upload
+
+    def _journal(self, output: Output, resume: bool) -> Journal:
+        fp = resume_fingerprint(output)
+        left = Journal.load(self.store) if resume else None
+        journal = Journal(self.store, fp)
+        if left is not None:
+            if left.get("fingerprint") != fp:
+                raise MergeError(
+                    f"{self.target.uri}: --resume: the interrupted merge there planned other "
+                    "files or read other inputs; merge without --resume to start over"
+                )
+            for name, e in dict(left.get("files") or {}).items():
+                journal.files[name] = FileUpload(
+                    str(e["upload_id"]),
+                    int(e["part_size"]),
+                    completed=e.get("completed"),
+                    sha256=e.get("sha256"),
+                )
+            log.info("resuming the interrupted merge to %s", self.target.uri)
+        elif resume:
+            log.info("--resume: nothing to resume at %s; merging from the start", self.target.uri)
+        journal.save()
+        return journal
+
+    def _manifest(self, output: Output, local: Path, hashes: Hashes | None) -> None:
+        """The integrity manifest, put last (`_publish`): every file hashed as its staging
+        file was filled (by this merge, or by the interrupted one that completed it)."""
+        if hashes is None:
+            return
+        if len(hashes) < len(output.plan.files):  # completed by a merge that kept no hash
+            log.info("no %s: an interrupted merge's files were kept unhashed", MANIFEST_NAME)
+            return
+        sizes = {pf.name: pf.size for pf in output.plan.files}
+        write_manifest(local, hashes, output.sources.values(), sizes)
+
+    def _kept(self, pf: PlannedFile, up: FileUpload) -> dict[int, str] | None:
+        """What an interrupted merge left of `pf`: None when the file is complete (size and
+        ETag checked), else the parts whose size is the planned one."""
+        if up.completed is not None:
+            key = self.store.key(pf.name)
+            head = self.store.call("head_object", Bucket=self.target.uri.bucket, Key=key)
+            if int(head["ContentLength"]) == pf.size and str(head["ETag"]) == up.completed:
+                return None
+            up.completed = None
+            up.upload_id = self.store.create(pf.name)
+            return {}
+        ranges = part_ranges(pf.size, up.part_size)
+        return {
+            n: etag
+            for n, (size, etag) in self.store.parts(pf.name, up.upload_id).items()
+            if n <= len(ranges) and size == ranges[n - 1][1] - ranges[n - 1][0]
+        }
+
+    def _upload_file(
+        self,
+        pf: PlannedFile,
+        sources: Mapping[str, TensorSource],
+        reader: ReadCache,
+        pool: ThreadPoolExecutor,
+        journal: Journal,
+        update: Progress,
+        hashes: Hashes | None = None,
+    ) -> None:
+        up = journal.files.get(pf.name)
+        if up is None:
+            up = FileUpload(self.store.create(pf.name), self.sizer.size_for(pf.size))
+            journal.files[pf.name] = up
+            journal.save()
+            kept: dict[int, str] | None = {}
+        else:
+            kept = self._kept(pf, up)
+        if kept is None:  # completed by the interrupted merge, and unchanged
+            update(pf.size)
+            if hashes is not None and up.sha256 is not None:
+                hashes[pf.name] = up.sha256
+            return
+        up.etags = dict(kept)
+        staged = self.target.staging / pf.name
+        fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        h = FileHash() if hashes is not None else None
+        try:
+            os.ftruncate(fd, pf.size)
+            with hashing(fd, h):
+                _Parts(self, pf, up, fd, pool).fill(sources, reader, update)
+        finally:
+            os.close(fd)
+            staged.unlink(missing_ok=True)
+        if hashes is not None and h is not None:
+            up.sha256 = hashes[pf.name] = h.hexdigest(pf.size)
+            journal.save()
+
+    def _send(self, name: str, up: FileUpload, number: int, body: bytes) -> str:
+        import time
+
+        start = time.monotonic()
+        etag = self.store.upload(name, up.upload_id, number, body)
+        self.sizer.measured(len(body), time.monotonic() - start)
+        return etag
+
+    # ---------------------------------------------------------------------------- publish
+
+    def _publish(
+        self,
+        output: Output,
+        local: Path,
+        journal: Journal,
+        options: WriteOptions,
+        done: list[str],
+    ) -> None:
+        """Make the output visible in the order of the module docstring."""
+        plan = output.plan
+        ours = {n for n, f in journal.files.items() if f.completed is not None}
+        before = {self._name(o["Key"]) for o in self.store.objects()} - ours
+        if before and not options.overwrite:
+            raise MergeError(
+                f"{self.target.uri}: objects appeared under the prefix while the merge ran; "
+                "nothing was published - choose another --output_path, or pass --overwrite"
+            )
+        for name in (SAFE_WEIGHTS_INDEX_NAME, MANIFEST_NAME):
+            if name in before:  # the previous model is unpublished first
+                self.store.delete(self.store.key(name))
+        last = SAFE_WEIGHTS_INDEX_NAME if plan.index is not None else SAFE_WEIGHTS_NAME
+        for pf in plan.files:
+            if pf.name != last:
+                self._complete(pf.name, journal, done)
+        extra = sorted(p.name for p in local.iterdir() if p.is_file())
+        for name in extra:
+            if name not in (last, MANIFEST_NAME):
+                self.store.put(name, (local / name).read_bytes())
+                done.append(name)
+        if options.verify and plan.index is not None:
+            self._verified(output, options.quiet)
+        new = {pf.name for pf in plan.files} | set(extra)
+        for name in sorted(before - new):
+            self.store.delete(self.store.key(name))
+        if last == SAFE_WEIGHTS_INDEX_NAME:
+            self.store.put(last, (local / last).read_bytes())
+            done.append(last)
+        else:
+            self._complete(last, journal, done)
+            if options.verify:  # unsharded: the weights file itself is what publishes
+                self._verified(output, options.quiet)
+        if MANIFEST_NAME in extra:
+            self.store.put(MANIFEST_NAME, (local / MANIFEST_NAME).read_bytes())
+            done.append(MANIFEST_NAME)
+        journal.delete()
+
+    def _complete(self, name: str, journal: Journal, done: list[str]) -> None:
+        up = journal.files[name]
+        if up.completed is None:
+            up.completed = self.store.complete(name, up.upload_id, up.etags)
+            journal.save()
+        done.append(name)
+
+    def _verified(self, output: Output, quiet: bool) -> None:
+        with progress(output.plan.total_bytes, "verifying", quiet) as update:
+            n = self.verify(output, self.target.staging, update)
+        log.info("verified %d tensors: identical to the checkpoint", n)
+
+    def _name(self, key: str) -> str:
+        return key[len(self.target.uri.key) + 1 :]
+
+    def _remove(self, done: list[str]) -> None:
+        """Remove what this merge completed or put (best effort: a failure is on its way)."""
+        with contextlib.suppress(Exception):  # a failure is on its way already
+            for name in done:
+                self.store.delete(self.store.key(name))
+
+
+class _Parts:
+    """One file's parts: filled in its staging file, then read, uploaded and released."""
+
+    def __init__(
+        self,
+        sink: ObjectStoreSink,
+        pf: PlannedFile,
+        up: FileUpload,
+        fd: int,
+        pool: ThreadPoolExecutor,
+    ) -> None:
+        self.sink, self.pf, self.up, self.fd, self.pool = sink, pf, up, fd, pool
+        self.ranges = part_ranges(pf.size, up.part_size)
+        self.next = 0  # the next part to send
+        self.pending: deque[tuple[int, Future[str]]] = deque()
+
+    def _needed(self, start: int, stop: int) -> bool:
+        """Whether [start, stop) overlaps a part still to upload."""
+        return any(
+            a < stop and start < b
+            for n, (a, b) in enumerate(self.ranges, 1)
+            if n not in self.up.etags
+        )
+
+    def fill(
+        self, sources: Mapping[str, TensorSource], reader: ReadCache, update: Progress
+    ) -> None:
+        header = self.pf.header
+        pwrite_all(self.fd, memoryview(header), 0)
+        update(len(header))
+        hashed = hash_of(self.fd) is not None  # every tensor written, uploaded parts too
+        for t in sorted(self.pf.tensors, key=lambda t: t.offset):
+            if hashed or self._needed(t.offset, t.offset + t.spec.nbytes):
+                src = sources[t.spec.name]
+                src.write(reader, Destination(self.fd, t.offset, t.spec.dtype, update))
+            else:
+                update(t.spec.nbytes)
+            self._send_ready(t.offset + t.spec.nbytes)
+        self._send_ready(self.pf.size)
+        while self.pending:
+            self._settle()
+
+    def _send_ready(self, frontier: int) -> None:
+        while self.next < len(self.ranges) and self.ranges[self.next][1] <= frontier:
+            number = self.next + 1
+            a, b = self.ranges[self.next]
+            self.next += 1
+            if number in self.up.etags:
+                continue
+            while len(self.pending) >= UPLOADS:
+                self._settle()
+            body = os.pread(self.fd, b - a, a)
+            name, up = self.pf.name, self.up
+            self.pending.append((number, self.pool.submit(self.sink._send, name, up, number, body)))
+            self.sink.uploaded += len(body)
+            punch_hole(self.fd, a, b - a)
+
+    def _settle(self) -> None:
+        number, fut = self.pending.popleft()
+        self.up.etags[number] = fut.result()

@@ -1,0 +1,108 @@
+"""`inference`: generate from trained weights (see `use.model` for which ones), the prompt rendered
+with the config's chat template when it names one, greedy unless asked to sample.
+
+    from shardforge.config import load_cfg
+    from shardforge.use.inference import inference
+    out = inference(load_cfg("cfg.yml"), "The robot", max_new_tokens=16)   # out.text, out.new_ids
+
+Generation is transformers' `generate` with its own option names (`InferenceRequest`); with
+`stream=True` the new text is printed as it comes (transformers' `TextStreamer`). Sampling is
+seeded by the config's `seed`. The config's `eot_tokens` end the answer too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardforge.config import coerce_cfg
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import ShardforgeError
+from shardforge.train.data import pad_token_id
+from shardforge.use.model import Loaded, load_model, pick
+from shardforge.use.request import InferenceRequest
+
+log = logging.getLogger("shardforge")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The prompt's token ids, the generated ones, and those decoded (special tokens left out)."""
+
+    prompt_ids: list[int]
+    new_ids: list[int]
+    text: str
+
+
+def encode_prompt(cfg: ShardforgeConfig, tokenizer: Any, prompt: str) -> Any:
+    """The model's input for `prompt`: with the config's chat_template a one-turn conversation
+    ending in the assistant's header (tokenized as training tokenizes rendered text), else the
+    text as it is with the tokenizer's usual special tokens."""
+    if cfg.chat_template is None:
+        return tokenizer(prompt, return_tensors="pt")
+    messages = [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(str(text), add_special_tokens=False, return_tensors="pt")
+
+
+def _stop_ids(cfg: ShardforgeConfig, tokenizer: Any, model: Any) -> list[int] | None:
+    """The model's EOS ids plus the config's eot_tokens (None: the model's own, unchanged)."""
+    if not cfg.eot_tokens:
+        return None
+    own = model.generation_config.eos_token_id
+    ids = [own] if isinstance(own, int) else list(own or [])
+    for token in cfg.eot_tokens:
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid not in ids:
+            ids.append(tid)
+    return ids
+
+
+def generate(
+    loaded: Loaded, cfg: ShardforgeConfig, request: InferenceRequest, stream: bool = False
+) -> Generation:
+    """Generate from `request.prompt` with the loaded model (`stream`: print as it comes)."""
+    from transformers import TextStreamer
+
+    assert request.prompt is not None
+    tok, model = loaded.tokenizer, loaded.model
+    inputs = encode_prompt(cfg, tok, request.prompt).to(loaded.device)
+    extra: dict[str, Any] = {"pad_token_id": pad_token_id(tok)}
+    stop = _stop_ids(cfg, tok, model)
+    if stop is not None:
+        extra["eos_token_id"] = stop
+    if stream:
+        extra["streamer"] = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    if request.do_sample:
+        torch.manual_seed(cfg.seed)
+    with torch.no_grad():
+        out = model.generate(**inputs, **request.generation_kwargs(), **extra)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    new_ids = out[0, len(prompt_ids) :].tolist()
+    return Generation(prompt_ids, new_ids, str(tok.decode(new_ids, skip_special_tokens=True)))
+
+
+def inference(
+    cfg: Any,
+    prompt: str | None = None,
+    read_prompt: Callable[[], str] | None = None,
+    stream: bool = False,
+    **options: Any,
+) -> Generation:
+    """Generate from the weights `options` name (`InferenceRequest`'s fields; none: the run's
+    own) for `prompt`, else the text `read_prompt()` returns (asked for once the config and
+    the weights were found, before they are loaded)."""
+    config = coerce_cfg(cfg)
+    request = InferenceRequest(prompt=prompt, **options)
+    picked = pick(config, request)
+    if request.prompt is None:
+        if read_prompt is None:
+            raise ShardforgeError("no prompt: give --prompt TEXT or the prompt on standard input")
+        request = dataclasses.replace(request, prompt=read_prompt())  # checked again
+    loaded = load_model(config, picked)
+    return generate(loaded, config, request, stream)

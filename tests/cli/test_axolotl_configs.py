@@ -1,0 +1,187 @@
+"""The corpus of Axolotl-shaped configs (tests/config/axolotl_corpus) through the commands an
+Axolotl user types: `validate` for each command, and `merge-sharded-fsdp-weights` on a tiny
+model's real 2-rank checkpoint (the shared merge-sources fixture) with every corpus config and
+every chat template name of Axolotl 0.21; a name it cannot render keeps the tokenizer's own."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from config.test_axolotl import corpus, expectation, materialize
+from helpers.tiny import CHAT_TEMPLATE
+from shardforge.cli.main import cli
+from shardforge.config.chat_templates import CHAT_TEMPLATE_NAMES, CHAT_TEMPLATES
+
+CORPUS = Path(__file__).resolve().parents[1] / "config" / "axolotl_corpus"
+JINJA = "{% for message in messages %}{{ message['content'] }}{% endfor %}"  # the corpus's
+
+
+def validate(cfg: Path, *args: str) -> Any:
+    return CliRunner().invoke(cli, ["validate", str(cfg), *args])
+
+
+@pytest.mark.parametrize("path", corpus(), ids=lambda p: p.stem)
+def test_validate_for_each_command(path: Path, tmp_path: Path) -> None:
+    """merge and inspect: every config passes; train: as the file's first line expects, each
+    refused key one line of one error."""
+    kind, keys = expectation(path)
+    cfg = materialize(path, tmp_path)
+    for command in ("merge", "inspect"):
+        result = validate(cfg, "--for", command)
+        assert result.exit_code == 0, (command, result.output)
+    result = validate(cfg)
+    if kind == "ok":
+        assert result.exit_code == 0, result.output
+        return
+    assert result.exit_code == 2
+    error = result.stderr.split("error: ", 1)[1]
+    assert "error:" not in error
+    for key in keys:
+        assert f"{key}: " in error, (key, error)
+
+
+def test_legacy_keys_are_named_in_one_notice(tmp_path: Path) -> None:
+    result = validate(materialize(CORPUS / "legacy-keys.yml", tmp_path))
+    assert result.exit_code == 0, result.output
+    [notice] = [line for line in result.stderr.splitlines() if "are ignored" in line]
+    for key in ("gptq_groupsize", "gptq_model_v1", "sample_packing_seq_len_multiplier"):
+        assert key in notice
+
+
+@pytest.mark.parametrize("name", CHAT_TEMPLATE_NAMES)
+def test_train_accepts_every_template_name(name: str, tmp_path: Path) -> None:
+    cfg = materialize(CORPUS / "every-chat-template.yml", tmp_path, chat_template=name)
+    result = validate(cfg)
+    assert result.exit_code == 0, result.output
+    bad = materialize(CORPUS / "every-chat-template.yml", tmp_path, chat_template=name + "9")
+    refused = validate(bad)
+    assert refused.exit_code == 2 and "unknown template name" in refused.stderr
+
+
+# --- the merge of a real 2-rank checkpoint ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """merge-sources: a tiny Llama's checkpoints written by 2 gloo ranks; lmms/ is a run of
+    checkpoint-N/pytorch_model_fsdp_0 folders, as Axolotl's output_dir holds them."""
+    from merge.test_merge_sources import LMMS_STEPS, build_sources, delta, expected_state
+
+    built = build_sources(tmp_path_factory)
+    return built, expected_state(built.base, delta("model", LMMS_STEPS[-1]))
+
+
+def merge(cfg: Path, out: Path, *args: str) -> Any:
+    return CliRunner().invoke(
+        cli, ["merge-sharded-fsdp-weights", str(cfg), "--output_path", str(out), "--quiet", *args]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", corpus(), ids=lambda p: p.stem)
+def test_every_corpus_config_merges(path: Path, ckpt: Any, tmp_path: Path) -> None:
+    built, want = ckpt
+    cfg = materialize(path, tmp_path, built.base, built.root / "lmms")
+    result = merge(cfg, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def saved_template(out: Path) -> str:
+    from transformers import AutoTokenizer
+
+    return str(AutoTokenizer.from_pretrained(out).chat_template)
+
+
+@pytest.mark.slow
+def test_the_merged_tokenizer_gets_every_template(ckpt: Any, tmp_path: Path) -> None:
+    built, _ = ckpt
+    for name in CHAT_TEMPLATE_NAMES:
+        cfg = materialize(
+            CORPUS / "every-chat-template.yml",
+            tmp_path,
+            built.base,
+            built.root / "lmms",
+            chat_template=name,
+        )
+        out = tmp_path / f"out-{name}"
+        result = merge(cfg, out)
+        assert result.exit_code == 0, (name, result.output)
+        want = {"tokenizer_default": CHAT_TEMPLATE, "jinja": JINJA}.get(
+            name, CHAT_TEMPLATES.get(name)
+        )
+        assert saved_template(out) == want, name
+
+
+@pytest.mark.slow
+def test_a_name_the_merge_cannot_render_keeps_the_tokenizers_own(ckpt: Any, tmp_path: Path) -> None:
+    """The merge does not need a chat template: one notice, the tokenizer's own template."""
+    built, want = ckpt
+    cfg = materialize(
+        CORPUS / "every-chat-template.yml",
+        tmp_path,
+        built.base,
+        built.root / "lmms",
+        chat_template="gemma9",
+    )
+    result = merge(cfg, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    notices = [line for line in result.stderr.splitlines() if "gemma9" in line]
+    assert notices == [
+        "notice: chat_template: unknown template name 'gemma9' (docs/config.md); the tokenizer "
+        "keeps its own chat template (it has one)"
+    ]
+    assert saved_template(tmp_path / "out") == CHAT_TEMPLATE
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.slow  # one real train run (in a child process), the only one of these tests
+def test_train_then_merge_with_gemma3s_config(tmp_path: Path) -> None:
+    """Axolotl's Gemma 3 FSDP2 config trains (2 steps, one CPU rank, the chat template Gemma
+    3's, <end_of_turn> added), and its checkpoint merges with the same config: the saved and
+    the merged tokenizer both carry the template."""
+    import subprocess
+
+    from helpers.tiny import make_model, tiny_conversations, write_jsonl
+
+    base = make_model(tmp_path / "base", "llama")
+    write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in tiny_conversations(16)])
+    cfg = materialize(CORPUS / "gemma3-fft-fsdp2.yml", tmp_path, base, tmp_path / "run")
+    # the tiny model is a Llama on a CPU: its block class, an attention kernel CPUs have
+    cpu = ["--attn_implementation", "sdpa", "--fsdp.transformer_layer_cls_to_wrap"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardforge.cli.train",
+            str(cfg),
+            "--launcher",
+            "python",
+            "--max_steps",
+            "2",
+            *cpu,
+            "LlamaDecoderLayer",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 2/2" in proc.stderr and (tmp_path / "run" / "checkpoint-2").is_dir()
+    assert saved_template(tmp_path / "run") == CHAT_TEMPLATES["gemma3"]
+    result = merge(cfg, tmp_path / "merged")
+    assert result.exit_code == 0, result.output
+    assert saved_template(tmp_path / "merged") == CHAT_TEMPLATES["gemma3"]
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "merged").encode("<end_of_turn>")) == 1

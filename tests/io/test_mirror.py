@@ -1,0 +1,121 @@
+"""Checkpoints in object storage, read in place: a DCP and a rank-file checkpoint uploaded to the
+loopback SeaweedFS and merged from s3:// give the bytes of a local merge, read by ranged
+requests (the data files are stand-ins: nothing of them is downloaded whole)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers.s3 import LAYOUTS, S3Server, layout_folder, tree_bytes
+from shardforge.errors import CheckpointError, ShardforgeError
+from shardforge.io import mirror
+from shardforge.merge.api import merge_fsdp_weights
+from test_inspection import HF_STEP, Built, build_checkpoints
+
+# the checkpoints are written by gloo ranks; the store is a child process
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return build_checkpoints(tmp_path_factory)
+
+
+@pytest.fixture
+def stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every data file a stand-in, however small (the tiny model's shards are < 1 MiB)."""
+    monkeypatch.setattr(mirror, "DOWNLOAD_LIMIT", 0)
+
+
+def upload(server: S3Server, bucket: str, folder: Path, prefix: str) -> str:
+    server.fs().put(str(folder), f"{bucket}/{prefix}", recursive=True)
+    return f"s3://{bucket}/{prefix}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_s3_to_local_is_the_local_merge(
+    layout: str, checkpoints: Built, s3_server: S3Server, stand_ins: None, tmp_path: Path
+) -> None:
+    folder = layout_folder(checkpoints.root, layout)
+    bucket = s3_server.bucket(f"src-{layout}")
+    uri = upload(s3_server, bucket, folder, "run/model")
+    cfg = {"base_model": str(checkpoints.base), "storage_options": s3_server.storage_options}
+    local = merge_fsdp_weights(
+        {**cfg, "output_dir": "unused"}, tmp_path / "local", checkpoint=folder
+    )
+    gets = s3_server.ranged_gets(bucket)
+    remote = merge_fsdp_weights(
+        {**cfg, "output_dir": "unused"}, tmp_path / "remote", checkpoint=uri, verify=True
+    )
+    assert tree_bytes(remote) == tree_bytes(local)
+    assert s3_server.ranged_gets(bucket) > gets  # the records were read by byte ranges
+
+
+def test_output_dir_in_s3_and_messages_name_the_uri(
+    checkpoints: Built, s3_server: S3Server, stand_ins: None, tmp_path: Path
+) -> None:
+    bucket = s3_server.bucket("src-run")
+    uri = upload(s3_server, bucket, checkpoints.root / "hf", "runs/hf")
+    cfg = {
+        "base_model": str(checkpoints.base),
+        "output_dir": uri,
+        "storage_options": s3_server.storage_options,
+    }
+    out = merge_fsdp_weights(cfg, tmp_path / "out")
+    local = merge_fsdp_weights(
+        {**cfg, "output_dir": str(checkpoints.root / "hf")}, tmp_path / "local"
+    )
+    assert tree_bytes(out) == tree_bytes(local)
+    with pytest.raises(CheckpointError) as err:
+        merge_fsdp_weights(cfg, tmp_path / "none", step=12345)
+    assert f"s3://{bucket}/runs/hf" in str(err.value)
+    assert "shardforge-staging" not in str(err.value)
+
+
+def test_a_missing_prefix_and_wrong_credentials_are_one_line(
+    checkpoints: Built, s3_server: S3Server, tmp_path: Path
+) -> None:
+    bucket = s3_server.bucket("src-errors")
+    cfg = {"base_model": str(checkpoints.base), "storage_options": s3_server.storage_options}
+    with pytest.raises(CheckpointError, match=rf"s3://{bucket}/nothing: nothing is stored"):
+        merge_fsdp_weights(cfg, tmp_path / "a", checkpoint=f"s3://{bucket}/nothing")
+    wrong = {**s3_server.storage_options, "secret": "not-the-secret-key"}
+    with pytest.raises(ShardforgeError) as err:
+        merge_fsdp_weights(
+            {**cfg, "storage_options": wrong}, tmp_path / "b", checkpoint=f"s3://{bucket}/x"
+        )
+    line = str(err.value)
+    assert "access denied" in line and "credentials" in line and "\n" not in line
+    assert "not-the-secret-key" not in line and s3_server.secret_key not in line
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_inspect_and_validate_know_s3(
+    checkpoints: Built, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import json
+
+    import yaml
+
+    from shardforge.cli.inspect import do_inspect
+    from shardforge.cli.validate import do_validate
+
+    bucket = s3_server.bucket("inspect-run")
+    uri = upload(s3_server, bucket, checkpoints.root / "hf", "runs/hf")
+    for key, value in s3_server.env({}).items():
+        monkeypatch.setenv(key, value)
+    facts = json.loads(do_inspect(uri, as_json=True))
+    local = json.loads(do_inspect(str(checkpoints.root / "hf"), as_json=True))
+    assert facts["model_dir"] == f"{uri}/checkpoint-{HF_STEP}/pytorch_model_fsdp_0"
+    assert facts["model"] == local["model"] and facts["world_size"] == local["world_size"]
+    text = do_inspect(uri)
+    assert uri in text and "shardforge-staging" not in text
+    # the config names the store; validate shows the URI and hides the secret
+    cfg = {"base_model": str(checkpoints.base), "output_dir": uri}
+    cfg["storage_options"] = s3_server.storage_options
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump(cfg))
+    shown = do_validate(tmp_path / "cfg.yml", for_command="inspect")
+    assert uri in shown and s3_server.secret_key not in shown and "'***'" in shown
+    assert json.loads(do_inspect(tmp_path / "cfg.yml", as_json=True))["model_dir"].startswith(uri)

@@ -1,0 +1,111 @@
+"""Remote objects as bytes: URIs, ranged reads (small ones cached, large ones in parallel
+parts) checked against the stored bytes on the loopback SeaweedFS, stand-ins served through
+the byte path's own functions, and failed requests as one line without a secret."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from helpers.s3 import S3Server
+from shardforge.errors import CheckpointError, StorageError
+from shardforge.io import remote
+from shardforge.io.copy import copy_range
+from shardforge.io.files import read_exact_into
+from shardforge.io.remote import RemoteObject, RemoteURI, filesystem, redact, storage_error
+
+
+def test_uris() -> None:
+    uri = RemoteURI.parse("s3://bucket/run/step-1/")
+    assert (uri.bucket, uri.key, uri.path, uri.name) == (
+        "bucket",
+        "run/step-1",
+        "bucket/run/step-1",
+        "step-1",
+    )
+    assert str(uri.child("__0_0.distcp")) == "s3://bucket/run/step-1/__0_0.distcp"
+    assert uri.relative("bucket/run/step-1/a/b") == "a/b"
+    assert RemoteURI.parse("s3://bucket").key == ""
+    with pytest.raises(StorageError, match="not an object-storage URI"):
+        RemoteURI.parse("gs://bucket/x")
+    assert (
+        remote.is_remote("s3://b/k")
+        and not remote.is_remote("/s3/b")
+        and not remote.is_remote(None)
+    )
+
+
+def test_errors_are_one_line_without_secrets() -> None:
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    exc = PermissionError(f"denied for {secret}: Signature=abcdef&X-Amz-Credential=AKIA")
+    err = storage_error(exc, "s3://b/k", [secret])
+    assert err.message.startswith("s3://b/k: access denied")
+    assert secret not in err.message and "abcdef" not in err.message
+    assert "\n" not in err.message and len(err.message) < 300
+    assert (
+        "no such bucket"
+        in storage_error(
+            FileNotFoundError("The specified bucket does not exist"), "s3://b", []
+        ).message
+    )
+    assert redact("key=AKIA secret=xyz1234", ["xyz1234"]) == "key=AKIA secret=***"
+
+
+@pytest.mark.slow
+def test_ranged_reads_are_the_stored_bytes(
+    s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    bucket = s3_server.bucket("remote-reads")
+    data = os.urandom(3 * (1 << 20) + 12345)
+    s3_server.fs().pipe(f"{bucket}/obj.bin", data)
+    monkeypatch.setattr(remote, "PART_BYTES", 256 << 10)  # several parallel parts
+    obj = RemoteObject(
+        filesystem(s3_server.storage_options), RemoteURI(bucket, "obj.bin"), len(data)
+    )
+    for offset, n in [(0, 10), (300_000, 70_000), (1, len(data) - 1), (len(data) - 5, 5)]:
+        assert obj.read(n, offset) == data[offset : offset + n], (offset, n)
+        buf = bytearray(n)
+        obj.read_into(memoryview(buf), offset, "obj")
+        assert bytes(buf) == data[offset : offset + n]
+    assert obj.read(10, len(data)) == b""
+    with pytest.raises(CheckpointError, match="short read"):
+        obj.read_into(memoryview(bytearray(100)), len(data) - 50, "obj")
+    # a stand-in: a sparse local file whose reads the byte path sends to the store
+    stand_in = tmp_path / "stand-in"
+    stand_in.touch()
+    os.truncate(stand_in, len(data))
+    remote.register_stand_in(stand_in.stat(), obj)
+    try:
+        fd = os.open(stand_in, os.O_RDONLY)
+        out = os.open(tmp_path / "copy", os.O_RDWR | os.O_CREAT)
+        try:
+            buf = bytearray(1000)
+            read_exact_into(fd, buf, 2_000_000, "stand-in")
+            assert bytes(buf) == data[2_000_000:2_001_000]
+            assert remote.pread(fd, 4, 0) == data[:4]
+            copy_range(fd, out, 100, 0, len(data) - 100)
+            assert (tmp_path / "copy").read_bytes() == data[100:]
+        finally:
+            os.close(fd)
+            os.close(out)
+    finally:
+        st = stand_in.stat()
+        remote.forget_stand_ins([(st.st_dev, st.st_ino)])
+    assert stand_in.stat().st_blocks == 0  # nothing of it was stored locally
+
+
+@pytest.mark.slow
+def test_wrong_credentials_and_a_missing_bucket(s3_server: S3Server) -> None:
+    bucket = s3_server.bucket("remote-errors")
+    s3_server.fs().pipe(f"{bucket}/x", b"abc")
+    wrong = {**s3_server.storage_options, "secret": "the-wrong-secret-key"}
+    obj = RemoteObject(filesystem(wrong), RemoteURI(bucket, "x"), 3, wrong)
+    with pytest.raises(StorageError) as err:
+        obj.read(3, 0)
+    assert err.value.message.startswith(f"s3://{bucket}/x: access denied")
+    assert "the-wrong-secret-key" not in str(err.value)
+    gone = RemoteObject(filesystem(s3_server.storage_options), RemoteURI("no-such-bucket", "x"), 3)
+    with pytest.raises(StorageError, match="no such bucket"):
+        gone.read(3, 0)

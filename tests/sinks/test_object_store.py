@@ -1,0 +1,169 @@
+"""Merged models published to object storage (the loopback SeaweedFS): local -> S3 and S3 -> S3
+give the bytes of a local merge for a DCP and a rank-file checkpoint, verified there; a merge
+killed mid-upload leaves nothing under the prefix and `--resume` uploads only what is left;
+wrong credentials, a missing bucket, an existing prefix and an outage are one-line errors with
+nothing published."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from helpers.gate import Gate
+from helpers.s3 import LAYOUTS, S3Server, killed_at, layout_folder, start_server, tree_bytes
+from shardforge.errors import MergeError, StorageError
+from shardforge.io import mirror
+from shardforge.merge.api import merge_fsdp_weights
+from test_inspection import Built, build_checkpoints
+
+# gloo ranks write the checkpoints; the store is a child process
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return build_checkpoints(tmp_path_factory)
+
+
+def stored(server: S3Server, prefix: str, into: Path) -> dict[str, bytes]:
+    """Every object under `prefix` (bucket/key), downloaded."""
+    fs = server.fs()
+    fs.get(prefix + "/", str(into) + "/", recursive=True)
+    return tree_bytes(into)
+
+
+def keys(server: S3Server, prefix: str) -> list[str]:
+    fs = server.fs()
+    fs.invalidate_cache()
+    return sorted(fs.find(prefix))
+
+
+def cfg(checkpoints: Built, server: S3Server, **more: Any) -> dict[str, Any]:
+    return {
+        "base_model": str(checkpoints.base),
+        "output_dir": "unused",
+        "storage_options": server.storage_options,
+        **more,
+    }
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_local_to_s3_and_s3_to_s3_are_the_local_merge(
+    layout: str,
+    checkpoints: Built,
+    s3_server: S3Server,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setattr(mirror, "DOWNLOAD_LIMIT", 0)  # every data file read by ranges
+    folder = layout_folder(checkpoints.root, layout)
+    bucket = s3_server.bucket(f"out-{layout}")
+    config = cfg(checkpoints, s3_server)
+    local = merge_fsdp_weights(
+        config, tmp_path / "local", checkpoint=folder, max_shard_size="150KB"
+    )
+    want = tree_bytes(local)
+    assert len([n for n in want if n.endswith(".safetensors")]) > 1  # sharded: index published
+    merge_fsdp_weights(
+        config, f"s3://{bucket}/up", checkpoint=folder, max_shard_size="150KB", verify=True
+    )
+    assert stored(s3_server, f"{bucket}/up", tmp_path / "up") == want
+    s3_server.fs().put(str(folder), f"{bucket}/ckpt", recursive=True)
+    merge_fsdp_weights(
+        config, f"s3://{bucket}/both", checkpoint=f"s3://{bucket}/ckpt", max_shard_size="150KB"
+    )
+    assert stored(s3_server, f"{bucket}/both", tmp_path / "both") == want
+    # the prefix is taken: refused without --overwrite, replaced with it (unsharded now)
+    with pytest.raises(MergeError, match="pass --overwrite"):
+        merge_fsdp_weights(config, f"s3://{bucket}/up", checkpoint=folder)
+    merge_fsdp_weights(config, f"s3://{bucket}/up", checkpoint=folder, overwrite=True, verify=True)
+    one = merge_fsdp_weights(config, tmp_path / "one", checkpoint=folder)
+    assert stored(s3_server, f"{bucket}/up", tmp_path / "up2") == tree_bytes(one)
+
+
+def test_killed_mid_upload_leaves_no_model_and_resume_uploads_the_rest(
+    checkpoints: Built, s3_server: S3Server, tmp_path: Path
+) -> None:
+    folder = layout_folder(checkpoints.root, "dcp")
+    bucket = s3_server.bucket("out-resume")
+    config = cfg(checkpoints, s3_server)
+    local = merge_fsdp_weights(
+        config, tmp_path / "local", checkpoint=folder, max_shard_size="150KB"
+    )
+    want = tree_bytes(local)
+    shards = sorted(n for n in want if n.endswith(".safetensors"))
+    assert len(shards) >= 3
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump({**config, "storage_options": None}))
+    # paused once the first shard is uploaded (at the first read of the second one's parts)
+    gate = Gate(tmp_path / "gate", "os:pread", r"/output-[^/]+/model-00002-of-\d+\.safetensors$")
+    cmd = [
+        sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(tmp_path / "cfg.yml"),
+        "--output_path", f"s3://{bucket}/model", "--checkpoint", str(folder),
+        "--max_shard_size", "150KB", "--quiet",
+    ]  # fmt: skip
+    killed_at(gate, cmd, gate.env(s3_server.env()))
+    assert keys(s3_server, f"{bucket}/model") == []  # no index, no shard, nothing
+    assert keys(s3_server, f"{bucket}/.model.shardforge-merge.json")  # the journal beside it
+    before = s3_server.received_bytes(bucket)
+    merge_fsdp_weights(
+        config, f"s3://{bucket}/model", checkpoint=folder, max_shard_size="150KB", resume=True
+    )
+    sent = s3_server.received_bytes(bucket) - before
+    assert stored(s3_server, f"{bucket}/model", tmp_path / "resumed") == want
+    rest = sum(len(want[n]) for n in shards[1:])
+    small = sum(len(b) for n, b in want.items() if not n.endswith(".safetensors"))
+    assert rest <= sent < rest + small + 64 * 1024  # the first shard was not uploaded again
+    assert keys(s3_server, f"{bucket}/.model.shardforge-merge.json") == []
+
+
+def test_credentials_bucket_and_an_outage_are_one_line_with_nothing_published(
+    checkpoints: Built, s3_server: S3Server, tmp_path: Path
+) -> None:
+    folder = layout_folder(checkpoints.root, "rankfiles")
+    config = cfg(checkpoints, s3_server)
+    wrong = cfg(
+        checkpoints, s3_server, storage_options={**s3_server.storage_options, "secret": "x" * 20}
+    )
+    bucket = s3_server.bucket("out-errors")
+    with pytest.raises(StorageError) as err:
+        merge_fsdp_weights(wrong, f"s3://{bucket}/m", checkpoint=folder)
+    assert "access denied" in err.value.message and "x" * 20 not in str(err.value)
+    with pytest.raises(StorageError, match="no such bucket"):
+        merge_fsdp_weights(config, "s3://no-such-bucket/m", checkpoint=folder)
+    assert keys(s3_server, f"{bucket}/m") == []
+    # an outage: the server dies while the merge uploads
+    server = start_server(tmp_path / "outage")
+    try:
+        out_bucket = server.bucket("outage")
+        (tmp_path / "cfg.yml").write_text(yaml.safe_dump({**config, "storage_options": None}))
+        gate = Gate(
+            tmp_path / "gate", "os:pread", r"/output-[^/]+/model-00002-of-\d+\.safetensors$"
+        )
+        cmd = [
+            sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights",
+            str(tmp_path / "cfg.yml"), "--output_path", f"s3://{out_bucket}/m",
+            "--checkpoint", str(folder), "--max_shard_size", "150KB", "--quiet",
+        ]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=gate.env(server.env()), stderr=subprocess.PIPE, text=True)
+        try:
+            gate.wait(proc)
+            server.kill()
+        finally:
+            gate.open()
+        start = time.monotonic()
+        _, stderr = proc.communicate(timeout=240)
+        assert time.monotonic() - start < 120
+        assert proc.returncode != 0
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in stderr, stderr
+        assert f"s3://{out_bucket}/m" in errors[0] and "cannot be reached" in errors[0], errors
+        server.restart()
+        assert keys(server, f"{out_bucket}/m") == []
+    finally:
+        server.stop()

@@ -1,0 +1,72 @@
+"""`--resume` of a local merge: a merge killed with SIGKILL leaves its hidden directory and
+journal; the resumed merge keeps each finished file whose size and SHA-256 still match (the same
+inode: not rewritten), rewrites a damaged one, and publishes what a merge in one go writes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers.gate import Gate
+from helpers.s3 import killed_at, tree_bytes
+from shardforge.errors import MergeError
+from shardforge.merge.api import merge_fsdp_weights
+from shardforge.sinks.resume import JOURNAL_NAME
+from test_inspection import HF_STEP, Built, build_checkpoints
+
+# gloo ranks write the checkpoint; the merge that is killed is a child process
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return build_checkpoints(tmp_path_factory)
+
+
+def test_a_killed_merge_resumes_keeping_its_finished_files(
+    checkpoints: Built, tmp_path: Path
+) -> None:
+    folder = checkpoints.root / f"hf/checkpoint-{HF_STEP}/pytorch_model_fsdp_0"
+    config = {"base_model": str(checkpoints.base), "output_dir": "unused"}
+    whole = merge_fsdp_weights(
+        config, tmp_path / "whole", checkpoint=folder, max_shard_size="150KB"
+    )
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    # stopped as the fourth shard is created: the first ones are finished and hashed
+    gate = Gate(tmp_path / "gate", "os:open", r"/\.out\.tmp-[^/]+/model-00004-of-\d+\.safetensors$")
+    cmd = [
+        sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(tmp_path / "cfg.yml"),
+        "--output_path", str(out), "--checkpoint", str(folder), "--max_shard_size", "150KB",
+        "--quiet",
+    ]  # fmt: skip
+    killed_at(gate, cmd, gate.env())
+    assert not out.exists()
+    (hidden,) = tmp_path.glob(".out.tmp-*")
+    finished = json.loads((hidden / JOURNAL_NAME).read_text())["files"]
+    assert len(finished) >= 2
+    first, second = sorted(finished)[:2]
+    inode = (hidden / first).stat().st_ino
+    with (hidden / second).open("r+b") as f:  # damaged since: must be written again
+        f.seek(-1, 2)
+        f.write(b"\x7f")
+    merge_fsdp_weights(
+        config, out, checkpoint=folder, max_shard_size="150KB", resume=True, verify=True
+    )
+    assert tree_bytes(out) == tree_bytes(whole)
+    assert (out / first).stat().st_ino == inode  # kept, not rewritten
+    assert not (out / JOURNAL_NAME).exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_resume_of_another_plan_is_refused(checkpoints: Built, tmp_path: Path) -> None:
+    from shardforge.sinks.plan import OutputPlan
+    from shardforge.sinks.resume import LocalJournal, fingerprint
+
+    plan = OutputPlan([], None)
+    LocalJournal(tmp_path, fingerprint(plan, ["a"]), resume=False)
+    with pytest.raises(MergeError, match="--resume: the interrupted merge planned other"):
+        LocalJournal(tmp_path, fingerprint(plan, ["b"]), resume=True)

@@ -1,0 +1,131 @@
+"""Which weights `inference` / `evaluate` use: the options' or the run's own (full-model save,
+adapter, latest checkpoint); every missing or unusable input is one error naming it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from helpers.runs import ROOT, Runs
+from shardforge.config import load_cfg
+from shardforge.config.schema import ShardforgeConfig
+from shardforge.errors import CheckpointError, ShardforgeError
+from shardforge.use.model import Picked, load_model, pick
+from shardforge.use.request import ModelRequest
+
+BASE = ROOT / "examples" / "tiny-llama" / "base"
+
+
+def _cfg(tmp_path: Path, **extra: Any) -> ShardforgeConfig:
+    path = tmp_path / "cfg.yml"
+    data = {"base_model": str(BASE), "output_dir": str(tmp_path / "out"), **extra}
+    path.write_text(yaml.safe_dump(data))
+    return load_cfg(path)
+
+
+def _pick(cfg: ShardforgeConfig, **which: Any) -> Picked:
+    return pick(cfg, ModelRequest(**which))
+
+
+def test_a_model_directory_needs_config_and_safetensors(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    model = tmp_path / "model"
+    with pytest.raises(CheckpointError, match=r"model: model directory not found \(--model_dir\)"):
+        _pick(cfg, model_dir=model)
+    model.mkdir()
+    with pytest.raises(CheckpointError, match=r"model: no config.json, so not a Hugging Face"):
+        _pick(cfg, model_dir=model)
+    shutil.copy(BASE / "config.json", model)
+    (model / "pytorch_model.bin").write_bytes(b"a pickle")
+    with pytest.raises(CheckpointError, match=r"no model.safetensors .*safetensors weights only"):
+        _pick(cfg, model_dir=model)
+    assert _pick(cfg, model_dir=BASE) == Picked("model", BASE, "--model_dir")
+
+
+def test_a_damaged_model_is_one_error_when_loaded(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(BASE / "config.json", model)
+    (model / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ShardforgeError, match=r"model: cannot load the model \(Error while"):
+        load_model(cfg, _pick(cfg, model_dir=model))
+
+
+def test_an_adapter_directory_is_checked_before_loading(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    with pytest.raises(CheckpointError, match=r"adapter directory not found"):
+        _pick(cfg, lora_model_dir=tmp_path / "adapter")
+    (tmp_path / "adapter").mkdir()
+    with pytest.raises(CheckpointError, match=r"no adapter_config.json, so not a PEFT adapter"):
+        _pick(cfg, lora_model_dir=tmp_path / "adapter")
+
+
+def test_without_a_run_the_error_says_how_to_name_the_model(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    with pytest.raises(CheckpointError, match=r"out: no such directory, so no checkpoint") as info:
+        _pick(cfg)
+    assert info.value.details == [
+        "or name the model: --model_dir DIR, --lora_model_dir DIR or --checkpoint PATH"
+    ]
+    (tmp_path / "out").mkdir()
+    with pytest.raises(CheckpointError, match=r"out: directory is empty; no checkpoint") as info:
+        _pick(cfg)
+    assert info.value.details[-1].startswith("or name the model")
+    with pytest.raises(CheckpointError, match=r"out: directory is empty") as info:
+        _pick(cfg, step=3)  # an explicit choice: no hint
+    assert info.value.details == []
+
+
+def test_a_full_model_save_in_output_dir_is_the_runs_model(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    shutil.copytree(BASE, tmp_path / "out")
+    assert _pick(cfg) == Picked("model", tmp_path / "out", "the full-model save in output_dir")
+    lora = _cfg(tmp_path, adapter="lora", lora_target_linear=True)
+    with pytest.raises(CheckpointError, match=r"holds a full Hugging Face model already"):
+        _pick(lora)  # a LoRA run's output is an adapter, or a checkpoint to fuse
+
+
+@pytest.mark.slow  # the runs are trained under torchrun
+def test_the_runs_own_weights(runs: Runs) -> None:
+    full, lora = load_cfg(runs.full_cfg), load_cfg(runs.lora_cfg)
+    out = runs.root / "full"
+
+    def found(n: int) -> str:
+        return f"{out}/checkpoint-{n}/model (step {n})"
+
+    assert _pick(full) == Picked("checkpoint", out, "the run's latest", None, found(4))
+    assert _pick(full, step=2) == Picked("checkpoint", out, "--step", 2, found(2))
+    step_dir = _pick(full, checkpoint=out / "checkpoint-2")
+    assert (step_dir.path, step_dir.step, step_dir.how) == (
+        out / "checkpoint-2",
+        None,
+        "--checkpoint",
+    )
+    assert step_dir.found.startswith(f"{out}/checkpoint-2/model")
+    assert _pick(lora) == Picked("adapter", runs.root / "lora", "the adapter in output_dir")
+    named = load_cfg(runs.lora_cfg, lora_model_dir=str(runs.root / "lora"))
+    assert _pick(named).how == "the config's lora_model_dir"
+
+
+def test_loaded_as_training_computes_remote_code_only_when_allowed(tmp_path: Path) -> None:
+    import torch
+
+    from shardforge.use.model import _model_kwargs
+
+    assert _model_kwargs(_cfg(tmp_path)) == {
+        "dtype": torch.float32,
+        "trust_remote_code": False,
+        "use_safetensors": True,
+    }
+    cfg = _cfg(tmp_path, bf16=True, attn_implementation="eager", trust_remote_code=True)
+    assert _model_kwargs(cfg) == {
+        "dtype": torch.bfloat16,
+        "trust_remote_code": True,
+        "use_safetensors": True,
+        "attn_implementation": "eager",
+    }
