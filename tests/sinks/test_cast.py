@@ -58,6 +58,27 @@ def test_each_rule_in_order() -> None:
     }
 
 
+def test_the_scales_of_quantized_weights_are_kept_with_them() -> None:
+    """FP8 weights keep their float32 `weight_scale_inv`; MXFP4 blocks and scales are uint8."""
+    tensors = [
+        ("layers.0.mlp.down_proj.weight", torch.float8_e4m3fn),
+        ("layers.0.mlp.down_proj.weight_scale_inv", torch.float32),
+        ("layers.0.mlp.experts.down_proj_blocks", torch.uint8),
+        ("layers.0.mlp.experts.down_proj_scales", torch.uint8),
+        ("layers.0.mlp.up_proj.weight", torch.float32),
+        ("layers.0.mlp.up_proj.weight_scale_inv", torch.float32),  # no FP8 weight: a tensor
+    ]
+    decided = decide_all(tensors, cast_rules(BF16))
+    assert [d.rule for d in decided.values()] == [
+        "fp8", "scale", "integer", "integer", "cast", "cast"
+    ]  # fmt: skip
+    assert decided["layers.0.mlp.down_proj.weight_scale_inv"].dtype == torch.float32
+    assert (
+        "kept: the scales of FP8/FP4 and MXFP4 weights: 1 tensor "
+        "(layers.0.mlp.down_proj.weight_scale_inv)"
+    ) in describe(decided)
+
+
 def test_rules_work_before_torch_on_dtype_names() -> None:
     """The early copy's guess decides on `DtypeName`s, with the same outcome."""
     f32, bf16 = DtypeName("float32", 4, True), DtypeName("bfloat16", 2, True)
