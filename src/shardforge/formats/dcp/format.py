@@ -125,11 +125,12 @@ class DcpFormat(CheckpointFormat):
         return DcpReference(location)
 
     def identity(self, location: Path) -> list[SourceFile]:
-        """`.metadata` and the data files of the model's entries, with each chunk record's byte
-        range and the CRC-32 stored for its tensor bytes (records parsed once per merge)."""
+        """The metadata files and the data files of the model's entries, with each chunk
+        record's byte range and the CRC-32 stored for its tensor bytes (records parsed once
+        per merge)."""
         from shardforge.formats.dcp.chunks import locate
 
-        meta = read_metadata(location)
+        meta = self.metadata(location)
         by_kind, _ = _by_kind(meta)
         records: dict[Path, set[StoredRecord]] = {}
         with ReadCache() as reader:
@@ -140,7 +141,9 @@ class DcpFormat(CheckpointFormat):
                     records.setdefault(c.file, set()).add(
                         StoredRecord(c.byte_offset, c.byte_length, crc)
                     )
-        files = [SourceFile(PurePath(METADATA_FILE), (location / METADATA_FILE).stat().st_size)]
+        files = [
+            SourceFile(p, (location / p).stat().st_size) for p in self.metadata_files(location)
+        ]
         for path in sorted(records):
             recs = tuple(sorted(records[path], key=lambda r: r.offset))
             files.append(
