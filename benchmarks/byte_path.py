@@ -64,6 +64,7 @@ def plan_jobs(
     """[(output file name, size, [(src path, src offset, dst offset, nbytes), ...])], the data
     files, the model config's folder."""
     from shardforge.config import load_cfg
+    from shardforge.formats.dcp.chunks import entry_slabs
     from shardforge.io.copy import ReadCache
     from shardforge.layouts.catalog import resolve_checkpoint
     from shardforge.merge import overlap
@@ -78,7 +79,7 @@ def plan_jobs(
         for pf in guess.plan.files:
             jobs = []
             for planned in pf.tensors:
-                slabs = guess.sources[planned.spec.name].slabs(reader)
+                slabs = entry_slabs(guess.entries[planned.spec.name], reader)
                 if slabs is None:
                     raise SystemExit(f"{planned.spec.name}: not a file-to-file slab")
                 jobs += [
