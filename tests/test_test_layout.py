@@ -28,6 +28,7 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "cli/merge_sharded_fsdp_weights.py": "tests/cli/test_merge_cli.py: named after the command",
     "cli/preprocess.py": "tests/cli/test_preprocess_cli.py: named after the command",
     "cli/train.py": "tests/cli/test_train_cli.py: named after the command",
+    "cli/verify.py": "tests/cli/test_verify_cli.py: test_verify.py is tests/sinks/'s name",
     "cli/train_rank.py": "tests/train/test_launch.py: the entry of each torchrun training rank",
     "config/axolotl_keys.py": "tests/config/test_axolotl.py: the key table, with its users",
     "config/errors.py": "tests/config/test_loader.py: pydantic errors as the user's key lines",
@@ -85,6 +86,8 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "sinks/safetensors_files.py": "tests/formats/dcp/test_metadata.py: files filled from chunks",
     "train/saving.py": "tests/train/test_checkpointing.py: saves, async saves and rotation",
     "train/torchrun.py": "tests/train/test_launch.py: the torchrun command line",
+    "use/model.py": "tests/use/test_use_model.py: test_model.py is tests/train/'s name",
+    "use/request.py": "tests/use/test_use_request.py: test_request.py is tests/merge/'s name",
 }
 
 
@@ -118,3 +121,14 @@ def test_every_entry_is_still_true() -> None:
         if not (ROOT / test_file).is_file() or not reason:
             wrong.append(f"{module}: name an existing test file and a reason, 'FILE: why'")
     assert not wrong, "\n".join(wrong)
+
+
+def test_test_file_names_are_unique() -> None:
+    """pytest imports a test file by its base name (no packages under tests/): two files of one
+    name clash ("import file mismatch"), and spawned ranks unpickle a function from the wrong
+    one."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(path.relative_to(ROOT).as_posix())
+    clashes = [" and ".join(paths) for paths in seen.values() if len(paths) > 1]
+    assert not clashes, "rename one of: " + "; ".join(clashes)

@@ -169,3 +169,33 @@ def test_resume_at_another_world_size_equals_the_uninterrupted_run(
     }
     _train_here(cfg, tmp_path / "cfg.yml")
     _same(losses(out), losses(llama.two), range(5, 7))
+
+
+def test_target_linear_with_names_is_saved_as_it_was_trained(tmp_path: Path) -> None:
+    """lora_target_linear plus lora_target_modules targets every linear layer and the names:
+    the config training injects, the one it saves and the one the merge writes agree."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardforge.config import validate_cfg
+    from shardforge.config.peft import lora_config
+    from shardforge.merge.check import build_expected
+    from shardforge.train.lora import add_lora
+
+    base = make_model(tmp_path / "base", "llama")
+    cfg = validate_cfg(
+        {
+            "base_model": str(base),
+            "adapter": "lora",
+            "lora_target_linear": True,
+            "lora_target_modules": ["q_proj", "v_proj"],
+        }
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    injected = set(add_lora(model, cfg).target_modules)
+    linear = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert injected == linear
+    expected = build_expected(AutoConfig.from_pretrained(base), False)
+    assert set(lora_config(cfg, None, False, expected.linear_names).target_modules) == linear
+    with pytest.raises(ValueError, match="linear_names"):
+        lora_config(cfg)

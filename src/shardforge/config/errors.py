@@ -90,7 +90,7 @@ def _describe(err: Any, model: type[BaseModel]) -> str:
         return f"{key}: required key is missing"
     if kind == "literal_error":
         expected = err.get("ctx", {}).get("expected", "")
-        return f"{key}: expected one of {expected}, got {shown(given)}"
+        return f"{key}: {shown(given)} is not supported; expected one of {expected}"
     if kind in {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}:
         bound = next(iter(err.get("ctx", {}).items()), ("", ""))
         op = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}.get(bound[0], bound[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -14,19 +15,43 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
+def linear_layer_names(model: Any) -> list[str]:
+    """The last name segment of every linear layer of `model` but its output layer: what
+    `lora_target_linear` targets (peft's "all-linear")."""
+    import torch.nn as nn
+
+    output = model.get_output_embeddings()
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m is not output
+        }
+    )
+
+
 def lora_config(
-    cfg: ShardforgeConfig, base_model_path: str | None = None, tied: bool = False
+    cfg: ShardforgeConfig,
+    base_model_path: str | None = None,
+    tied: bool = False,
+    linear_names: Iterable[str] = (),
 ) -> Any:
     """peft's `LoraConfig` (`tied`: the model ties its input and output embeddings, which then
-    stay one trained matrix when both are in `lora_modules_to_save`)."""
+    stay one trained matrix when both are in `lora_modules_to_save`; `linear_names`: the
+    model's `linear_layer_names`, which `lora_target_linear` with extra names targets)."""
     from peft import LoraConfig
 
     given = cfg.lora_target_modules
     targets: list[str] | str
     if isinstance(given, str):  # a regular expression
         targets = given
+    elif cfg.lora_target_linear and given:
+        linear = set(linear_names)
+        if not linear:
+            raise ValueError("lora_target_linear with lora_target_modules needs linear_names")
+        targets = sorted(linear | set(given))
     elif cfg.lora_target_linear:
-        targets = "all-linear" if not given else list(given)
+        targets = "all-linear"
     else:
         targets = list(given or [])
     return LoraConfig(

@@ -8,7 +8,8 @@ A renamed tensor is its source under the saved name. A `SliceSource` is a box of
 source has slabs, its slabs are those bytes (copied file to file); otherwise the source is read
 once for all the slices cut from it (`SharedValue`) and each slice copied out. A
 `ConvertedSource` is one output of a group transformers' reversed converter makes: the group's
-sources are read and converted once, and each output handed out once.
+sources are read and converted once, and each output handed out once. `written_together`
+names the outputs that share such a value (a distributed merge writes them on one rank).
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ class SliceSource(WholeTensor):
         span = contiguous_span(self.inner.shape, self.slice.offsets, self.slice.sizes)
         size = self.dtype.itemsize
         return None if span is None else (span[0] * size, span[1] * size)
+
+    def zero_copy(self, reader: ReadCache) -> bool:
+        """Whether its bytes come from the source's slabs (never from the shared tensor)."""
+        return self._span() is not None and self.inner.slabs(reader) is not None
 
     def slabs(self, reader: ReadCache) -> list[FileSlab] | None:
         span = self._span()
@@ -175,3 +180,23 @@ def saved_sources(
             dtype = next(iter(stored)) if len(stored) == 1 else layout.dtypes[name]
             made[name] = ConvertedSource(name, group, inputs, layout.shapes[name], dtype, shared)
     return {name: made[name] for name in layout.shapes if name in made}
+
+
+def written_together(sources: Mapping[str, TensorSource], reader: ReadCache) -> dict[str, int]:
+    """Saved name -> group number of the sources that share one value computed in memory (the
+    outputs of a group transformers' converter runs; the slices of a source read whole), in
+    the order of `sources`. A distributed merge writes each group on one rank: the value is
+    computed once and dropped after its last user, as on one rank (every other source may be
+    cut by rows anywhere)."""
+    in_memory: set[int] = set()  # id() of the SharedValue of a group computed in memory
+    for src in sources.values():
+        if isinstance(src, ConvertedSource) or (
+            isinstance(src, SliceSource) and not src.zero_copy(reader)
+        ):
+            in_memory.add(id(src.shared))
+    numbers: dict[int, int] = {}
+    out: dict[str, int] = {}
+    for name, src in sources.items():
+        if isinstance(src, (ConvertedSource, SliceSource)) and id(src.shared) in in_memory:
+            out[name] = numbers.setdefault(id(src.shared), len(numbers))
+    return out

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from shardforge.config.peft import linear_layer_names
 from shardforge.errors import MergeError, printable
 from shardforge.formats.base import TensorSource
 from shardforge.keymap.conversion import SavedLayout, saved_layout
@@ -42,6 +43,8 @@ class ExpectedModel:
     tied: dict[str, str]  # target (dropped on save) -> source (kept)
     total_parameters: int
     saved: SavedLayout | None = None
+    # the last name segment of every linear layer but the output one (lora_target_linear)
+    linear_names: tuple[str, ...] = ()
     keep: tuple[KeepPattern, ...] = ()  # what the model class keeps in float32 (sinks.cast)
 
     @property
@@ -127,8 +130,16 @@ def build_expected(config: Any, trust_remote_code: bool) -> ExpectedModel:
     tied = tied_pairs(model, config)
     total = sum(p.numel() for p in model.parameters())
     kept = {k: v for k, v in sd.items() if k not in tied}
-    saved = _saved_layout(model, kept)
-    return ExpectedModel(config, shapes, dtypes, tied, total, saved, model_keep_patterns(model))
+    return ExpectedModel(
+        config,
+        shapes,
+        dtypes,
+        tied,
+        total,
+        _saved_layout(model, kept),
+        tuple(linear_layer_names(model)),
+        model_keep_patterns(model),
+    )
 
 
 def _quantize(model: Any, config: Any) -> None:

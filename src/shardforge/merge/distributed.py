@@ -4,7 +4,9 @@ Every rank prepares the same plan (the checkpoint's metadata, the meta-device ar
 so every output byte range is known up front. The tensor bytes of all planned files, taken in
 plan order, are cut into `world` equal spans (`shares`): a rank copies or computes exactly the
 bytes of its span, so ranks write disjoint ranges of the same files and one large tensor (an
-embedding) is split across ranks by rows. Rank 0 creates the hidden output directory, the
+embedding) is split across ranks by rows; outputs made together from one value in memory (a
+converter's group, experts cut from a tensor read whole) are written by one rank (`assign`).
+Rank 0 creates the hidden output directory, the
 files (preallocated, headers written) and after everyone's share the index and companion
 files; verification is split the same way (each tensor by the rank whose span holds its first
 byte). The output is published by rank 0 only when every rank reported success; a rank that
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,34 +48,69 @@ def _rows_of(t: PlannedTensor) -> int:
     return t.spec.shape[0] if t.spec.shape else 1
 
 
-def shares(plan: OutputPlan, rank: int, world: int) -> list[Share]:
-    """Rank `rank`'s span of the plan's tensor bytes, as row ranges (a row belongs to the rank
-    whose span holds its first byte: every row is written exactly once)."""
+def _rank_at(pos: int, total: int, world: int) -> int:
+    """The rank whose span [total * r // world, total * (r + 1) // world) holds byte `pos`
+    (the last rank for a position at or past the end)."""
+    rank = min(world - 1, pos * world // max(1, total))
+    while rank + 1 < world and total * (rank + 1) // world <= pos:
+        rank += 1
+    while rank > 0 and total * rank // world > pos:
+        rank -= 1
+    return rank
+
+
+def assign(
+    plan: OutputPlan, world: int, together: Mapping[str, Hashable] | None = None
+) -> list[list[Share]]:
+    """Every rank's shares: the plan's tensor bytes, in plan order, cut into `world` equal
+    spans, a row going to the rank whose span holds its first byte (every row written exactly
+    once). The tensors of one `together` group (outputs computed from one value in memory,
+    `keymap.converted.written_together`) are written whole by one rank: the rank whose span
+    holds the first byte of the group's first tensor."""
     total = sum(t.spec.nbytes for _, t in plan.tensors())
-    lo, hi = total * rank // world, total * (rank + 1) // world
-    out: list[Share] = []
+    out: list[list[Share]] = [[] for _ in range(world)]
+    group_rank: dict[Hashable, int] = {}
     pos = 0
     for f, t in plan.tensors():
         n, rows = t.spec.nbytes, _rows_of(t)
-        if n and pos < hi and pos + n > lo:
+        key = (together or {}).get(t.spec.name)
+        if key is not None:
+            rank = group_rank.setdefault(key, _rank_at(pos, total, world))
+            out[rank].append(Share(f, t, (0, rows)))
+        elif n:
             row = n // rows
-            start = max(0, -(-(lo - pos) // row))  # first row starting at or after lo
-            stop = min(rows, -(-(hi - pos) // row))  # rows starting before hi
-            if start < stop:
-                out.append(Share(f, t, (start, stop)))
+            for rank in range(_rank_at(pos, total, world), _rank_at(pos + n - 1, total, world) + 1):
+                lo, hi = total * rank // world, total * (rank + 1) // world
+                start = max(0, -(-(lo - pos) // row))  # first row starting at or after lo
+                stop = min(rows, -(-(hi - pos) // row))  # rows starting before hi
+                if start < stop:
+                    out[rank].append(Share(f, t, (start, stop)))
         pos += n
     return out
 
 
-def owner(plan: OutputPlan, world: int) -> dict[str, int]:
-    """Output name -> the rank whose span holds the tensor's first byte (it verifies it)."""
-    total = max(1, sum(t.spec.nbytes for _, t in plan.tensors()))
-    out: dict[str, int] = {}
-    pos = 0
-    for _, t in plan.tensors():
-        out[t.spec.name] = min(world - 1, pos * world // total)
+def shares(
+    plan: OutputPlan, rank: int, world: int, together: Mapping[str, Hashable] | None = None
+) -> list[Share]:
+    """Rank `rank`'s shares of `assign`."""
+    return assign(plan, world, together)[rank]
+
+
+def owner(
+    plan: OutputPlan, world: int, together: Mapping[str, Hashable] | None = None
+) -> dict[str, int]:
+    """Output name -> the rank that writes its first row (it verifies the tensor)."""
+    found: dict[str, int] = {}
+    for rank, mine in enumerate(assign(plan, world, together)):
+        for s in mine:
+            if s.rows[0] == 0:
+                found[s.tensor.spec.name] = rank
+    total, pos = sum(t.spec.nbytes for _, t in plan.tensors()), 0
+    for _, t in plan.tensors():  # empty tensors: no share holds them
+        if t.spec.name not in found:
+            found[t.spec.name] = _rank_at(pos, total, world)
         pos += t.spec.nbytes
-    return out
+    return found
 
 
 def create_files(plan: OutputPlan, directory: Path) -> None:

@@ -118,7 +118,8 @@ def open_lora(
         data, where = found
     elif cfg.adapter == "lora":
         tied = bool(expected.tied)
-        data = adapter_config_json(lora_config(cfg, cfg.base_model, tied=tied))
+        config = lora_config(cfg, cfg.base_model, tied, expected.linear_names)
+        data = adapter_config_json(config)
         where = "the config's adapter / lora_* keys"
     else:
         raise MergeError(

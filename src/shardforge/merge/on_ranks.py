@@ -1,7 +1,8 @@
 """The merge on the ranks of a process group (`--nproc_per_node`, `--nnodes`, or `group=`): every
-rank prepares the same plan and writes its share of the bytes (`merge.distributed`); rank 0
-creates the hidden directory, writes the index, the companions and the integrity manifest
-(each weights file hashed by one rank once all have written it), and publishes."""
+rank prepares the same plan and writes its share of the bytes (`merge.distributed`; the outputs
+made from one value in memory, `keymap.converted.written_together`, on one rank each); rank 0
+creates the hidden directory, writes the index, the companions and the integrity manifest (each
+weights file hashed by one rank once all have written it), and publishes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import torch.distributed as dist
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError, ShardforgeError
+from shardforge.io.copy import ReadCache
 from shardforge.io.publish import atomic_directory, check_free_space, check_output_path
+from shardforge.keymap.converted import written_together
 from shardforge.merge.distributed import (
     broadcast,
     create_files,
@@ -64,10 +67,10 @@ def _prepared(config: ShardforgeConfig, request: MergeRequest, out: Path) -> Pre
         if rank == 0:
             check_output_path(out, request.overwrite, [])
         prep = prepare(config, request)
-        if prep.adapter_config is not None or prep.expected.renamed_on_save:
+        if prep.adapter_config is not None:
             raise MergeError(
-                "a distributed merge writes complete models of the stream engine; merge this "
-                "checkpoint on one rank"
+                "a distributed merge writes complete models: merge this LoRA checkpoint to its "
+                "adapter directory on one rank, or pass --merge_lora"
             )
         if rank == 0:
             check_output_path(out, request.overwrite, [c.model_dir for c in prep.sources.inputs])
@@ -82,7 +85,9 @@ def _prepared(config: ShardforgeConfig, request: MergeRequest, out: Path) -> Pre
 def _write_share(prep: Prepared, directory: Path, request: MergeRequest) -> None:
     """This rank's bytes, and its share of the verification."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = shares(prep.plan, rank, world)
+    with ReadCache() as reader:  # the outputs made from one value in memory: on one rank
+        together = written_together(prep.by_name, reader)
+    mine = shares(prep.plan, rank, world, together)
     quiet = request.quiet or rank != 0
     on_every_rank(lambda: create_files(prep.plan, directory) if rank == 0 else None)
     mine_bytes = sum(
@@ -91,7 +96,7 @@ def _write_share(prep: Prepared, directory: Path, request: MergeRequest) -> None
     with progress(mine_bytes, "merging", quiet) as update:
         on_every_rank(lambda: write_shares(mine, prep.by_name, directory, update))
     if request.verifies:
-        owners = owner(prep.plan, world)
+        owners = owner(prep.plan, world, together)
         on_every_rank(
             lambda: verify_output(
                 prep.plan,

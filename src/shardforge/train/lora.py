@@ -32,6 +32,7 @@ from shardforge.config.peft import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     adapter_config_json,
+    linear_layer_names,
     lora_config,
 )
 from shardforge.config.schema import ShardforgeConfig
@@ -48,21 +49,15 @@ _BASE_SEGMENTS = re.compile(r"\.(base_layer|original_module|modules_to_save\.def
 _ADAPTER_KEY = re.compile(rf"^(?P<module>.+)\.(?P<kind>lora_A|lora_B)\.{ADAPTER}\.weight$")
 
 
-def _all_linear_plus(model: nn.Module, names: list[str]) -> list[str]:
-    """`lora_target_linear` with extra names: every linear layer but the output one, plus them."""
-    output = model.get_output_embeddings()  # type: ignore[operator]
-    found = {
-        name.rsplit(".", 1)[-1]
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and m is not output
-    }
-    return sorted(found | set(names))
-
-
 def _ties_embeddings(model: nn.Module) -> bool:
     config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return bool(getattr(text, "tie_word_embeddings", False))
+
+
+def _peft_config(model: nn.Module, cfg: ShardforgeConfig) -> Any:
+    """The LoraConfig training injects and saves (the merge writes the same one)."""
+    return lora_config(cfg, cfg.base_model, _ties_embeddings(model), linear_layer_names(model))
 
 
 def add_lora(model: nn.Module, cfg: ShardforgeConfig) -> Any:
@@ -70,9 +65,7 @@ def add_lora(model: nn.Module, cfg: ShardforgeConfig) -> Any:
     peft config. A target that matches no module is a ConfigError naming the key."""
     from peft import inject_adapter_in_model
 
-    config = lora_config(cfg, cfg.base_model, tied=_ties_embeddings(model))
-    if cfg.lora_target_linear and isinstance(cfg.lora_target_modules, list):
-        config.target_modules = set(_all_linear_plus(model, cfg.lora_target_modules))
+    config = _peft_config(model, cfg)
     try:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as exc:
@@ -211,7 +204,7 @@ def save_adapter(output_dir: Path, model: nn.Module, cfg: ShardforgeConfig) -> N
     saved = get_peft_model_state_dict(model, state_dict=full, adapter_name=ADAPTER)
     # tied trained embeddings come back as one tensor under two names; peft stores both
     tensors = {PEFT_PREFIX + k: v.detach().clone().contiguous() for k, v in saved.items()}
-    config = adapter_config_json(lora_config(cfg, cfg.base_model, tied=_ties_embeddings(model)))
+    config = adapter_config_json(_peft_config(model, cfg))
     tmp = output_dir / f".{ADAPTER_WEIGHTS}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, output_dir / ADAPTER_WEIGHTS)

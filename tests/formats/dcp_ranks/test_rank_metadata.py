@@ -2,8 +2,9 @@
 ranks (`helpers.shared.saved_formats`) writes ``__R.metadata`` per rank and no ``.metadata``;
 every rank's metadata is read and cross-checked as one. The merge is bit-exact and gives the
 trained logits; `inspect`, `--all_steps` and `--remove_checkpoint_dir` reach it through its
-rows; a replicated tensor (every rank's copy) is read once; incomplete saves, overlapping chunks,
-ranks that disagree and metadata of another rank are refused in one line."""
+rows; a replicated tensor (every rank's copy) is read once, its other copies kept for the source
+to compare (`test_source`); incomplete saves, overlapping chunks, ranks that disagree and metadata
+of another rank are refused in one line; ranks are taken in numeric order (__10 after __9)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ import torch
 
 from helpers.shared import REPLICATED, merge_refused, merges_to_the_trained_model
 from shardforge.errors import CheckpointError
-from shardforge.formats.dcp_ranks.rank_metadata import read_rank_metadata
+from shardforge.formats.dcp_ranks.rank_metadata import (
+    list_rank_metadata,
+    read_rank_metadata,
+)
 from shardforge.inspection import inspect_checkpoint
 from shardforge.merge.api import merge_fsdp_weights
 
@@ -61,6 +65,12 @@ def test_each_chunk_once_and_a_replica_read_from_the_lowest_rank(saved: Path) ->
         ((0, 0), (4, 6), "__0_0.distcp"),
         ((4, 0), (3, 6), "__1_0.distcp"),
     ]
+
+
+def test_ranks_in_numeric_order(tmp_path: Path) -> None:
+    for rank in range(12):
+        (tmp_path / f"__{rank}.metadata").touch()
+    assert list(list_rank_metadata(tmp_path)) == list(range(12))
 
 
 def test_inspect_all_steps_and_removal(saved: Path, tmp_path: Path) -> None:

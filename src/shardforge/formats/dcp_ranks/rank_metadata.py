@@ -11,23 +11,26 @@ read_entries`: storage paths inside the checkpoint). Then, across the ranks:
   a metadata file copied from another rank or another save is refused;
 * the ranks agree on every tensor's dtype, global shape and key path, and no key is a tensor
   for one rank and a non-tensor entry for another;
-* a chunk saved whole by several ranks (a plain, replicated tensor: without collectives every
-  rank writes its copy) is read from the lowest rank; every other pair of chunks is disjoint
-  and together they tile the tensor exactly (`check_tiling`), and every byte range lies inside
-  its file without overlapping another (`check_files`).
+* a chunk saved by several ranks (a plain, replicated tensor: without collectives every rank
+  writes its copy) is read from the lowest rank, and the other ranks' copies are kept
+  (`read_rank_copies`) for the source to compare before its bytes are used
+  (`formats.dcp_ranks.source`); every other pair of chunks is disjoint and together they tile
+  the tensor exactly (`check_tiling`), and every byte range (the copies' too) lies inside its
+  file without overlapping another (`check_files`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shardforge.errors import CheckpointError
 from shardforge.formats.dcp.format import DISTCP_FILE
 from shardforge.formats.dcp.metadata import (
     CheckpointMetadata,
+    Chunk,
     TensorEntry,
     check_files,
     check_tiling,
@@ -53,6 +56,7 @@ def list_rank_metadata(folder: Path) -> dict[int, Path]:
             data_ranks.add(int(m.group(1)))
     if not found:
         raise CheckpointError(f"{folder}: no {SHOWN} files; not a collective-free DCP save")
+    found = dict(sorted(found.items()))  # by rank (the names sort __10 before __2)
     missing = sorted(set(range(max(found) + 1)) - set(found) | data_ranks - set(found))
     if missing:
         raise CheckpointError(
@@ -62,10 +66,42 @@ def list_rank_metadata(folder: Path) -> dict[int, Path]:
     return found
 
 
+@dataclass(frozen=True)
+class Copy:
+    """A chunk `rank` saved that another rank, `kept_rank`, saved too: `kept` is read, `chunk`
+    must hold the same bytes."""
+
+    chunk: Chunk
+    rank: int
+    kept: Chunk
+    kept_rank: int
+
+
+Copies = dict[str, tuple[Copy, ...]]  # key -> the copies of its chunks that are not read
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    meta: CheckpointMetadata
+    copies: Copies
+
+    def resolved(self) -> _Loaded:
+        """With torch's dtypes (`io.copy.session_memo`)."""
+        return replace(self, meta=self.meta.resolved())
+
+
 def read_rank_metadata(folder: str | Path) -> CheckpointMetadata:
     """Every rank's metadata of `folder`, checked as one (see the module docstring); parsed
     once per command (`io.copy.fact_session`)."""
-    d = Path(folder)
+    return _load(Path(folder)).meta
+
+
+def read_rank_copies(folder: str | Path) -> Copies:
+    """The copies of chunks several ranks saved, beside `read_rank_metadata`'s chunks."""
+    return _load(Path(folder)).copies
+
+
+def _load(d: Path) -> _Loaded:
     paths = list_rank_metadata(d)
     idents = []
     for path in paths.values():
@@ -78,15 +114,19 @@ def read_rank_metadata(folder: str | Path) -> CheckpointMetadata:
     return session_memo(key, lambda: _read(d, paths))
 
 
-def _read(d: Path, paths: dict[int, Path]) -> CheckpointMetadata:
+def _read(d: Path, paths: dict[int, Path]) -> _Loaded:
     per_rank = [(path, read_entries(d, path, tile=False)) for path in paths.values()]
-    for rank, (path, meta) in enumerate(per_rank):
+    for rank, (path, meta) in zip(paths, per_rank, strict=True):
         _own_files(rank, path, meta)
-    merged = _merged(d, per_rank)
+    merged, copies = _merged(d, per_rank)
     for key, entry in merged.tensors.items():
         check_tiling(key, entry.shape, list(entry.chunks), d)
-    check_files(d, merged.tensors, d / SHOWN)
-    return merged
+    every = {  # the copies' byte ranges checked as the chunks read are
+        k: replace(e, chunks=e.chunks + tuple(c.chunk for c in copies.get(k, ())))
+        for k, e in merged.tensors.items()
+    }
+    check_files(d, every, d / SHOWN)
+    return _Loaded(merged, copies)
 
 
 def _own_files(rank: int, path: Path, meta: CheckpointMetadata) -> None:
@@ -100,11 +140,15 @@ def _own_files(rank: int, path: Path, meta: CheckpointMetadata) -> None:
                 )
 
 
-def _merged(d: Path, per_rank: list[tuple[Path, CheckpointMetadata]]) -> CheckpointMetadata:
-    """One metadata from the ranks' (each rank's chunks added, a replica read once)."""
+def _merged(
+    d: Path, per_rank: list[tuple[Path, CheckpointMetadata]]
+) -> tuple[CheckpointMetadata, Copies]:
+    """One metadata from the ranks' (each rank's chunks added, a replica read once), in rank
+    order, and the replicas' other copies."""
     tensors: dict[str, TensorEntry] = {}
     said: dict[str, Path] = {}  # key -> the first metadata file that has it
     non_tensor: dict[str, Path] = {}
+    copies: dict[str, list[Copy]] = {}
     for path, meta in per_rank:
         for key, entry in meta.tensors.items():
             first = tensors.get(key)
@@ -115,15 +159,26 @@ def _merged(d: Path, per_rank: list[tuple[Path, CheckpointMetadata]]) -> Checkpo
                 continue
             if _facts(entry) != _facts(first):
                 _disagree(path, key, _shown(entry), said[key], _shown(first))
-            boxes = {(c.offsets, c.sizes) for c in first.chunks}
+            boxes = {(c.offsets, c.sizes): c for c in first.chunks}
             new = tuple(c for c in entry.chunks if (c.offsets, c.sizes) not in boxes)
+            for c in entry.chunks:
+                if (kept := boxes.get((c.offsets, c.sizes))) is not None and c.numel:
+                    copies.setdefault(key, []).append(Copy(c, _rank(c), kept, _rank(kept)))
             tensors[key] = replace(first, chunks=first.chunks + new)
         for key in meta.non_tensor_keys:
             if key in tensors:
                 _disagree(path, key, "a non-tensor entry", said[key], "a tensor")
             non_tensor.setdefault(key, path)
     versions = [m.version for _, m in per_rank if m.version is not None]
-    return CheckpointMetadata(d, tensors, tuple(non_tensor), versions[0] if versions else None)
+    merged = CheckpointMetadata(d, tensors, tuple(non_tensor), versions[0] if versions else None)
+    return merged, {k: tuple(v) for k, v in copies.items()}
+
+
+def _rank(c: Chunk) -> int:
+    """The rank that wrote the chunk (its file's name: checked by `_own_files`)."""
+    m = DISTCP_FILE.match(c.file.name)
+    assert m is not None
+    return int(m.group(1))
 
 
 def _facts(entry: TensorEntry) -> tuple[object, ...]:
