@@ -248,9 +248,17 @@ class RemoteObject:
                 "the object is truncated or changed during the merge"
             )
 
-    def copy_to(self, dst_fd: int, src_off: int, dst_off: int, count: int) -> None:
-        """[src_off, src_off + count) written at `dst_off` of the local file `dst_fd`."""
-        done = self._stream(src_off, count, _FileSink(dst_fd, dst_off - src_off))
+    def copy_to(
+        self,
+        dst_fd: int,
+        src_off: int,
+        dst_off: int,
+        count: int,
+        write: Callable[[int, memoryview, int], None] | None = None,
+    ) -> None:
+        """[src_off, src_off + count) written at `dst_off` of the local file `dst_fd` (by
+        `write(fd, data, offset)` when given: `io.copy.pwrite_all`, which feeds a hash)."""
+        done = self._stream(src_off, count, _FileSink(dst_fd, dst_off - src_off, write))
         if done < count:
             raise CheckpointError(
                 f"{self.uri}: unexpected end of the object at byte {src_off + done} while copying"
@@ -336,9 +344,13 @@ class _FileSink(_Sink):
 
     fd: int
     shift: int
+    writer: Callable[[int, memoryview, int], None] | None = None
 
     def write(self, at: int, data: bytes) -> None:
         view, pos = memoryview(data), at + self.shift
+        if self.writer is not None:
+            self.writer(self.fd, view, pos)
+            return
         while view:
             n = os.pwrite(self.fd, view, pos)
             view, pos = view[n:], pos + n

@@ -251,6 +251,7 @@ class FileUpload:
     part_size: int
     etags: dict[int, str] = field(default_factory=dict)
     completed: str | None = None  # the object's ETag once completed
+    sha256: str | None = None  # the file's, as its staging file was filled (`sinks.manifest`)
 
 
 @dataclass
@@ -272,6 +273,7 @@ class Journal:
                         "upload_id": f.upload_id,
                         "part_size": f.part_size,
                         "completed": f.completed,
+                        "sha256": f.sha256,
                     }
                     for n, f in self.files.items()
                 },
