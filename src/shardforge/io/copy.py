@@ -33,14 +33,14 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from shardforge.errors import CheckpointError
-from shardforge.io.digest import FileHash, hash_of
+from shardforge.io.digest import FileHash, HashAbandoned, hash_of
 from shardforge.io.dtypes import torch_ready
 from shardforge.io.files import open_regular
 from shardforge.io.remote import remote_of
@@ -415,8 +415,23 @@ def copy_jobs(
                     done = False
                 elif progress is not None:
                     progress(job.nbytes)
-        except BaseException:
+        except BaseException as exc:
             for fut in futures:
                 fut.cancel()
+            if isinstance(exc, HashAbandoned):  # an earlier job released by a later failure
+                cause = _first_cause(futures)
+                if cause is not None:
+                    raise cause from None
             raise
     return done
+
+
+def _first_cause(futures: Sequence[Future[bool]]) -> BaseException | None:
+    """The first error of the finished jobs that is not a released hash (`HashAbandoned`)."""
+    for fut in futures:
+        if fut.cancelled():
+            continue
+        exc = fut.exception()
+        if exc is not None and not isinstance(exc, HashAbandoned):
+            return exc
+    return None

@@ -38,6 +38,11 @@ from shardforge.io.files import open_regular, read_exact_into
 DEFERRED_BLOCK = 8 << 20
 
 
+class HashAbandoned(MergeError):
+    """A piece could not be hashed because another writer of the file failed or stopped
+    (`FileHash.abort`): a consequence, never the cause, of the error to report."""
+
+
 @dataclass(frozen=True)
 class _Deferred:
     """`n` bytes at `src_offset` of `path`, copied to the output without passing through here."""
@@ -136,7 +141,7 @@ class FileHash:
 
     def _check(self) -> None:
         if self._failed is not None:
-            raise MergeError(f"the output's hash was abandoned: {self._failed}")
+            raise HashAbandoned(f"the output's hash was abandoned: {self._failed}")
 
 
 # open output file descriptor -> the hash its writes feed (`hashing`)
