@@ -17,7 +17,11 @@ A strategy is `threads x order`:
 - threads: how many threads run the jobs of one output file at once (the merge used 4 until
   issue 12's profile; it now uses 1);
 - order: `plan` (the output's tensor order, as the merge copied before) or `source` (sorted by
-  data file and offset: each data file read front to back, as the merge copies now).
+  data file and offset: each data file read front to back, as the merge copies without a
+  manifest); `hashed`: the merge's copy into a file whose SHA-256 its integrity manifest
+  records (`io.digest`: jobs in output order, each source block mapped, hashed in turn and
+  copied in the kernel); `buffered`: the alternative it was measured against (each block read
+  into a buffer, hashed and written back; one thread).
 
 `none` copies nothing: with `--with-startup`, the start-up's time on its own.
 
@@ -41,7 +45,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from merge_bench import evict, settle
 
-STRATEGIES = ("4x plan", "1x plan", "4x source", "1x source")
+STRATEGIES = ("4x plan", "1x plan", "4x source", "1x source", "1x hashed", "1x buffered")
+HASH_BUFFER = 8 << 20  # the `buffered` strategy's block
 
 # what the merge does while its early copy runs (merge.prepare._architecture)
 STARTUP = r"""
@@ -59,6 +64,7 @@ def plan_jobs(
     """[(output file name, size, [(src path, src offset, dst offset, nbytes), ...])], the data
     files, the model config's folder."""
     from shardforge.config import load_cfg
+    from shardforge.formats.dcp.chunks import entry_slabs
     from shardforge.io.copy import ReadCache
     from shardforge.layouts.catalog import resolve_checkpoint
     from shardforge.merge import overlap
@@ -73,7 +79,7 @@ def plan_jobs(
         for pf in guess.plan.files:
             jobs = []
             for planned in pf.tensors:
-                slabs = guess.sources[planned.spec.name].slabs(reader)
+                slabs = entry_slabs(guess.entries[planned.spec.name], reader)
                 if slabs is None:
                     raise SystemExit(f"{planned.spec.name}: not a file-to-file slab")
                 jobs += [
@@ -96,6 +102,31 @@ def copy_one(src: str, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
         os.close(fd)
 
 
+def hashed_copy(fd: int, jobs: list[tuple], threads: int, buffered: bool) -> str:
+    """The jobs into `fd` with its SHA-256 computed as they write (the header's bytes, not
+    copied here, hashed as zeros); the hex digest."""
+    from shardforge.io.copy import CopyJob, copy_jobs, copy_range
+    from shardforge.io.digest import FileHash, hashing
+
+    h = FileHash()
+    todo = sorted(jobs, key=lambda j: j[2])
+    h.feed(0, bytes(todo[0][2]))
+    if not buffered:
+        with hashing(fd, h):
+            copy_jobs([CopyJob(Path(s), so, fd, do, n) for s, so, do, n in todo], copy_range,
+                      threads=threads)  # fmt: skip
+    for src, so, do, n in todo if buffered else ():
+        sfd = os.open(src, os.O_RDONLY)
+        try:
+            for at in range(0, n, HASH_BUFFER):
+                block = os.pread(sfd, min(HASH_BUFFER, n - at), so + at)
+                h.feed(do + at, block)
+                os.pwrite(fd, block, do + at)
+        finally:
+            os.close(sfd)
+    return h.hexdigest(todo[-1][2] + todo[-1][3])
+
+
 def run(strategy: str, files: list[tuple[str, int, list[tuple]]], out_dir: Path) -> float:
     if strategy == "none":  # no copy: the start-up alone (with --with-startup)
         return 0.0
@@ -107,7 +138,9 @@ def run(strategy: str, files: list[tuple[str, int, list[tuple]]], out_dir: Path)
         try:
             os.posix_fallocate(fd, 0, size)
             todo = sorted(jobs, key=lambda j: (j[0], j[1])) if order == "source" else jobs
-            if threads == 1:
+            if order in ("hashed", "buffered"):
+                hashed_copy(fd, jobs, threads, buffered=order == "buffered")
+            elif threads == 1:
                 for src, so, do, n in todo:
                     copy_one(src, so, fd, do, n)
             else:

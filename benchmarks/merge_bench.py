@@ -9,6 +9,9 @@ contenders run by run:
 - shardforge_Nranks (e.g. shardforge_2ranks): the same with `--nproc_per_node N` (torchrun, gloo)
 - shardforge_dry_run: the same with `--dry_run`: imports, metadata, the meta-device
   architecture, every check and the plan, and no byte written (the merge's fixed start-up cost)
+- shardforge_nomanifest: the same merge with the integrity manifest turned off
+  (`shardforge.sinks.manifest.ENABLED = False`: nothing hashed, the copy in read order): the
+  manifest's extra time is shardforge's over this one's
 - accelerate: `accelerate.utils.merge_fsdp_weights(DIR, OUT)` (the `bench` extra)
 - dcp_to_torch_save: `torch.distributed.checkpoint.format_utils.dcp_to_torch_save(DIR, OUT)`
 - copy: `cp -r` of the checkpoint directory plus `sync` of the copied files (the disk's reference)
@@ -18,8 +21,9 @@ contenders run by run:
 - s3_download_merge_upload: what a user does without it: download the checkpoint (s3fs), merge
   it locally with shardforge, upload the merged directory (s3fs)
 
-Each contender runs in its own process (tree); wall seconds, the peak RSS of its largest process
-(from wait4), the peak of the whole process tree's summed RSS (sampled every 50 ms: a multi-rank
+Each contender runs in its own process (tree); wall seconds, its CPU seconds (user + kernel of
+the processes it waited for: a figure the machine's other load changes less than the wall
+time), the peak RSS of its largest process (from wait4), the peak of the whole process tree's summed RSS (sampled every 50 ms: a multi-rank
 merge is several processes), the 1-minute load average before the run (the machine may be shared)
 and the output bytes are recorded. The script prints the medians and the ratios to shardforge
 and to the copy.
@@ -27,6 +31,7 @@ and to the copy.
     python benchmarks/merge_bench.py --size 1GB --repeats 3
     python benchmarks/merge_bench.py --size 4GB --dtype float32 --cache cold
     python benchmarks/merge_bench.py --size 4GB --contenders shardforge --baseline /tmp/old  # vs. a checkout
+    python benchmarks/merge_bench.py --size 4GB --contenders shardforge,shardforge_nomanifest  # the manifest
     python benchmarks/merge_bench.py --size 4GB --contenders copy,shardforge,shardforge_cast,\
         shardforge_2ranks,shardforge_3ranks,shardforge_dry_run,accelerate
 
@@ -287,6 +292,12 @@ SHARDFORGE_VARIANTS = {
     "shardforge_dry_run": ["--dry_run"],
 }
 RANKS_VARIANT = re.compile(r"^shardforge_(\d+)ranks$")
+# shardforge's variants that change a module setting: contender name -> Python run before the
+# command (in the same process, as `python -c`)
+SHARDFORGE_PRELUDES = {
+    "shardforge_nomanifest": "import shardforge.sinks.manifest as m\nm.ENABLED = False",
+}
+SHARDFORGE_VARIANTS["shardforge_nomanifest"] = []
 
 
 def shardforge_options(name: str) -> list[str] | None:
@@ -303,9 +314,12 @@ def command_for(
     merge = ["merge-sharded-fsdp-weights", str(cfg), "--checkpoint", str(ckpt),
              "--output_path", str(out), "--quiet", "--no-save-tokenizer"]  # fmt: skip
     extra = shardforge_options(name)
+    env = ["env", f"PYTHONPATH={Path(source).resolve() / 'src'}"] if source else []
+    if name in SHARDFORGE_PRELUDES:  # the console command's own entry, after the prelude
+        code = f"{SHARDFORGE_PRELUDES[name]}\nfrom shardforge.cli.main import main\nmain()"
+        return [*env, sys.executable, "-c", code, *merge]
     if extra is not None and source:  # a fixed checkout, not the (changing) working tree
-        return ["env", f"PYTHONPATH={Path(source).resolve() / 'src'}", sys.executable, "-m",
-                "shardforge", *merge, *extra]  # fmt: skip
+        return [*env, sys.executable, "-m", "shardforge", *merge, *extra]
     if extra is not None:
         return [str(Path(sys.executable).parent / "shardforge"), *merge, *extra]
     if name == "baseline":  # another checkout's source (e.g. the previous release), same packages
@@ -330,6 +344,7 @@ class Result:
     seconds: list[float] = field(default_factory=list)
     peak_rss: list[int] = field(default_factory=list)  # the largest process (wait4)
     tree_rss: list[int] = field(default_factory=list)  # the process tree, summed (sampled)
+    cpu: list[float] = field(default_factory=list)  # user + kernel CPU seconds of the tree
     load: list[float] = field(default_factory=list)  # 1-minute load average before each run
     out_bytes: int = 0
     failure: str = ""
@@ -380,10 +395,13 @@ while True:
     peak = max(peak, tree_rss(pid))
     time.sleep(0.05)
 seconds = time.perf_counter() - t0
-rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+rss = usage.ru_maxrss * 1024
+cpu = usage.ru_utime + usage.ru_stime
 code = os.waitstatus_to_exitcode(status)
 with open(out, "w") as f:
-    json.dump({"seconds": seconds, "rss": rss, "tree_rss": max(peak, rss), "code": code}, f)
+    json.dump({"seconds": seconds, "rss": rss, "tree_rss": max(peak, rss), "cpu": cpu,
+               "code": code}, f)
 """
 
 
@@ -392,6 +410,7 @@ class Run:
     seconds: float
     rss: int  # peak RSS of the largest process
     tree_rss: int  # peak of the summed RSS of the process tree (sampled)
+    cpu: float  # user + kernel CPU seconds of the process tree (its waited-for processes)
     code: int
     stderr_tail: str
 
@@ -411,7 +430,7 @@ def run_measured(cmd: list[str], limit_bytes: int | None, scratch: Path) -> Run:
     )
     err = proc.stderr.decode(errors="replace")
     r = json.loads(report.read_text())
-    return Run(r["seconds"], r["rss"], r["tree_rss"], r["code"], err[-600:])
+    return Run(r["seconds"], r["rss"], r["tree_rss"], r["cpu"], r["code"], err[-600:])
 
 
 def dir_bytes(path: Path) -> int:
@@ -563,13 +582,14 @@ def main() -> None:
                 res.seconds.append(run.seconds)
                 res.peak_rss.append(run.rss)
                 res.tree_rss.append(run.tree_rss)
+                res.cpu.append(run.cpu)
                 res.load.append(load)
                 res.out_bytes = (
                     stored_bytes(store, out) if name in S3_CONTENDERS else dir_bytes(out)
                 )
                 print(
-                    f"  run {rep + 1} {name}: {run.seconds:.2f} s, peak RSS {human(run.rss)} "
-                    f"(tree {human(run.tree_rss)}), load before {load:.2f}",
+                    f"  run {rep + 1} {name}: {run.seconds:.2f} s, CPU {run.cpu:.2f} s, peak RSS "
+                    f"{human(run.rss)} (tree {human(run.tree_rss)}), load before {load:.2f}",
                     file=sys.stderr,
                 )
             shutil.rmtree(out, ignore_errors=True)
@@ -582,14 +602,15 @@ def main() -> None:
     print(f"\ncheckpoint: {human(ckpt_bytes)} {args.dtype}, {len(files) - 1} files, "
           f"{args.ranks} ranks; cache: {table['cache']}; repeats: {args.repeats}; "
           f"{os.cpu_count()} cores; disk settled + {args.pause:g} s rest before every run")  # fmt: skip
-    print(f"{'contender':<22}{'median s':>10}{'best s':>8}{'MB/s':>8}{'peak RSS':>11}{'RSS/ckpt':>10}"
-          f"{'tree RSS':>11}{'output':>11}{'/copy':>8}{'load':>7}")  # fmt: skip
+    print(f"{'contender':<22}{'median s':>10}{'best s':>8}{'CPU s':>7}{'MB/s':>8}{'peak RSS':>11}"
+          f"{'RSS/ckpt':>10}{'tree RSS':>11}{'output':>11}{'/copy':>8}{'load':>7}")  # fmt: skip
     for name, row in table["results"].items():
         if "median_s" not in row:
             print(f"{name:<22}{'failed: ' + row['failure'] if row['failure'] else 'no runs'}")
             continue
         vs_copy = f"{row['copy_time_ratio']:.2f}x" if "copy_time_ratio" in row else "-"
-        print(f"{name:<22}{row['median_s']:>10.2f}{row['best_s']:>8.2f}{ckpt_bytes / row['median_s'] / 1e6:>8.0f}"
+        print(f"{name:<22}{row['median_s']:>10.2f}{row['best_s']:>8.2f}{row['median_cpu_s']:>7.1f}"
+              f"{ckpt_bytes / row['median_s'] / 1e6:>8.0f}"
               f"{human(row['peak_rss']):>11}{row['peak_rss'] / ckpt_bytes:>10.1%}"
               f"{human(row['tree_rss']):>11}{human(row['output_bytes']):>11}{vs_copy:>8}"
               f"{row['median_load']:>7.2f}")  # fmt: skip
@@ -654,6 +675,8 @@ def summarize(
             "runs_s": res.seconds,
             "peak_rss": max(res.peak_rss),
             "tree_rss": max(res.tree_rss),
+            "runs_cpu_s": res.cpu,
+            "median_cpu_s": statistics.median(res.cpu),
             "loads": res.load,
             "median_load": statistics.median(res.load),
             "output_bytes": res.out_bytes,

@@ -49,13 +49,13 @@ sources = merge_sources(cfg, inputs)
 config, expected = api._architecture(sources.config, cfg.trust_remote_code)
 marks["transformers + meta architecture"] = time.perf_counter()
 from shardforge.keymap.names import adapt_names
-from shardforge.sinks.plan import TensorSpec, default_max_shard_size, plan_output
+from shardforge.sinks.plan import default_max_shard_size, plan_output
 named = adapt_names(inputs[0].adapter, inputs[0].model_dir, opened, config)
 keymap, by_name = api._hf_sources(inputs[0], named, expected, sources.config)
-from shardforge.merge.dtypes import config_dtype, output_dtype
-target = config_dtype(config)
-specs = [TensorSpec(n, output_dtype(by_name[n].dtype, target), by_name[n].shape)
-         for n in expected.saved_names]
+from shardforge.merge.dtypes import output_rules, planned_specs
+rules = output_rules(None, config, (), expected.keep)
+specs, _ = planned_specs(((n, by_name[n].dtype, by_name[n].shape) for n in expected.saved_names),
+                         rules)
 plan_output(specs, default_max_shard_size(), expected.total_parameters)
 marks["keys, checks, plan"] = time.perf_counter()
 prev, out = t0, {}

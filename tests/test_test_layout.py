@@ -28,6 +28,7 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "cli/merge_sharded_fsdp_weights.py": "tests/cli/test_merge_cli.py: named after the command",
     "cli/preprocess.py": "tests/cli/test_preprocess_cli.py: named after the command",
     "cli/train.py": "tests/cli/test_train_cli.py: named after the command",
+    "cli/verify.py": "tests/cli/test_verify_cli.py: test_verify.py is tests/sinks/'s name",
     "cli/train_rank.py": "tests/train/test_launch.py: the entry of each torchrun training rank",
     "config/axolotl_keys.py": "tests/config/test_axolotl.py: the key table, with its users",
     "config/errors.py": "tests/config/test_loader.py: pydantic errors as the user's key lines",

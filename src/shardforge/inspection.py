@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,16 @@ from shardforge.io.mirror import mirrored
 from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import resolve_checkpoint, scan
 from shardforge.layouts.layout import LAST, OPTIMIZER_DIRS, Candidate, format_of, is_step_folder
+from shardforge.sinks.cast import (
+    Decision,
+    as_json,
+    cast_rules,
+    config_dtype_name,
+    decide_all,
+    describe,
+    model_keep_patterns,
+    parse_dtype_name,
+)
 
 log = logging.getLogger("shardforge")
 
@@ -68,6 +79,9 @@ class Inspection:
     key_names: str  # "hugging-face", or the adapter the merge maps them with ("torchtitan")
     steps: tuple[StepFact, ...]
     contents: Contents
+    # what an output dtype would cast and keep (`with_casts`; None: not asked)
+    casts: Mapping[str, Decision] | None = None
+    cast_target: str | None = None
 
     @property
     def tensors(self) -> tuple[TensorFact, ...]:
@@ -122,6 +136,15 @@ class Inspection:
             "non_tensor_keys": list(c.non_tensor_keys),
             "optimizer": _plain(c.optimizer),
             "other_state": _plain(c.other_state),
+            **({} if self.casts is None else {"dtype_rules": self._dtype_rules()}),
+        }
+
+    def _dtype_rules(self) -> dict[str, Any]:
+        assert self.casts is not None
+        return {
+            "target": self.cast_target,
+            "rules": describe(self.casts),
+            "tensors": as_json(self.casts),
         }
 
 
@@ -365,14 +388,55 @@ def is_config_path(path: str | Path) -> bool:
     return p.suffix.lower() in CONFIG_SUFFIXES and not p.is_dir()
 
 
+def _model_on_meta(source: str, trust_remote_code: bool) -> Any | None:
+    """The model of the config at `source` built on the meta device (its class's float32
+    lists); None, with a warning, when it cannot be built."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # the report goes on without the model's own rules
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        log.warning(
+            "%s: the model's float32 modules are not known (%s: %s)",
+            source,
+            type(exc).__name__,
+            reason,
+        )
+        return None
+
+
+def with_casts(
+    facts: Inspection, dtype: str | None, keep: Sequence[str], model: Any | None = None
+) -> Inspection:
+    """`facts` with what an output dtype (`dtype`; else the model config's, else none) would
+    cast and keep of the checkpoint's tensors, by the merge's rules (`sinks.cast`): the
+    `--keep_dtype` patterns `keep` and the float32 lists of `model` (built on the meta device)
+    matched against the names as the checkpoint stores them."""
+    name = parse_dtype_name(dtype)
+    if name == "config":
+        name = config_dtype_name(getattr(model, "config", None))
+    rules = cast_rules(name, keep, model_keep_patterns(model) if model is not None else ())
+    casts = decide_all(((t.name, t.dtype) for t in facts.tensors), rules)
+    return replace(facts, casts=casts, cast_target=name)
+
+
 def inspect_path_or_config(
     path_or_config: str | Path,
     step: int | None = None,
     override_args: list[str] | None = None,
     state_dict_dirname: str | None = None,
+    dtype: str | None = None,
+    keep_dtype: Sequence[str] = (),
 ) -> Inspection:
     """`inspect_checkpoint` of a checkpoint path, or of a YAML config's `output_dir` (an
-    s3:// URI is read through its mirror in the caller's staging area, `io.mirror`)."""
+    s3:// URI is read through its mirror in the caller's staging area, `io.mirror`); with
+    `dtype` or `keep_dtype`, what the merge would cast and keep (`with_casts`; a config's
+    base model gives the default dtype and the model's float32 modules)."""
+    casts = dtype is not None or bool(keep_dtype)
     if is_remote(str(path_or_config)):
         path_or_config = mirrored(str(path_or_config))
     if not is_config_path(path_or_config):
@@ -381,7 +445,8 @@ def inspect_path_or_config(
                 f"unexpected arguments {' '.join(override_args)}: config overrides need a YAML "
                 "config, not a checkpoint path"
             )
-        return inspect_checkpoint(path_or_config, step, state_dict_dirname)
+        facts = inspect_checkpoint(path_or_config, step, state_dict_dirname)
+        return with_casts(facts, dtype, keep_dtype) if casts else facts
     from shardforge.config import load_cfg, parse_override_args
 
     cfg_path = Path(path_or_config)
@@ -396,4 +461,8 @@ def inspect_path_or_config(
             f"{cfg_path}: output_dir {out_dir} does not exist; train first, or give the "
             "checkpoint directory instead of the config"
         )
-    return inspect_checkpoint(out_dir, step, state_dict_dirname, source=str(cfg_path))
+    facts = inspect_checkpoint(out_dir, step, state_dict_dirname, source=str(cfg_path))
+    if not casts:
+        return facts
+    model = _model_on_meta(cfg.base_model_config or cfg.base_model, cfg.trust_remote_code)
+    return with_casts(facts, dtype, keep_dtype, model)

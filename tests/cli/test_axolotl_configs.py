@@ -175,8 +175,10 @@ def test_train_then_merge_with_gemma3s_config(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=tmp_path,  # dataset_prepared_path: last_run_prepared is relative to it
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "last_run_prepared").is_dir()
     assert "step 2/2" in proc.stderr and (tmp_path / "run" / "checkpoint-2").is_dir()
     assert saved_template(tmp_path / "run") == CHAT_TEMPLATES["gemma3"]
     result = merge(cfg, tmp_path / "merged")

@@ -82,6 +82,7 @@ def test_fire_arguments_become_the_command_line() -> None:
             "verify": True,
             "dry_run": False,
             "steps": (100, 200),
+            "keep_dtype": ["router", "norm"],
             "max_shard_size": 1000,
             "learning_rate": 2e-5,
             "bf16": True,
@@ -90,7 +91,8 @@ def test_fire_arguments_become_the_command_line() -> None:
     assert argv == [
         "cfg.yml",
         *("--output_path", "out", "--format", "torch", "--no-save-tokenizer", "--verify"),
-        *("--steps", "100,200", "--max_shard_size", "1000"),
+        *("--steps", "100,200", "--keep_dtype", "router", "--keep_dtype", "norm"),
+        *("--max_shard_size", "1000"),
         *("--learning_rate", "2e-05", "--bf16", "true"),
     ]
 

@@ -172,3 +172,50 @@ def test_an_axolotl_config_with_values_only_training_reads(built: Built, tmp_pat
     result = run(cfg, "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["step"] == 4
+
+
+@pytest.fixture(scope="module")
+def keep_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DCP checkpoint with an FP8 weight, an int buffer and a `_keep_in_fp32_modules`
+    module (helpers.keep), and a config naming its base model."""
+    from helpers.keep import make_keep_checkpoint
+
+    root = tmp_path_factory.mktemp("keep")
+    base, ckpt = make_keep_checkpoint(root)
+    (root / "cfg.yml").write_text(f"base_model: {base}\noutput_dir: {ckpt}\n")
+    return root
+
+
+def test_dtype_lists_what_is_cast_and_kept_and_why(keep_run: Path) -> None:
+    from helpers.keep import FP8_WEIGHT, INT_BUFFER, KEPT
+
+    result = run(keep_run / "cfg.yml", "--dtype", "bf16", "--keep_dtype", "norm")
+    assert result.exit_code == 0, result.output
+    rules = result.stdout.split("dtype rules (output dtype bfloat16):\n")[1].split("\n\n")[0]
+    lines = rules.splitlines()
+    assert lines[0].startswith("  cast float32 -> bfloat16: 15 tensors (model.embed_tokens")
+    assert "  kept: --keep_dtype 'norm': 5 tensors (" in rules
+    assert f"  kept: integer tensors are never cast: 1 tensor ({INT_BUFFER})" in lines
+    assert f"'router': 1 tensor ({KEPT})" in rules  # the model class's own list
+    assert f"1 tensor ({FP8_WEIGHT})" in rules and len(lines) == 5
+    doc = json.loads(run(keep_run / "cfg.yml", "--dtype", "bf16", "--json").stdout)
+    tensors = doc["dtype_rules"]["tensors"]
+    assert len(tensors) == doc["model"]["tensor_count"] == 23
+    assert tensors[KEPT] == {
+        "saved": "float32",
+        "dtype": "float32",
+        "rule": "kept: TinyKeepForCausalLM._keep_in_fp32_modules 'router'",
+    }
+    assert tensors["model.norm.weight"]["dtype"] == "bfloat16"  # no --keep_dtype this time
+    assert tensors[FP8_WEIGHT]["dtype"] == "float8_e4m3fn"
+
+
+def test_dtype_of_a_plain_path_and_bad_values(keep_run: Path) -> None:
+    every = run(keep_run / "checkpoint", "--keep_dtype", "norm", "--all")
+    assert "dtype rules (output dtype none (as saved; give --dtype)):" in every.stdout
+    assert "  as saved (no output dtype): 23 tensors (" in every.stdout
+    assert every.stdout.count("as saved (no output dtype)") == 24  # the rule, every tensor
+    bad = run(keep_run / "checkpoint", "--dtype", "int8")
+    assert bad.exit_code == 1 and bad.stderr.startswith("error: --dtype 'int8': expected one of")
+    bad = run(keep_run / "checkpoint", "--dtype", "bf16", "--keep_dtype", "(")
+    assert bad.stderr.splitlines()[0].startswith("error: --keep_dtype '(': not a pattern")

@@ -185,6 +185,32 @@ def test_shard_files_exist_inside_the_folder(
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_identity_lists_the_files_read_with_their_sizes_and_records(
+    fmt: CheckpointFormat, written: dict[str, tuple[Path, Tensors]]
+) -> None:
+    """What an output's manifest records of its checkpoint (`sinks.manifest`): every file the
+    stored tensors live in, its size, and each record's stored CRC-32s as Python's zipfile
+    reads them."""
+    import io
+    import zipfile
+
+    for fixture in _own(fmt):
+        folder, _ = written[fixture]
+        locations = {s.directory for n in fmt.open(folder).values() for s in n.source.stored()}
+        for location in locations:
+            base = location if location.is_dir() else location.parent
+            files = fmt.identity(location)
+            assert files, fixture
+            for f in files:
+                data = (base / f.path).read_bytes()
+                assert not f.path.is_absolute() and f.size == len(data), (fixture, f.path)
+                for r in f.records:
+                    window = io.BytesIO(data[r.offset : r.offset + r.length])
+                    with zipfile.ZipFile(window) as z:
+                        assert {m: z.getinfo(m).CRC for m, _ in r.crc32} == dict(r.crc32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_the_reference_reader_gives_what_the_source_reads(
     fmt: CheckpointFormat, written: dict[str, tuple[Path, Tensors]]
 ) -> None:

@@ -10,7 +10,7 @@ The child's first call of `target` ("module:attribute", e.g. "os:pwrite",
 "pathlib:Path.rename", "threading:Thread.start") whose first argument matches `match` (a
 regular expression searched in the path of that argument: a file descriptor's file, a path,
 else its str()), on a thread whose name matches `thread` (default: the main thread), pauses
-after the call (or before it, `after=False`) until `open()`. Every Python process started
+after the call (or before it, `after=False`) until `open()` (`nth`: at its nth matching call instead). Every Python process started
 with `env()` (torchrun's ranks too) carries the gate and pauses once, at its own first
 matching call. A pause sleeps in short steps: on the main thread a signal's handler
 (KeyboardInterrupt) runs at once. A process left paused by a failed test goes on by itself
@@ -39,6 +39,7 @@ class Gate:
         *,
         after: bool = True,
         thread: str = "^MainThread$",
+        nth: int = 1,
     ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
@@ -48,6 +49,7 @@ class Gate:
             "match": match,
             "when": "after" if after else "before",
             "thread": thread,
+            "nth": nth,
         }
 
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -31,6 +31,8 @@ from typing import Any
 
 import pytest
 
+from helpers.outputs import output_files
+
 ACCESS_KEY = "shardforge-test-access"
 SECRET_KEY = "shardforge-test-secret-0123456789"
 REGION = "us-east-1"
@@ -259,8 +261,9 @@ def layout_folder(root: Path, layout: str) -> Path:
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
-    """Every file below `root` by relative name: what two outputs are compared by."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    """Every file below `root` by relative name: what two outputs are compared by
+    (`helpers.outputs.output_files`)."""
+    return output_files(root)
 
 
 def killed_at(gate: Any, cmd: list[str], env: Mapping[str, str]) -> None:

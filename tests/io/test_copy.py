@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from shardforge.errors import CheckpointError
+from shardforge.errors import CheckpointError, MergeError
 from shardforge.io.copy import CopyJob, copy_jobs, copy_range, copy_threads, prefetch
 
 
@@ -94,3 +94,77 @@ def test_prefetch_respects_its_budget(tmp_path: Path) -> None:
     assert prefetch(files, budget=25_000) == 25_000
     assert prefetch(files, budget=10**9) == 30_000
     assert prefetch([tmp_path / "missing"], budget=100) == 0
+
+
+def _hashed_copy(tmp_path: Path, jobs_spec: list[tuple[Path, int, int, int]], threads: int) -> str:
+    """Copy (src, src_offset, dst_offset, n) jobs into a hashed output; its hash as written."""
+    import hashlib
+
+    from shardforge.io.digest import FileHash, hashing
+
+    size = max(d + n for _, _, d, n in jobs_spec)
+    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    h = FileHash()
+    try:
+        os.ftruncate(fd, size)
+        with hashing(fd, h):
+            copy_jobs([CopyJob(p, o, fd, d, n) for p, o, d, n in jobs_spec], copy_range, None,
+                      threads=threads)  # fmt: skip
+    finally:
+        os.close(fd)
+    written = (tmp_path / "out.bin").read_bytes()
+    for path, off, dst, n in jobs_spec:
+        assert written[dst : dst + n] == path.read_bytes()[off : off + n]
+    assert h.hexdigest(size) == hashlib.sha256(written).hexdigest()
+    return h.hexdigest(size)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_hashed_output_is_hashed_as_the_copy_threads_write_it(
+    tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Contiguous jobs hand their blocks over in turn (blocks smaller than the jobs here);
+    jobs that leave a gap are kept until the gap is filled; the bytes are never read back."""
+    import shardforge.io.copy as copy_module
+
+    monkeypatch.setattr(copy_module, "HASH_BLOCK", 1000)
+    srcs = _files(tmp_path, 3, 1 << 16)
+    contiguous = [(srcs[i % 3], (i // 3) * 4096, (47 - i) * 4096, 4096) for i in range(48)]
+    _hashed_copy(tmp_path, contiguous, threads)
+    # everything but the first 4096 bytes, then those: the rest waits (kept) until they come
+    gapped = [(srcs[0], 0, 4096, 40000), (srcs[1], 0, 0, 4096)]
+    fd = os.open(tmp_path / "g.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        from shardforge.io.digest import FileHash, hashing
+
+        h = FileHash()
+        with hashing(fd, h):
+            copy_jobs([CopyJob(*gapped[0][:2], fd, *gapped[0][2:])], copy_range, threads=threads)
+            assert h.frontier == 0  # kept: the first 4096 bytes are not written yet
+            copy_jobs([CopyJob(*gapped[1][:2], fd, *gapped[1][2:])], copy_range, threads=threads)
+        assert h.frontier == 44096
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_failed_or_stopped_hashed_copy_leaves_no_thread_waiting(
+    tmp_path: Path, threads: int
+) -> None:
+    from shardforge.io.digest import FileHash, hashing
+
+    (src,) = _files(tmp_path, 1, 1 << 16)
+    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        h = FileHash()
+        jobs = [CopyJob(src, 0, fd, 0, 4096), CopyJob(tmp_path / "gone.bin", 0, fd, 4096, 10)]
+        jobs += [CopyJob(src, 4096 * i, fd, 4096 * i + 10 - 4096, 4096) for i in range(2, 9)]
+        with hashing(fd, h), pytest.raises(CheckpointError, match=r"gone\.bin: cannot read"):
+            copy_jobs(jobs, copy_range, threads=threads)
+        h2 = FileHash()
+        with hashing(fd, h2):
+            assert not copy_jobs([CopyJob(src, 0, fd, 0, 4096)], copy_range, stop=lambda: True)
+        with pytest.raises(MergeError, match="abandoned: the copy was stopped"):
+            h2.feed(0, b"x")
+    finally:
+        os.close(fd)

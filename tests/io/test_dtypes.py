@@ -126,12 +126,22 @@ def test_the_users_dtype_choices_are_floating_rows() -> None:
     from typing import get_args
 
     from shardforge.config.schema import DType
-    from shardforge.merge.dtypes import DTYPES as MERGE_CHOICES
+    from shardforge.sinks.cast import DTYPE_CHOICES as MERGE_CHOICES
 
     names = [n for n in MERGE_CHOICES.values() if n is not None] + list(get_args(DType))
     assert names and all(
         DTYPE_NAMES[n].name == n and DTYPE_NAMES[n].is_floating_point for n in names
     )
+
+
+def test_only_plain_floating_dtypes_are_castable() -> None:
+    """An output dtype casts float64/32/16 and bfloat16 only: FP8/FP4 carry scales, integers,
+    bools and packed blocks hold codes (`sinks.cast` keeps them as stored)."""
+    castable = {row.name for row in DTYPES if row.castable}
+    assert castable == {"float64", "float32", "float16", "bfloat16"}
+    assert all(row.is_floating_point for row in DTYPES if row.kind in ("float8", "float4"))
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float4_e2m1fn_x2", "uint8"):
+        assert not DTYPE_NAMES[name].castable, name
 
 
 def test_with_torch_loaded_a_name_is_torchs_own_dtype() -> None:

@@ -1,10 +1,12 @@
 """Remote objects as bytes: URIs, ranged reads (small ones cached, large ones in parallel
 parts) checked against the stored bytes on the loopback SeaweedFS, stand-ins served through
-the byte path's own functions, and failed requests as one line without a secret."""
+the byte path's own functions, a large copy streamed without holding its parts, and failed
+requests as one line without a secret."""
 
 from __future__ import annotations
 
 import os
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -97,7 +99,32 @@ def test_ranged_reads_are_the_stored_bytes(
 
 
 @pytest.mark.slow
-def test_wrong_credentials_and_a_missing_bucket(s3_server: S3Server) -> None:
+def test_a_large_copy_is_streamed_not_held(s3_server: S3Server, tmp_path: Path) -> None:
+    """48 MiB copied into a local file in parts of 16 MiB, 8 GETs at once: the bytes Python
+    holds at any time stay at a few pieces of `STREAM_CHUNK`, far below one part."""
+    bucket = s3_server.bucket("remote-stream")
+    data = os.urandom(48 << 20)
+    s3_server.fs().pipe(f"{bucket}/big.bin", data)
+    obj = RemoteObject(
+        filesystem(s3_server.storage_options), RemoteURI(bucket, "big.bin"), len(data)
+    )
+    out = os.open(tmp_path / "copy", os.O_RDWR | os.O_CREAT)
+    try:
+        obj.read(10, 0)  # the client made (its S3 model loaded) before measuring
+        tracemalloc.start()
+        obj.copy_to(out, 0, 0, len(data))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        os.close(out)
+    assert (tmp_path / "copy").read_bytes() == data
+    assert peak < remote.PART_BYTES, peak  # the old path held 8 whole parts (128 MiB)
+
+
+@pytest.mark.slow
+def test_wrong_credentials_and_a_missing_bucket(
+    s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     bucket = s3_server.bucket("remote-errors")
     s3_server.fs().pipe(f"{bucket}/x", b"abc")
     wrong = {**s3_server.storage_options, "secret": "the-wrong-secret-key"}
@@ -106,6 +133,15 @@ def test_wrong_credentials_and_a_missing_bucket(s3_server: S3Server) -> None:
         obj.read(3, 0)
     assert err.value.message.startswith(f"s3://{bucket}/x: access denied")
     assert "the-wrong-secret-key" not in str(err.value)
+    # a streamed copy in parts (one at a time): the first failed part is the one error
+    monkeypatch.setattr(remote, "PART_BYTES", 1)
+    monkeypatch.setattr(remote, "PARALLEL", 1)
+    out = os.open(tmp_path / "copy", os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(StorageError, match="access denied"):
+            obj.copy_to(out, 0, 0, 3)
+    finally:
+        os.close(out)
     gone = RemoteObject(filesystem(s3_server.storage_options), RemoteURI("no-such-bucket", "x"), 3)
     with pytest.raises(StorageError, match="no such bucket"):
         gone.read(3, 0)

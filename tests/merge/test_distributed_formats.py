@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from helpers.dist import run_on_ranks
 from helpers.meshes import mesh_rank_files
 from helpers.moe import moe_checkpoints
+from helpers.outputs import output_files
 from helpers.shared import saved_formats
 from helpers.tiny import make_tokenizer
 from shardforge.inspection import inspect_checkpoint
@@ -196,11 +197,7 @@ def _two_ranks_wrote(on_two_ranks: Path, name: str, single: Path) -> None:
 
 
 def _tree(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
+    return {name: hashlib.sha256(data).hexdigest() for name, data in output_files(root).items()}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -111,11 +111,22 @@ def test_the_command_options_are_the_fields() -> None:
 def test_both_spellings_and_parsing_reach_the_request() -> None:
     args = ["cfg.yml", "--output-path", "o", "--max-shard-size", "1000", "--no_save_tokenizer"]
     args += ["--format", "hf", "--steps", "1,2", "--dry-run", "--nproc_per_node", "1"]
+    args += ["--keep_dtype", "router", "--keep-dtype", "layers.*.gate"]
     ctx = command.make_context("merge-sharded-fsdp-weights", args)
     values = {k: v for k, v in ctx.params.items() if k in OPTION_NAMES}
     request = MergeRequest(**values)
     assert request.output_path == Path("o").absolute() and request.max_shard_size == 1000
     assert request.steps == (1, 2) and request.dry_run and not request.save_tokenizer
+    assert request.keep_dtype == ("router", "layers.*.gate")
+    none = command.make_context("merge-sharded-fsdp-weights", ["cfg.yml"]).params
+    assert MergeRequest("o", keep_dtype=none["keep_dtype"]).keep_dtype == ()
+
+
+def test_keep_dtype_takes_a_string_or_a_list_and_checks_each_pattern() -> None:
+    assert MergeRequest("out", keep_dtype="norm").keep_dtype == ("norm",)
+    assert MergeRequest("out", keep_dtype=["a", "b*"]).keep_dtype == ("a", "b*")
+    assert "--keep_dtype '(': not a pattern" in str(_error(output_path="o", keep_dtype=["a", "("]))
+    assert "expected a string or a list" in str(_error(output_path="o", keep_dtype=[3]))
 
 
 def test_help_is_the_field_help() -> None:

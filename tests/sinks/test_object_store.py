@@ -6,9 +6,11 @@ nothing published."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,9 @@ from helpers.gate import Gate
 from helpers.s3 import LAYOUTS, S3Server, killed_at, layout_folder, start_server, tree_bytes
 from shardforge.errors import MergeError, StorageError
 from shardforge.io import mirror
+from shardforge.io.remote import RemoteURI, filesystem
 from shardforge.merge.api import merge_fsdp_weights
+from shardforge.sinks.uploads import FileRange, Store
 from test_inspection import Built, build_checkpoints
 
 # gloo ranks write the checkpoints; the store is a child process
@@ -100,8 +104,8 @@ def test_killed_mid_upload_leaves_no_model_and_resume_uploads_the_rest(
     shards = sorted(n for n in want if n.endswith(".safetensors"))
     assert len(shards) >= 3
     (tmp_path / "cfg.yml").write_text(yaml.safe_dump({**config, "storage_options": None}))
-    # paused once the first shard is uploaded (at the first read of the second one's parts)
-    gate = Gate(tmp_path / "gate", "os:pread", r"/output-[^/]+/model-00002-of-\d+\.safetensors$")
+    # paused once the first shard is uploaded (at the first write of the second one: its header)
+    gate = Gate(tmp_path / "gate", "os:pwrite", r"/output-[^/]+/model-00002-of-\d+\.safetensors$")
     cmd = [
         sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(tmp_path / "cfg.yml"),
         "--output_path", f"s3://{bucket}/model", "--checkpoint", str(folder),
@@ -143,7 +147,7 @@ def test_credentials_bucket_and_an_outage_are_one_line_with_nothing_published(
         out_bucket = server.bucket("outage")
         (tmp_path / "cfg.yml").write_text(yaml.safe_dump({**config, "storage_options": None}))
         gate = Gate(
-            tmp_path / "gate", "os:pread", r"/output-[^/]+/model-00002-of-\d+\.safetensors$"
+            tmp_path / "gate", "os:pwrite", r"/output-[^/]+/model-00002-of-\d+\.safetensors$"
         )
         cmd = [
             sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights",
@@ -167,3 +171,26 @@ def test_credentials_bucket_and_an_outage_are_one_line_with_nothing_published(
         assert keys(server, f"{out_bucket}/m") == []
     finally:
         server.stop()
+
+
+def test_a_part_is_sent_from_the_staging_file_not_held(s3_server: S3Server, tmp_path: Path) -> None:
+    """A 32 MiB part read from its file as it is sent (checksum, signature, request): the
+    bytes Python holds meanwhile stay far below the part."""
+    bucket = s3_server.bucket("out-stream")
+    data = os.urandom(32 << 20)
+    (tmp_path / "staged").write_bytes(data)
+    options = s3_server.storage_options
+    target = mirror.RemoteTarget(RemoteURI(bucket, "m"), filesystem(options), options, tmp_path)
+    store = Store(target)
+    upload_id = store.create("w.bin")
+    fd = os.open(tmp_path / "staged", os.O_RDONLY)
+    try:
+        tracemalloc.start()
+        etag = store.upload("w.bin", upload_id, 1, FileRange(fd, 1 << 20, len(data)))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        os.close(fd)
+    store.complete("w.bin", upload_id, {1: etag})
+    assert s3_server.fs().cat_file(f"{bucket}/m/w.bin") == data[1 << 20 :]
+    assert peak < 8 << 20, peak

@@ -5,6 +5,7 @@ inode: not rewritten), rewrites a damaged one, and publishes what a merge in one
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -37,8 +38,10 @@ def test_a_killed_merge_resumes_keeping_its_finished_files(
     )
     (tmp_path / "cfg.yml").write_text(yaml.safe_dump(config))
     out = tmp_path / "out"
-    # stopped as the fourth shard is created: the first ones are finished and hashed
-    gate = Gate(tmp_path / "gate", "os:open", r"/\.out\.tmp-[^/]+/model-00004-of-\d+\.safetensors$")
+    # stopped once the journal holds two finished files (its first save is the empty one;
+    # each later save adds one file, whose hash is done): not at a moment that races hashing
+    journal = r"/\.out\.tmp-[^/]+/" + re.escape(Path(JOURNAL_NAME).with_suffix(".tmp").name) + "$"
+    gate = Gate(tmp_path / "gate", "os:replace", journal, nth=3)
     cmd = [
         sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(tmp_path / "cfg.yml"),
         "--output_path", str(out), "--checkpoint", str(folder), "--max_shard_size", "150KB",

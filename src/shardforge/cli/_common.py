@@ -218,6 +218,7 @@ def request_options(cls: type) -> list[click.Option]:
                 type=kind,
                 default=default,
                 is_flag=True if is_flag(f) and not f.default else None,
+                multiple=opt.multiple,
                 metavar=opt.metavar,
                 help=help_text(f),
             )
@@ -253,6 +254,9 @@ def fire_argv(command: click.Command, args: Sequence[Any], kwargs: Mapping[str, 
             p, primary = found
             on = bool(value) == primary
             argv += [p.opts[0]] if on else p.secondary_opts[:1]
+        elif found[0].multiple and isinstance(value, list | tuple):
+            for one in value:
+                argv += [found[0].opts[0], _fire_text(one)]
         else:
             argv += [found[0].opts[0], _fire_text(value)]
     return argv

@@ -25,6 +25,8 @@ Examples:
   shardforge inspect s3://bucket/runs/tiny-llama
   # LMMs-Engine EMA weights instead of the model
   shardforge inspect runs --state_dict_dirname pytorch_ema_model_fsdp_0
+  # what --dtype bfloat16 would cast, and what it keeps (and why); --all lists every tensor
+  shardforge inspect examples/tiny-llama.yml --dtype bfloat16 --keep_dtype norm
   # for scripts: one JSON document on stdout
   shardforge inspect outputs/tiny-llama --json | jq .model.parameter_count
   python -m shardforge.cli.inspect outputs/tiny-llama --json
@@ -129,9 +131,22 @@ def format_report(d: dict[str, Any], show_all: bool = False) -> str:
         header.append(("other state", _state_line(d["other_state"])))
     width = max(len(k) for k, _ in header)
     lines = [f"{k.ljust(width)}  {v}" for k, v in header]
+    if "dtype_rules" in d:
+        lines += ["", *_dtype_rules(d["dtype_rules"], show_all)]
     if model["tensors"]:
         lines += ["", *_table(model["tensors"], show_all)]
     return "\n".join(lines) + "\n"
+
+
+def _dtype_rules(rules: dict[str, Any], show_all: bool) -> list[str]:
+    """What the output dtype would cast and keep: one line per rule (with every tensor and
+    its rule under --all)."""
+    target = rules["target"] or "none (as saved; give --dtype)"
+    lines = [f"dtype rules (output dtype {target}):", *(f"  {r}" for r in rules["rules"])]
+    if show_all:
+        width = max(len(n) for n in rules["tensors"])
+        lines += [f"  {n.ljust(width)}  {t['rule']}" for n, t in rules["tensors"].items()]
+    return lines
 
 
 def do_inspect(
@@ -141,15 +156,18 @@ def do_inspect(
     as_json: bool = False,
     show_all: bool = False,
     state_dict_dirname: str | None = None,
+    dtype: str | None = None,
+    keep_dtype: tuple[str, ...] = (),
 ) -> str:
     """The report on the checkpoint at `path_or_config` (a path or a YAML config's
-    output_dir): one JSON document with `as_json`, else the human-readable text."""
+    output_dir): one JSON document with `as_json`, else the human-readable text; with
+    `dtype` or `keep_dtype`, what the merge would cast and keep, and why."""
     from shardforge.inspection import inspect_path_or_config
     from shardforge.io.mirror import staging
 
     with staging() as area:  # an s3:// checkpoint is mirrored there; the report names the URI
         facts = inspect_path_or_config(
-            path_or_config, step, override_args, state_dict_dirname
+            path_or_config, step, override_args, state_dict_dirname, dtype, keep_dtype
         ).to_dict()
         text = json.dumps(facts, indent=2) + "\n" if as_json else format_report(facts, show_all)
         return area.rewrite(text)
@@ -174,6 +192,18 @@ def do_inspect(
             is_flag=True,
             help=f"List every tensor (default: first/last {TABLE_ENDS}).",
         ),
+        click.Option(
+            ["--dtype"],
+            metavar="DTYPE",
+            help="Show what the merge's --dtype DTYPE would cast and keep, and why (default "
+            "with a config: its base model's dtype).",
+        ),
+        spelled(
+            "keep_dtype",
+            multiple=True,
+            metavar="PATTERN",
+            help="As the merge's --keep_dtype (repeatable): shown among the dtype rules.",
+        ),
     ],
 )
 def command(
@@ -182,6 +212,8 @@ def command(
     state_dict_dirname: str | None,
     as_json: bool,
     show_all: bool,
+    dtype: str | None,
+    keep_dtype: tuple[str, ...],
     overrides: list[str],
 ) -> str:
     """Describe a sharded checkpoint without loading its weights: the layout found, the
@@ -190,8 +222,11 @@ def command(
     optimizer state beside or inside it. PATH_OR_CFG is a checkpoint root, a step folder, a
     DCP directory, a Lightning .ckpt directory, a folder of model_world_size_W_rank_R.pt
     files, or a YAML config (its output_dir is searched; config overrides may follow).
-    Nothing is written."""
-    return do_inspect(path_or_config, step, overrides, as_json, show_all, state_dict_dirname)
+    With --dtype or --keep_dtype, what the merge would cast and keep, one line per rule (every
+    tensor with --all or --json). Nothing is written."""
+    return do_inspect(
+        path_or_config, step, overrides, as_json, show_all, state_dict_dirname, dtype, keep_dtype
+    )
 
 
 do_cli = fire_entry(command)

@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "inspect": "inspect",
     "inference": "inference",
     "evaluate": "evaluate",
+    "verify": "verify",
 }
 
 SUMMARIES: dict[str, str] = {
@@ -40,6 +41,7 @@ SUMMARIES: dict[str, str] = {
     "inspect": "Describe a sharded checkpoint: layout, steps, world size, tensors, optimizer.",
     "inference": "Generate from the trained model: merged, a checkpoint, or base + LoRA adapter.",
     "evaluate": "Eval loss and perplexity of the trained model on the config's evaluation data.",
+    "verify": "Check a merged model directory against its shardforge-manifest.json.",
 }
 
 

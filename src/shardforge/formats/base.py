@@ -198,6 +198,29 @@ class ReferenceReader(ABC):
         """Every wanted tensor by key, read by the reference path."""
 
 
+# ------------------------------------------------------------------------------ identity
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    """A ``torch.save`` zip archive inside a source file: its byte range, and the CRC-32 its
+    writer stored for each member holding tensor bytes (member name, CRC-32)."""
+
+    offset: int
+    length: int
+    crc32: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One file a merge reads: where it is (relative to the checkpoint), its size, and its
+    records where the format has them (an output's integrity manifest lists these)."""
+
+    path: PurePath
+    size: int
+    records: tuple[StoredRecord, ...] = ()
+
+
 # -------------------------------------------------------------------------------- format
 
 # how a refused `shard_files` (and --remove_checkpoint_dir) ends its message
@@ -237,3 +260,12 @@ class CheckpointFormat(ABC):
     @abstractmethod
     def reference(self, location: Path) -> ReferenceReader:
         """An independent reader of the stored tensors at `location` (`StoredTensor.directory`)."""
+
+    def identity(self, location: Path) -> list[SourceFile]:
+        """What a merge read at `location` (`StoredTensor.directory`: a folder, or one file):
+        its files, their sizes and, where the format has them, their records' stored CRC-32s
+        (`sinks.manifest` records them; `shardforge verify --checkpoint` checks them). This
+        default: the `shard_files` (or the one file) with their sizes."""
+        if location.is_file():
+            return [SourceFile(PurePath(location.name), location.stat().st_size)]
+        return [SourceFile(p, (location / p).stat().st_size) for p in self.shard_files(location)]

@@ -17,22 +17,30 @@
   bytes pass through Python. The threads leave one core to that start-up: the copy takes kernel
   CPU, and on a 2-core machine 4 threads slowed the overlapped start-up more than they sped
   up the copy (benchmarks/README.md, "Session F: the byte-path profile"), so there it runs on 1.
+  Into an output file whose SHA-256 is computed as it is written (`io.digest.hashing`), the
+  jobs instead run in the order of their output bytes, each block of the source mapped
+  (`mmap`, no copy in this process), handed to the hash in turn and then copied in the kernel:
+  the hash runs on the copy's threads, and no byte is copied twice (measured against reading
+  each block into a buffer and writing it: benchmarks/README.md, "The integrity manifest").
 """
 
 from __future__ import annotations
 
 import errno
+import functools
+import mmap
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from shardforge.errors import CheckpointError
+from shardforge.io.digest import FileHash, HashAbandoned, hash_of
 from shardforge.io.dtypes import torch_ready
 from shardforge.io.files import open_regular
 from shardforge.io.remote import remote_of
@@ -45,6 +53,9 @@ T = TypeVar("T")
 MAX_COPY_THREADS = 4
 # one copy_file_range call (or one bounded read + write where it is unsupported) moves at most this
 COPY_BLOCK = 64 << 20
+# a copy into a hashed output file is hashed from a mapping of its source, this many bytes at a
+# time per thread (what one thread holds mapped)
+HASH_BLOCK = 4 << 20
 # Never prefetch more than this share of the memory the kernel reports as available.
 PREFETCH_SHARE_OF_AVAILABLE = 0.5
 
@@ -189,7 +200,11 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of `data` at `offset` of `fd` (and feed the file's hash, if it has one)."""
     view = data.cast("B")
+    h = hash_of(fd)
+    if h is not None:
+        h.feed(offset, view)
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
@@ -197,10 +212,22 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
     """Copy bytes file to file, in the kernel where possible (a stand-in of a stored object:
-    its bytes by ranged requests, several at a time)."""
+    its bytes by ranged requests, several at a time); into a hashed output file
+    (`io.digest.hashing`), each block is hashed from a mapping of the source first."""
+    h = hash_of(dst)
+    if h is not None:
+        _hash_and_copy(src, dst, src_off, dst_off, count, h, in_turn=False)
+    else:
+        _kernel_copy(src, dst, src_off, dst_off, count)
+
+
+def _kernel_copy(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
+    """`copy_file_range` (or a bounded read + write where it is unsupported); a stored
+    object's stand-in by its ranged requests (their bytes written by `pwrite_all`, which
+    feeds the output's hash if it has one)."""
     remote = remote_of(src)
     if remote is not None:
-        remote.copy_to(dst, src_off, dst_off, count)
+        remote.copy_to(dst, src_off, dst_off, count, write=pwrite_all)
         return
     while count > 0:
         try:
@@ -213,9 +240,42 @@ def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> No
             data = os.pread(src, min(count, COPY_BLOCK), src_off)
             if not data:
                 raise CheckpointError("unexpected end of a data file while copying")
-            pwrite_all(dst, memoryview(data), dst_off)
+            _write_plain(dst, memoryview(data), dst_off)
             n = len(data)
         src_off, dst_off, count = src_off + n, dst_off + n, count - n
+
+
+def _hash_and_copy(
+    src: int, dst: int, src_off: int, dst_off: int, count: int, h: FileHash, in_turn: bool
+) -> None:
+    """Copy into a hashed output, block by block: the source's block is mapped and hashed
+    (no copy of it in this process), then copied in the kernel. `in_turn`: the block waits for
+    its turn in the file (`FileHash.feed_in_turn`: copy jobs in file order on several
+    threads), else it is kept until then (`FileHash.feed`). A stored object's stand-in has no
+    bytes to map: its ranged requests feed the hash as they are written (kept until their
+    turn)."""
+    if remote_of(src) is not None:
+        _kernel_copy(src, dst, src_off, dst_off, count)
+        return
+    size = os.fstat(src).st_size
+    if src_off + count > size:  # mapped bytes past the end would be a SIGBUS, not an error
+        raise CheckpointError(
+            f"a data file ends at byte {size}, before the {count} bytes at {src_off} to copy"
+        )
+    while count > 0:
+        n = min(count, HASH_BLOCK)
+        start = src_off - src_off % mmap.ALLOCATIONGRANULARITY
+        mapped = mmap.mmap(src, n + src_off - start, mmap.MAP_SHARED, mmap.PROT_READ, offset=start)
+        with mapped, memoryview(mapped)[src_off - start :] as block:
+            (h.feed_in_turn if in_turn else h.feed)(dst_off, block)
+        _kernel_copy(src, dst, src_off, dst_off, n)
+        src_off, dst_off, count = src_off + n, dst_off + n, count - n
+
+
+def _write_plain(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def available_memory() -> int:
@@ -264,6 +324,28 @@ def _run(job: CopyJob, copy: Callable[[int, int, int, int, int], None]) -> None:
         os.close(fd)
 
 
+def write_order(job: CopyJob) -> tuple[int, int]:
+    """Jobs that feed their output file's hash run in the order of their output bytes."""
+    return job.dst_fd, job.dst_offset
+
+
+def _in_turn(jobs: Sequence[CopyJob]) -> FileHash | None:
+    """The hash of the one output file the jobs fill, when they cover a contiguous range from
+    where that hash stands (then they hand it their blocks in turn, on several threads); None
+    when the output is not hashed, or the jobs leave gaps (then each block is kept until its
+    turn: `FileHash.feed`)."""
+    fds = {job.dst_fd for job in jobs}
+    h = hash_of(next(iter(fds))) if len(fds) == 1 else None
+    if h is None:
+        return None
+    at = h.frontier
+    for job in sorted(jobs, key=write_order):
+        if job.dst_offset != at:
+            return None
+        at += job.nbytes
+    return h
+
+
 def read_order(job: CopyJob) -> tuple[str, int]:
     """Jobs run in the order of their source bytes: each data file is read front to back, as
     `cp` reads it, whatever order the output wants its tensors in (the kernel's read-ahead
@@ -294,14 +376,27 @@ def copy_jobs(
     `read_order` on `threads` threads (default `copy_threads()`), reporting each job's bytes to
     `progress` once it is done (in that order). `stop` is asked before every job: True skips
     the jobs not started yet, and then this returns False. The first error is raised once the
-    copies already running have finished."""
-    ordered = sorted(jobs, key=read_order)
+    copies already running have finished.
+
+    Jobs that fill a hashed output file (`io.digest.hashing`) contiguously instead run in
+    `write_order`, each block of the source mapped, handed to the file's hash in turn and
+    copied in the kernel (the hash runs on these threads, as the bytes are copied)."""
+    in_turn = _in_turn(jobs)
+    ordered = sorted(jobs, key=read_order if in_turn is None else write_order)
     n = copy_threads() if threads is None else threads
+    runner = copy if in_turn is None else functools.partial(_hash_and_copy, h=in_turn, in_turn=True)
 
     def one(job: CopyJob) -> bool:
         if stop is not None and stop():
+            if in_turn is not None:
+                in_turn.abort("the copy was stopped")
             return False
-        _run(job, copy)
+        try:
+            _run(job, runner)
+        except BaseException as exc:
+            if in_turn is not None:  # the jobs after this one wait for its bytes: release them
+                in_turn.abort(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            raise
         return True
 
     if n <= 1 or len(ordered) <= 1:
@@ -320,8 +415,23 @@ def copy_jobs(
                     done = False
                 elif progress is not None:
                     progress(job.nbytes)
-        except BaseException:
+        except BaseException as exc:
             for fut in futures:
                 fut.cancel()
+            if isinstance(exc, HashAbandoned):  # an earlier job released by a later failure
+                cause = _first_cause(futures)
+                if cause is not None:
+                    raise cause from None
             raise
     return done
+
+
+def _first_cause(futures: Sequence[Future[bool]]) -> BaseException | None:
+    """The first error of the finished jobs that is not a released hash (`HashAbandoned`)."""
+    for fut in futures:
+        if fut.cancelled():
+            continue
+        exc = fut.exception()
+        if exc is not None and not isinstance(exc, HashAbandoned):
+            return exc
+    return None

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 # plain uint8 to torch, and "quantized" are torch's qint/quint tensor dtypes
 Kind = Literal["float", "float8", "float4", "int", "uint", "bool", "complex", "quantized", "bits"]
 FLOATING_KINDS: frozenset[str] = frozenset({"float", "float8", "float4"})
+# the kinds an output dtype (`--dtype`) may be cast from: FP8 and FP4 weights are stored with
+# scales that a cast would not apply, integers and bools hold indices and counts
+CASTABLE_KINDS: frozenset[str] = frozenset({"float"})
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,12 @@ class DtypeInfo:
     def is_floating_point(self) -> bool:
         """As torch's ``dtype.is_floating_point`` (complex is not)."""
         return self.kind in FLOATING_KINDS
+
+    @property
+    def castable(self) -> bool:
+        """Whether an output dtype may be cast from it (`CASTABLE_KINDS`: not FP8/FP4, not an
+        integer, bool, complex or quantized dtype)."""
+        return self.kind in CASTABLE_KINDS
 
 
 _I = DtypeInfo

@@ -71,12 +71,16 @@ class StagingArea:
             else (self.root / _SCHEME_DIR / uri.bucket)
         )
 
-    def mirror(self, text: str, storage_options: Mapping[str, Any] | None = None) -> Path:
-        """The local mirror of the prefix `text` (made once per area)."""
+    def mirror(
+        self, text: str, storage_options: Mapping[str, Any] | None = None, empty_ok: bool = False
+    ) -> Path:
+        """The local mirror of the prefix `text` (made once per area); an empty folder for an
+        empty prefix when `empty_ok` (else that is an error)."""
         uri = RemoteURI.parse(text)
         if str(uri) not in self.mirrors:
             fs = filesystem(storage_options)
-            self.mirrors[str(uri)] = (self._stage(uri, fs, storage_options), storage_options)
+            local = self._stage(uri, fs, storage_options, empty_ok)
+            self.mirrors[str(uri)] = (local, storage_options)
         return self.mirrors[str(uri)][0]
 
     def output(self, text: str, storage_options: Mapping[str, Any] | None = None) -> Path:
@@ -89,11 +93,17 @@ class StagingArea:
         )
         return path
 
-    def _stage(self, uri: RemoteURI, fs: Any, options: Mapping[str, Any] | None) -> Path:
+    def _stage(
+        self, uri: RemoteURI, fs: Any, options: Mapping[str, Any] | None, empty_ok: bool
+    ) -> Path:
         local = self.local(uri)
         with storage_errors(uri, options):
+            fs.invalidate_cache(uri.path)  # what other processes wrote since the last listing
             listing = fs.find(uri.path, detail=True)
         objects = {p: i for p, i in listing.items() if i.get("type") != "directory"}
+        if not objects and empty_ok:
+            local.mkdir(parents=True, exist_ok=True)
+            return local
         if not objects:
             raise CheckpointError(f"{uri}: nothing is stored under this prefix")
         downloads: list[tuple[str, Path]] = []
@@ -154,11 +164,13 @@ def remote_target(path: Path | None) -> RemoteTarget | None:
     return None
 
 
-def mirrored(text: str, storage_options: Mapping[str, Any] | None = None) -> Path:
+def mirrored(
+    text: str, storage_options: Mapping[str, Any] | None = None, empty_ok: bool = False
+) -> Path:
     """The local mirror of the prefix `text` in the innermost active staging area."""
     if not _ACTIVE:
         raise RuntimeError("mirrored() needs an active staging() block")
-    return _ACTIVE[-1].mirror(text, storage_options)
+    return _ACTIVE[-1].mirror(text, storage_options, empty_ok)
 
 
 def public_name(text: str) -> str:

@@ -5,14 +5,18 @@ credentials, errors in one line without secrets, and remote objects read by byte
     fs = filesystem(storage_options)          # s3fs; credentials from storage_options, else AWS_*
     obj = RemoteObject(fs, uri.child("__0_0.distcp"), size)
     obj.read_into(buffer, offset, label)      # ranged GETs, several at a time for large reads
+    obj.copy_to(fd, src_off, dst_off, count)  # ... streamed into a local file
 
 A remote object stands in the local file tree as a sparse file of its size (`io.mirror`); the
 file's identity is registered here (`register_stand_in`), and every read the byte path makes
 through a descriptor of it (`pread`, `preadinto`, `io.files.read_exact_into`,
 `io.copy.copy_range`) is served by ranged requests instead. Formats read through those
 functions only, so they read a remote checkpoint unchanged, record bounds and CRCs checked as
-for a local one. Memory: `PARALLEL` parts of `PART_BYTES` in flight for a large read, and
-`CACHE_BLOCKS` blocks of `SMALL_BLOCK` for the small reads of record headers.
+for a local one. A large read is cut into ranged GETs of `PART_BYTES`, `PARALLEL` in flight
+on the file system's event loop, and each body is written where it belongs (`pwrite` into the
+local file, or into the caller's buffer) piece by piece as it arrives: no part is held whole.
+Memory: `PARALLEL` pieces of `STREAM_CHUNK` at most, and `CACHE_BLOCKS` blocks of
+`SMALL_BLOCK` for the small reads of record headers.
 
 Nothing here imports s3fs until a remote path is used (the `s3` extra installs it).
 """
@@ -32,12 +36,13 @@ from typing import Any
 from shardforge.errors import CheckpointError, StorageError
 
 SCHEME = "s3://"
-# a large read is split into parts of this size, fetched `PARALLEL` at a time
-PART_BYTES = 8 << 20
+# a large read is split into ranged GETs of this size, `PARALLEL` at a time, each streamed
+# into its destination (a local file or the caller's buffer) as its body arrives
+PART_BYTES = 16 << 20
 PARALLEL = 8
 # a read of at most `SMALL_READ` bytes fetches the aligned `SMALL_BLOCK` around it, cached
 SMALL_READ = 64 << 10
-SMALL_BLOCK = 256 << 10
+SMALL_BLOCK = 128 << 10
 CACHE_BLOCKS = 32
 _URI = re.compile(r"^s3://(?P<bucket>[^/]+)(?:/(?P<key>.*))?$")
 
@@ -84,7 +89,12 @@ class RemoteURI:
 # ------------------------------------------------------------------------------ file system
 
 # botocore's retries: a few, so that an outage is an error in seconds, not minutes
-DEFAULT_CONFIG = {"retries": {"max_attempts": 3, "mode": "standard"}, "connect_timeout": 5}
+# and connections enough for the reads and the uploads in flight at once
+DEFAULT_CONFIG = {
+    "retries": {"max_attempts": 3, "mode": "standard"},
+    "connect_timeout": 5,
+    "max_pool_connections": 32,
+}
 
 
 def filesystem(storage_options: Mapping[str, Any] | None = None) -> Any:
@@ -95,11 +105,17 @@ def filesystem(storage_options: Mapping[str, Any] | None = None) -> Any:
         import s3fs
     except ImportError:
         raise StorageError("s3:// paths need s3fs: pip install 'shardforge[s3]'") from None
+    return s3fs.S3FileSystem(**fsspec_options(storage_options))
+
+
+def fsspec_options(storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`storage_options` as s3fs takes them (`filesystem`, and torch DCP's fsspec writer):
+    botocore's `config_kwargs` completed with `DEFAULT_CONFIG`."""
     for name in ("botocore", "aiobotocore", "s3fs"):  # their notices name endpoints and ids
         logging.getLogger(name).setLevel(logging.WARNING)
     options = dict(storage_options or {})
     config = {**DEFAULT_CONFIG, **dict(options.pop("config_kwargs", None) or {})}
-    return s3fs.S3FileSystem(config_kwargs=config, **options)
+    return {**options, "config_kwargs": config}
 
 
 def secrets(storage_options: Mapping[str, Any] | None) -> list[str]:
@@ -214,21 +230,9 @@ class RemoteObject:
             joined = b"".join(self._block(b) for b in range(first, last + 1))
             base = first * SMALL_BLOCK
             return joined[offset - base : end - base]
-        return b"".join(data for _, data in self.ranges(offset, end - offset))
-
-    def ranges(self, offset: int, n: int) -> Iterator[tuple[int, bytes]]:
-        """(offset, bytes) of [offset, offset + n), fetched `PARALLEL` parts at a time."""
-        end = min(self.size, offset + n)
-        starts = list(range(offset, end, PART_BYTES))
-        for i in range(0, len(starts), PARALLEL):
-            batch = starts[i : i + PARALLEL]
-            ends = [min(end, s + PART_BYTES) for s in batch]
-            with storage_errors(self.uri, self.storage_options):
-                got = self.fs.cat_ranges([self.uri.path] * len(batch), batch, ends)
-            for s, data in zip(batch, got, strict=True):
-                if isinstance(data, BaseException):
-                    raise storage_error(data, str(self.uri), secrets(self.storage_options))
-                yield s, bytes(data)
+        buf = bytearray(end - offset)
+        self.read_into(memoryview(buf), offset, str(self.uri))
+        return bytes(buf)
 
     def read_into(self, view: memoryview, offset: int, label: str) -> None:
         """Fill `view` from `offset`; CheckpointError when the object ends first."""
@@ -237,30 +241,130 @@ class RemoteObject:
             view[: len(data)] = data
             got = len(data)
         else:
-            got = 0
-            for start, data in self.ranges(offset, len(view)):
-                view[start - offset : start - offset + len(data)] = data
-                got += len(data)
+            got = self._stream(offset, len(view), _ViewSink(view.cast("B"), offset))
         if got < len(view):
             raise CheckpointError(
                 f"{label}: short read at byte {offset + got} ({len(view) - got} bytes missing); "
                 "the object is truncated or changed during the merge"
             )
 
-    def copy_to(self, dst_fd: int, src_off: int, dst_off: int, count: int) -> None:
-        """[src_off, src_off + count) written at `dst_off` of the local file `dst_fd`."""
-        done = 0
-        for start, data in self.ranges(src_off, count):
-            view = memoryview(data)
-            at = dst_off + start - src_off
-            while view:
-                n = os.pwrite(dst_fd, view, at)
-                view, at = view[n:], at + n
-            done += len(data)
+    def copy_to(
+        self,
+        dst_fd: int,
+        src_off: int,
+        dst_off: int,
+        count: int,
+        write: Callable[[int, memoryview, int], None] | None = None,
+    ) -> None:
+        """[src_off, src_off + count) written at `dst_off` of the local file `dst_fd` (by
+        `write(fd, data, offset)` when given: `io.copy.pwrite_all`, which feeds a hash)."""
+        done = self._stream(src_off, count, _FileSink(dst_fd, dst_off - src_off, write))
         if done < count:
             raise CheckpointError(
                 f"{self.uri}: unexpected end of the object at byte {src_off + done} while copying"
             )
+
+    def _stream(self, offset: int, n: int, sink: _Sink) -> int:
+        """Fetch [offset, offset + n) in parts of `PART_BYTES`, `PARALLEL` GETs at a time on
+        the file system's event loop, each body handed to `sink` as it arrives (no part is
+        held whole); the bytes received (fewer only where the object ends first)."""
+        from fsspec.asyn import sync
+
+        end = min(self.size, offset + n)
+        if end <= offset:
+            return 0
+        with storage_errors(self.uri, self.storage_options):
+            return int(sync(self.fs.loop, self._parts, offset, end, sink))
+
+    async def _parts(self, offset: int, end: int, sink: _Sink) -> int:
+        import asyncio
+
+        gate = asyncio.Semaphore(PARALLEL)
+        failed: list[BaseException] = []
+
+        async def part(start: int) -> int:
+            async with gate:
+                if failed:  # a part failed: start no more
+                    return 0
+                try:
+                    return await self._part(start, min(end, start + PART_BYTES), sink)
+                except BaseException as exc:
+                    failed.append(exc)
+                    raise
+
+        # every part started has ended before this returns (none writes into the sink later)
+        got = await asyncio.gather(
+            *(part(s) for s in range(offset, end, PART_BYTES)), return_exceptions=True
+        )
+        if failed:
+            raise failed[0]
+        # the bytes up to the first short part (the object ended there)
+        total = 0
+        for start, n in zip(range(offset, end, PART_BYTES), got, strict=True):
+            assert isinstance(n, int)
+            total += n
+            if n < min(end, start + PART_BYTES) - start:
+                break
+        return total
+
+    async def _part(self, start: int, end: int, sink: _Sink) -> int:
+        """One ranged GET, its body written to `sink` chunk by chunk as it arrives."""
+        resp = await self.fs._call_s3(
+            "get_object",
+            Bucket=self.uri.bucket,
+            Key=self.uri.key,
+            Range=f"bytes={start}-{end - 1}",
+        )
+        body = resp["Body"]
+        at = start
+        try:
+            while at < end:
+                chunk = await body.read(min(STREAM_CHUNK, end - at))
+                if not chunk:
+                    break
+                sink.write(at, chunk)
+                at += len(chunk)
+        finally:
+            body.close()
+        return at - start
+
+
+# a ranged GET's body is taken from the connection in pieces of at most this size
+STREAM_CHUNK = 1 << 20
+
+
+class _Sink:
+    def write(self, at: int, data: bytes) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class _FileSink(_Sink):
+    """Object byte `at` goes to byte `at + shift` of the local file `fd`."""
+
+    fd: int
+    shift: int
+    writer: Callable[[int, memoryview, int], None] | None = None
+
+    def write(self, at: int, data: bytes) -> None:
+        view, pos = memoryview(data), at + self.shift
+        if self.writer is not None:
+            self.writer(self.fd, view, pos)
+            return
+        while view:
+            n = os.pwrite(self.fd, view, pos)
+            view, pos = view[n:], pos + n
+
+
+@dataclass(frozen=True)
+class _ViewSink(_Sink):
+    """Object bytes from `start` on fill `view`."""
+
+    view: memoryview
+    start: int
+
+    def write(self, at: int, data: bytes) -> None:
+        self.view[at - self.start : at - self.start + len(data)] = data
 
 
 # ---------------------------------------------------------------- stand-ins in the local tree

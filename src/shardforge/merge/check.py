@@ -25,6 +25,7 @@ from shardforge.keymap.conversion import SavedLayout, saved_layout
 from shardforge.keymap.converted import saved_sources
 from shardforge.keymap.keys import stored_once, tied_pairs
 from shardforge.keymap.quantized import META_QUANTIZED, MXFP4, mxfp4_packed, quant_method
+from shardforge.sinks.cast import KeepPattern, model_keep_patterns
 
 log = logging.getLogger("shardforge")
 
@@ -44,6 +45,7 @@ class ExpectedModel:
     saved: SavedLayout | None = None
     # the last name segment of every linear layer but the output one (lora_target_linear)
     linear_names: tuple[str, ...] = ()
+    keep: tuple[KeepPattern, ...] = ()  # what the model class keeps in float32 (sinks.cast)
 
     @property
     def renamed_on_save(self) -> bool:
@@ -136,6 +138,7 @@ def build_expected(config: Any, trust_remote_code: bool) -> ExpectedModel:
         total,
         _saved_layout(model, kept),
         tuple(linear_layer_names(model)),
+        model_keep_patterns(model),
     )
 
 

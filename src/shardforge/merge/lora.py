@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,12 +52,12 @@ from shardforge.keymap.lora import LoraNames, split_adapter_names
 from shardforge.keymap.lora_settings import LoraSettings
 from shardforge.merge.check import ExpectedModel, build_expected, check_against
 from shardforge.merge.check import load_config as load_model_config
-from shardforge.merge.dtypes import config_dtype, main_dtype, output_dtype, parse_dtype
+from shardforge.merge.dtypes import main_dtype, output_rules, planned_specs
 from shardforge.merge.lora_fuse import fuse_sources, unties
 from shardforge.sinks.base import Companions, Output, WriteOptions
 from shardforge.sinks.companions import has_tokenizer
 from shardforge.sinks.hf_dir import HfDirectorySink
-from shardforge.sinks.plan import OutputPlan, TensorSpec, default_max_shard_size, plan_output
+from shardforge.sinks.plan import OutputPlan, default_max_shard_size, plan_output
 
 log = logging.getLogger("shardforge")
 
@@ -261,6 +261,7 @@ def prepare_lora(
     lora_model_dir: str | Path | None = None,
     dtype: str | torch.dtype | None = None,
     max_shard_size: int | str | None = None,
+    keep_dtype: Sequence[str] = (),
 ) -> LoraMerge:
     """Read and check the adapter and the base model, choose the sources and plan the files."""
     adapter_dir = Path(lora_model_dir or getattr(cfg, "lora_model_dir", None) or cfg.output_dir)
@@ -282,13 +283,10 @@ def prepare_lora(
     by_name = fuse_sources(
         base, adapter.names, adapter.tensors, adapter.settings, expected, str(adapter_dir)
     )
-    wanted = parse_dtype(dtype)
-    target = config_dtype(config) if wanted == "config" else wanted
-    assert target is None or isinstance(target, torch.dtype)
-    specs = [
-        TensorSpec(n, output_dtype(base[n].dtype, target), by_name[n].shape)
-        for n in expected.saved_names
-    ]
+    rules = output_rules(dtype, config, keep_dtype, expected.keep)
+    specs, _ = planned_specs(
+        ((n, base[n].dtype, by_name[n].shape) for n in expected.saved_names), rules
+    )
     plan = plan_output(specs, max_shard_size or default_max_shard_size(), expected.total_parameters)
     tokenizer_source = _tokenizer_source(cfg, adapter_dir, base_dir)
     return LoraMerge(
@@ -326,6 +324,7 @@ def merge_lora(
     lora_model_dir: str | Path | None = None,
     *,
     dtype: str | torch.dtype | None = None,
+    keep_dtype: Sequence[str] = (),
     max_shard_size: int | str | None = None,
     verify: bool = False,
     overwrite: bool = False,
@@ -344,7 +343,9 @@ def merge_lora(
         lora_model_dir: the adapter directory (overrides the config's).
         dtype: output dtype of floating tensors (``bfloat16``, ``float16``, ``float32`` or
             ``as_saved``: as the base model stores them); default the config's ``dtype`` /
-            ``torch_dtype``, else as saved.
+            ``torch_dtype``, else as saved. Integer, bool and FP8/FP4 tensors and the modules
+            the model class keeps in float32 keep their dtype (`shardforge.sinks.cast`).
+        keep_dtype: patterns of tensor names that keep their stored dtype too (``--keep_dtype``).
         max_shard_size: largest safetensors file (``"5GB"``, bytes); default as save_pretrained.
         verify: re-read the output and compare every tensor with the base model and the
             adapter read by the ``safetensors`` library, fused again.
@@ -364,7 +365,7 @@ def merge_lora(
     out = Path(output_path if output_path is not None else default_output_path(config))
     out = out.absolute()
     check_output_path(out, overwrite, [])  # fail fast, before reading anything
-    prep = prepare_lora(config, lora_model_dir, dtype, max_shard_size)
+    prep = prepare_lora(config, lora_model_dir, dtype, max_shard_size, keep_dtype)
     _check_inputs(out, [prep.adapter.directory, prep.base_dir])
     check_free_space(out, prep.plan.total_bytes)
     companions = Companions(

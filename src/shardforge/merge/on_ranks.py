@@ -1,7 +1,8 @@
 """The merge on the ranks of a process group (`--nproc_per_node`, `--nnodes`, or `group=`): every
 rank prepares the same plan and writes its share of the bytes (`merge.distributed`; the outputs
 made from one value in memory, `keymap.converted.written_together`, on one rank each); rank 0
-creates the hidden directory, writes the index and the companions, and publishes."""
+creates the hidden directory, writes the index, the companions and the integrity manifest (each
+weights file hashed by one rank once all have written it), and publishes."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from shardforge.merge.distributed import (
 from shardforge.merge.prepare import Prepared, deliverable, prepare
 from shardforge.merge.request import MergeRequest
 from shardforge.sinks.hf_dir import write_companions
+from shardforge.sinks.manifest import hash_files, new_hashes, write_manifest
 from shardforge.sinks.progress import progress
 from shardforge.sinks.safetensors_files import write_index
 from shardforge.sinks.verify import verify_output
@@ -106,6 +108,21 @@ def _write_share(prep: Prepared, directory: Path, request: MergeRequest) -> None
         )
 
 
+def _hashes(prep: Prepared, directory: Path) -> dict[str, str] | None:
+    """The SHA-256 of every weights file for the manifest (None: no manifest). Several ranks
+    write each file and SHA-256 is not made of parts, so once all have written, each rank
+    hashes whole files (every `world`-th), read again; every rank gets them all."""
+    if new_hashes() is None:
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = [f.name for f in prep.plan.files][rank::world]
+    mine: dict[str, str] = {}
+    on_every_rank(lambda: mine.update(hash_files(directory, names)))
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {name: digest for part in parts for name, digest in part.items()}
+
+
 def merge_on_ranks(config: ShardforgeConfig, request: MergeRequest) -> Path:
     """This rank's part of a distributed merge; every rank returns the output path or raises
     the same MergeError."""
@@ -122,10 +139,12 @@ def merge_on_ranks(config: ShardforgeConfig, request: MergeRequest) -> Path:
         with atomic_directory(out, request.overwrite) if rank == 0 else _no_directory() as tmp:
             directory = Path(broadcast(str(tmp) if rank == 0 else None))
             _write_share(prep, directory, request)
+            hashes = _hashes(prep, directory)
             if rank == 0:
                 write_index(prep.plan, directory)
                 assert output.companions is not None
                 write_companions(output.companions, output.dtype, directory)
+                write_manifest(directory, hashes, output.sources.values())
     except (ShardforgeError, OSError) as exc:
         published = exc
     raise_failures(gather_status(published))

@@ -58,6 +58,8 @@ class Option:
     # the Python annotation shown by `signature`, where the field's own is narrower (a path
     # given as a string is made a Path)
     annotation: str | None = None
+    # True: repeatable on the command line (`--keep_dtype a --keep_dtype b`), a tuple of them
+    multiple: bool = False
 
 
 def option(help: str, **facts: Any) -> dict[str, Option]:
@@ -177,6 +179,17 @@ def parse_size(value: Any, flag: str) -> int | str | None:
     return value
 
 
+def parse_texts(value: Any, flag: str) -> tuple[str, ...]:
+    """A repeatable option's values: a tuple (the command line), a list, or one string."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise MergeError(f"{flag} {value!r}: expected a string or a list of strings")
+
+
 def parse_text(value: Any, flag: str) -> str | None:
     """A value passed on as text (torchrun's `--nnodes 2`)."""
     return None if value is None else str(value)
@@ -246,6 +259,7 @@ def markdown_table(cls: type) -> str:
         if opt.cli:
             value = "" if is_flag(f) else f" {opt.metavar or '|'.join(opt.choices) or 'VALUE'}"
             cli = ", ".join(f"`{s}{value}`" for s in spellings(f))
+            cli += " (repeatable)" if opt.multiple else ""
         else:
             cli = "(Python only)"
         python = f"`{f.name}={f.default!r}`"

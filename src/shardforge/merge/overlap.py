@@ -22,7 +22,10 @@ Then `accept` compares: the same files, headers and byte ranges as the real plan
 guess is stopped at once), and, once the copy is done, for every
 copied tensor the same source slabs the real sources give. Only then are the files moved into
 the merge's output directory, and the merge writes what is left (casts, other chunk shapes),
-fsyncs, writes the index and companions, verifies and publishes as it always does. Any
+fsyncs, writes the index and companions, verifies and publishes as it always does. With the
+integrity manifest (`sinks.manifest`) each file's hash is fed as the early copy writes it: the
+tensors before the first one left to the merge are hashed as they are copied; those after it
+are hashed from their source once the merge has written the gap (`io.digest.FileHash.defer`). Any
 difference (a wrong guess) discards the copy and the merge writes everything itself; any error
 of the merge (a bad input) discards it too, so a refused merge leaves nothing behind. A guess
 never fails a merge: its own errors only mean no early copy.
@@ -60,7 +63,8 @@ from shardforge.io.copy import (
     fact_session,
     pwrite_all,
 )
-from shardforge.io.dtypes import DTYPE_NAMES, dtype_name, lookup_dtype
+from shardforge.io.digest import FileHash, hashing
+from shardforge.io.dtypes import dtype_name, lookup_dtype
 from shardforge.io.fs import preallocate
 from shardforge.io.publish import (
     _fresh_temp_sibling,
@@ -72,9 +76,11 @@ from shardforge.io.remote import is_remote
 from shardforge.keymap.keys import clean_name, is_optimizer_key, looks_like_torchtitan
 from shardforge.keymap.lora import has_lora
 from shardforge.layouts.catalog import Candidate
-from shardforge.merge.dtypes import CONFIG_DTYPE_KEYS, config_dtype_name, dtype_choice_name
+from shardforge.merge.dtypes import dtype_choice_name
 from shardforge.merge.locate import checkpoint_root, merge_sources, pick_inputs
 from shardforge.merge.request import OPTION_NAMES, MergeRequest
+from shardforge.sinks.cast import CONFIG_DTYPE_KEYS, cast_rules, config_dtype_name, decide_all
+from shardforge.sinks.manifest import new_hashes
 from shardforge.sinks.plan import OutputPlan, PlannedFile, TensorSpec, layout_files
 
 if TYPE_CHECKING:
@@ -158,6 +164,7 @@ def _guess(
     config_source: str,
     dtype: DtypeChoice,
     max_shard_size: int | str | None,
+    keep: Sequence[str] = (),
 ) -> Guess | None:
     """The output plan from the checkpoint's metadata and config.json alone; None when the
     checkpoint is not a plain one this guess covers (the merge then copies as always)."""
@@ -188,16 +195,11 @@ def _guess(
         if "lm_head.weight" not in entries:
             return None  # the prefix cannot be told apart from the model's own names
         del entries["lm_head.weight"]  # stored once, under the embedding
-    specs = [
-        TensorSpec(n, target if target is not None and _floating(e.dtype) else e.dtype, e.shape)
-        for n, e in entries.items()
-    ]
+    # the merge's own cast rules; the model class's keep list is not known before transformers
+    # is imported (a model that has one makes this guess wrong: `accept` finds it)
+    decided = decide_all(((n, e.dtype) for n, e in entries.items()), cast_rules(target, keep))
+    specs = [TensorSpec(n, decided[n].dtype, e.shape) for n, e in entries.items()]
     return Guess(guess_plan(specs, shard), entries)
-
-
-def _floating(dtype: Any) -> bool:
-    known = DTYPE_NAMES.get(dtype_name(dtype))
-    return known is not None and known.is_floating_point
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,7 @@ class CopyTarget:
     overwrite: bool
     dtype: DtypeChoice
     max_shard_size: int | str | None
+    keep: tuple[str, ...] = ()  # --keep_dtype
 
 
 class EarlyCopy:
@@ -225,6 +228,8 @@ class EarlyCopy:
         self.planned: OutputPlan | None = None  # the guessed plan (None: no early copy)
         self.guess: Guess | None = None  # set once every early byte is copied
         self.copied: dict[str, list[FileSlab]] = {}  # output name -> the slabs copied
+        # file name -> its hash so far (None: no manifest; `io.digest`)
+        self.hashes: dict[str, FileHash | str] | None = new_hashes()
         self.outcome = "running"
         self.started = False  # `start` was called
         self._began = threading.Event()  # the copy's thread runs
@@ -258,7 +263,7 @@ class EarlyCopy:
             self.outcome = "not a plain DCP checkpoint (or no output folder yet)"
             return None
         try:
-            guess = _guess(candidate, t.config_source, t.dtype, t.max_shard_size)
+            guess = _guess(candidate, t.config_source, t.dtype, t.max_shard_size, t.keep)
         except Exception as exc:
             self._gave_up(exc)
             return None
@@ -299,29 +304,43 @@ class EarlyCopy:
         self, pf: PlannedFile, entries: Mapping[str, TensorEntry], reader: ReadCache
     ) -> dict[str, list[FileSlab]] | None:
         """Copy what `pf` can take file to file; the slabs copied per tensor, None when the
-        copy was discarded before it ended."""
+        copy was discarded before it ended. With a manifest, the file's hash is fed as it is
+        written (`io.digest`): the tensors before the first one left to the merge are copied
+        through memory in file order and hashed; those after it are copied in the kernel and
+        hashed from their source once the merge has written what lies before them."""
         assert self.directory is not None
         copied: dict[str, list[FileSlab]] = {}
         fd = os.open(self.directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        h = FileHash() if self.hashes is not None else None
         try:
             preallocate(fd, pf.size)
-            pwrite_all(fd, memoryview(pf.header), 0)
-            jobs: list[CopyJob] = []
+            lead: list[CopyJob] = []  # before the first gap: hashed as they are copied
+            later: list[CopyJob] = []  # after it
+            gap = False
             for planned in pf.tensors:
                 entry = entries[planned.spec.name]
                 same = dtype_name(entry.dtype) == dtype_name(planned.spec.dtype)
                 slabs = entry_slabs(entry, reader) if same else None
                 if slabs is None:
+                    gap = True  # left to the merge
                     continue
                 copied[planned.spec.name] = slabs
-                jobs += [
+                (later if gap else lead).extend(
                     CopyJob(s.path, s.src_offset, fd, planned.offset + s.dst_offset, s.nbytes)
                     for s in slabs
-                ]
-            if not copy_jobs(jobs, copy_range, stop=self._stop.is_set):
+                )
+            with hashing(fd, h):
+                pwrite_all(fd, memoryview(pf.header), 0)
+                if not copy_jobs(lead, copy_range, stop=self._stop.is_set):
+                    return None
+            if not copy_jobs(later, copy_range, stop=self._stop.is_set):
                 return None
         finally:
             os.close(fd)
+        if h is not None and self.hashes is not None:
+            for job in later:
+                h.defer(job.dst_offset, job.src, job.src_offset, job.nbytes)
+            self.hashes[pf.name] = h
         return copied
 
     def accept(self, plan: OutputPlan, sources: Mapping[str, TensorSource]) -> bool:
@@ -358,15 +377,18 @@ class EarlyCopy:
                     return f"another source for {name}"
         return None
 
-    def take(self, directory: Path) -> dict[str, list[FileSlab]]:
+    def take(
+        self, directory: Path
+    ) -> tuple[dict[str, list[FileSlab]], dict[str, FileHash | str] | None]:
         """Move the accepted files into the merge's hidden output directory; the slabs they
-        hold (the sink writes the rest: `sinks.safetensors_files.finish_plan`)."""
+        hold and their hashes so far (the sink writes the rest:
+        `sinks.safetensors_files.finish_plan`)."""
         assert self.guess is not None and self.directory is not None
         for pf in self.guess.plan.files:
             os.rename(self.directory / pf.name, directory / pf.name)
         os.rmdir(self.directory)
         self.directory = None
-        return self.copied
+        return self.copied, self.hashes
 
     def discard(self) -> None:
         """Stop the copy and remove what it wrote (safe to call at any time, more than once)."""
@@ -434,11 +456,14 @@ def early_copy(
     overwrite: bool,
     dtype: DtypeChoice,
     max_shard_size: int | str | None,
+    keep: Sequence[str] = (),
 ) -> Iterator[EarlyCopy | None]:
     """An `EarlyCopy` for the block (the head start's, when it was started for this merge), or
     None when turned off; whatever it wrote and was not moved into the output is removed when
     the block ends, however it ends."""
-    target = CopyTarget(candidate, config_source, out, overwrite, dtype, max_shard_size)
+    target = CopyTarget(
+        candidate, config_source, out, overwrite, dtype, max_shard_size, tuple(keep)
+    )
     early = _take_head_start(target)
     if not ENABLED:
         if early is not None:
@@ -484,6 +509,7 @@ def _head_start_copy(
             request.overwrite,
             dtype,
             request.max_shard_size,
+            tuple(request.keep_dtype),
         )
     )
 

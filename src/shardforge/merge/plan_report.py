@@ -1,16 +1,18 @@
 """The plan of a merge as text (`--dry_run`): inputs, then what the sink says it would write
-(files, tensors, bytes, parameters, free disk space), the dtypes, and what removal would
-delete. Nothing is written."""
+(files, tensors, bytes, parameters, free disk space), the dtypes and the rule that gave each
+tensor its dtype (`sinks.cast`), and what removal would delete. Nothing is written."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 
 from shardforge.layouts.catalog import LAST
 from shardforge.merge.locate import MergeSources
 from shardforge.merge.remove import RemovalPlan
 from shardforge.sinks.base import Output, Sink
+from shardforge.sinks.cast import Decision, describe
 
 LISTED = 20  # shard files to remove listed by name; the rest counted
 
@@ -21,8 +23,10 @@ def describe_plan(
     output: Output,
     out: Path,
     removal: RemovalPlan | None = None,
+    casts: Mapping[str, Decision] | None = None,
 ) -> str:
-    """Human-readable plan of a prepared merge; nothing is written."""
+    """Human-readable plan of a prepared merge; nothing is written. `casts`: what the output
+    dtype casts and keeps (one line per rule, with examples)."""
     lines = ["dry run: nothing is written", "input:"]
     for c in sources.inputs:
         step = f"step {c.step}" if 0 <= c.step < LAST else "single checkpoint"
@@ -35,7 +39,10 @@ def describe_plan(
     dtypes = Counter(str(t.spec.dtype).removeprefix("torch.") for _, t in output.plan.tensors())
     at = next(i for i, line in enumerate(described) if line.startswith("parameters:"))
     dtype_line = "dtypes: " + ", ".join(f"{d} ({n} tensors)" for d, n in sorted(dtypes.items()))
-    lines += [*described[:at], dtype_line, *described[at:]]
+    lines += [*described[:at], dtype_line]
+    if casts:
+        lines += ["dtype rules:", *(f"  {line}" for line in describe(casts))]
+    lines += described[at:]
     if removal is not None:
         lines.append(
             f"--remove_checkpoint_dir: after verification, would remove {len(removal.files)} "

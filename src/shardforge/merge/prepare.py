@@ -15,7 +15,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,19 +32,19 @@ from shardforge.io.mirror import remote_target
 from shardforge.keymap.keys import KeyMap, check_tied_copies, is_optimizer_key, map_keys
 from shardforge.keymap.lora import has_lora
 from shardforge.keymap.names import adapt_names
-from shardforge.keymap.quantized import kept_as_stored
 from shardforge.layouts.catalog import Candidate, check_model_keys
 from shardforge.merge.check import ExpectedModel, build_expected, check_against
 from shardforge.merge.check import load_config as load_model_config
-from shardforge.merge.dtypes import config_dtype, main_dtype, output_dtype, parse_dtype
+from shardforge.merge.dtypes import main_dtype, output_rules, planned_specs
 from shardforge.merge.locate import Located, MergeSources, label, locate
 from shardforge.merge.lora_checkpoint import adapter_sources, open_lora
 from shardforge.merge.request import MergeRequest
 from shardforge.sinks.base import Companions, Output, Sink
+from shardforge.sinks.cast import Decision
 from shardforge.sinks.engine import TransformersSink
 from shardforge.sinks.hf_dir import AdapterDirectorySink
 from shardforge.sinks.object_store import ObjectStoreSink
-from shardforge.sinks.plan import OutputPlan, TensorSpec, default_max_shard_size, plan_output
+from shardforge.sinks.plan import OutputPlan, default_max_shard_size, plan_output
 from shardforge.sinks.registry import SINKS
 
 log = logging.getLogger("shardforge")
@@ -59,6 +60,7 @@ class Prepared:
     dtype: torch.dtype | None
     plain_dcp: bool  # one DCP checkpoint with HF names (what --engine transformers reads)
     adapter_config: dict[str, Any] | None = None  # a PEFT adapter directory is written
+    casts: Mapping[str, Decision] = field(default_factory=dict)  # what --dtype casts and keeps
 
 
 def _open_named(candidate: Candidate, config: Any) -> dict[str, NamedSource]:
@@ -122,19 +124,13 @@ def prepare(
         for key, src in ((k, by_name[hf]) for k, hf in keymap.to_hf.items())
     )
     by_name = expected.to_saved(by_name)  # under the names save_pretrained writes
-    wanted = parse_dtype(request.dtype)
-    target = config_dtype(config) if wanted == "config" else wanted
-    assert target != "config"
-    kept = kept_as_stored({n: by_name[n].dtype for n in expected.saved_names})
-    specs = [
-        TensorSpec(
-            n, output_dtype(by_name[n].dtype, None if n in kept else target), by_name[n].shape
-        )
-        for n in expected.saved_names
-    ]
+    rules = output_rules(request.dtype, config, request.keep_dtype, expected.keep)
+    specs, casts = planned_specs(
+        ((n, by_name[n].dtype, by_name[n].shape) for n in expected.saved_names), rules
+    )
     shard = None if request.single_file else request.max_shard_size or default_max_shard_size()
     plan = plan_output(specs, shard, expected.total_parameters)
-    return Prepared(sources, expected, keymap, by_name, plan, main_dtype(specs), plain)
+    return Prepared(sources, expected, keymap, by_name, plan, main_dtype(specs), plain, casts=casts)
 
 
 def prepare_lora(
@@ -171,35 +167,37 @@ def prepare_lora(
     if not lora.holds_base:
         base = base_sources(base_directory(cfg.base_model), expected, sources.config)
     fused = fuse_sources(base, lora.names, lora.tensors, lora.settings, expected, str(model_dir))
-    wanted = parse_dtype(request.dtype)
-    target = config_dtype(config) if wanted == "config" else wanted
-    assert target != "config"
     empty = KeyMap({}, "", (), ())
     if request.merge_lora:
-        specs = [
-            TensorSpec(n, output_dtype(_stored_dtype(fused[n]), target), fused[n].shape)
-            for n in expected.saved_names
-        ]
+        rules = output_rules(request.dtype, config, request.keep_dtype, expected.keep)
+        specs, casts = planned_specs(
+            ((n, _stored_dtype(fused[n]), fused[n].shape) for n in expected.saved_names), rules
+        )
         shard = None if request.single_file else request.max_shard_size or default_max_shard_size()
         plan = plan_output(specs, shard, expected.total_parameters)
-        return Prepared(sources, expected, empty, fused, plan, main_dtype(specs), False)
+        return Prepared(
+            sources, expected, empty, fused, plan, main_dtype(specs), False, casts=casts
+        )
     if request.single_file:
         raise MergeError(
             f"{model_dir}: a LoRA checkpoint merges to a PEFT adapter directory (--format hf), "
             "or with --merge_lora to a complete model in any format"
         )
     by_name = adapter_sources(lora)
-    specs = [
-        TensorSpec(
-            n,
-            src.dtype if wanted is None or wanted == "config" else output_dtype(src.dtype, wanted),
-            src.shape,
-        )
-        for n, src in by_name.items()
-    ]
+    # an adapter is cast only when --dtype names a dtype (not to the config's)
+    asked = output_rules(request.dtype, None, request.keep_dtype, expected.keep)
+    specs, casts = planned_specs(((n, s.dtype, s.shape) for n, s in by_name.items()), asked)
     plan = plan_output(specs, None, sum(math.prod(s.shape) for s in specs))
     return Prepared(
-        sources, expected, empty, by_name, plan, main_dtype(specs), False, lora.adapter_config
+        sources,
+        expected,
+        empty,
+        by_name,
+        plan,
+        main_dtype(specs),
+        False,
+        lora.adapter_config,
+        casts,
     )
 
 

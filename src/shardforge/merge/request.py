@@ -31,8 +31,10 @@ from shardforge.merge.options import (
     parse_size,
     parse_steps,
     parse_text,
+    parse_texts,
     signature,
 )
+from shardforge.sinks.cast import keep_pattern
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +44,14 @@ Engine = Literal["stream", "transformers"]
 ENGINES: tuple[str, ...] = ("stream", "transformers")
 # --format values; each names a sink in `sinks.registry.SINKS` (a test checks they agree)
 OUTPUT_FORMATS: tuple[str, ...] = ("hf", "safetensors", "torch")
+
+
+def parse_keep(value: Any, flag: str) -> tuple[str, ...]:
+    """`--keep_dtype` patterns, each checked to be one (`sinks.cast.keep_pattern`)."""
+    patterns = parse_texts(value, flag)
+    for p in patterns:
+        keep_pattern(p, flag)
+    return patterns
 
 
 @dataclass(frozen=True)
@@ -81,7 +91,24 @@ class MergeRequest:
             "Output dtype of floating tensors: bfloat16, float16, float32 or as_saved (default: "
             "the config's dtype/torch_dtype, else as saved).",
             metavar="DTYPE",
-            doc="Also `bf16`, `fp16`, `fp32`. Cast while streaming; integer tensors are never cast.",
+            doc="Also `bf16`, `fp16`, `fp32`. Cast while streaming; integer, bool and FP8/FP4 "
+            "tensors are never cast, nor the modules the model class keeps in float32 "
+            "(`_keep_in_fp32_modules`, `_keep_in_fp32_modules_strict`) or `--keep_dtype` names: "
+            "[merge.md](merge.md#which-tensors---dtype-casts).",
+        ),
+    )
+    keep_dtype: Sequence[str] = field(
+        default=(),
+        metadata=option(
+            "Keep the tensors whose name matches PATTERN in the dtype they are stored in, "
+            "whatever --dtype says: a regular expression searched in the name, * for any "
+            "characters (as transformers matches _keep_in_fp32_modules), e.g. router or "
+            "layers.*.mlp.gate.weight.",
+            metavar="PATTERN",
+            multiple=True,
+            parse=parse_keep,
+            annotation="Sequence[str]",
+            doc="In Python a list. `--dry_run` lists what is cast and what is kept, and why.",
         ),
     )
     max_shard_size: int | str | None = field(
@@ -427,6 +454,7 @@ class LoraMergeRequest:
             "(default: the base config's dtype, else as the base model stores them).",
         ),
     )
+    keep_dtype: Sequence[str] = field(default=(), metadata=_as_merge("keep_dtype"))
     max_shard_size: int | str | None = field(default=None, metadata=_as_merge("max_shard_size"))
     verify: bool = flag(
         "Re-read the output and compare every tensor with the base model and adapter read "

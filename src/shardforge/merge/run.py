@@ -75,6 +75,7 @@ def _early_copy(
         request.overwrite,
         dtype_choice_name(request.dtype),
         request.max_shard_size,
+        request.keep_dtype,
     )
 
 
@@ -107,7 +108,7 @@ def _run_prepared(
     out = _checked(config, request, prep, removal)
     output, sink = deliverable(prep, request, config)
     if request.dry_run:
-        sys.stdout.write(describe_plan(prep.sources, sink, output, out, removal) + "\n")
+        sys.stdout.write(describe_plan(prep.sources, sink, output, out, removal, prep.casts) + "\n")
         return out
     used = early is not None and isinstance(sink, HfDirectorySink)
     used = used and early is not None and early.accept(prep.plan, prep.by_name)

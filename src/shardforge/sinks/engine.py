@@ -1,5 +1,7 @@
 """`--engine transformers`: the literal path (meta-device model, `to_empty`, `dcp.load`,
-`save_pretrained`). It holds the whole model in memory; the default engine streams.
+`save_pretrained`). It holds the whole model in memory; the default engine streams. Its
+integrity manifest hashes the files save_pretrained wrote, once written (the one output whose
+weights are read again for it: the safetensors library writes them, with no bytes handed out).
 
 Each tensor is loaded in the dtype the plan gives it (the dtype it is stored in with
 ``--dtype as_saved``, the cast one otherwise), so a mixed-dtype checkpoint comes out as the
@@ -18,6 +20,7 @@ from shardforge.formats.dcp.reader import load_checked
 from shardforge.io.publish import atomic_directory
 from shardforge.sinks.base import Output, Progress, Sink, WriteOptions
 from shardforge.sinks.hf_dir import HfDirectorySink, write_companions
+from shardforge.sinks.manifest import new_hashes, write_manifest
 
 log = logging.getLogger("shardforge")
 
@@ -78,6 +81,10 @@ class TransformersSink(Sink):
             if options.verify:
                 n = self.verify(output, tmp)
                 log.info("verified %d tensors: identical to the checkpoint", n)
+            # save_pretrained writes through the safetensors library, which gives no bytes to
+            # hash on their way: this path (the whole model in memory already) hashes its
+            # files once written
+            write_manifest(tmp, new_hashes(), output.sources.values())
 
     def verify(self, output: Output, location: Path, progress: Progress | None = None) -> int:
         return HfDirectorySink().verify(output, location, progress)

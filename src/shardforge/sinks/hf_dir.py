@@ -1,6 +1,7 @@
 """The safetensors outputs: a Hugging Face model directory, a PEFT adapter directory, one
 safetensors file. Each is one `Sink`; all three fill their planned files with
-`safetensors_files.write_plan` and verify through the `safetensors` library (`sinks.verify`)."""
+`safetensors_files.write_plan` and verify through the `safetensors` library (`sinks.verify`).
+The two directories carry an integrity manifest (`sinks.manifest`), written last."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from shardforge.io.copy import FileSlab
 from shardforge.io.publish import atomic_directory, atomic_file
 from shardforge.sinks.base import Companions, Output, Progress, Sink, WriteOptions
 from shardforge.sinks.companions import write_config, write_generation_config, write_tokenizer
+from shardforge.sinks.manifest import new_hashes, write_manifest
 from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from shardforge.sinks.progress import progress
 from shardforge.sinks.resume import LocalJournal, fingerprint
-from shardforge.sinks.safetensors_files import finish_plan, write_index, write_plan
+from shardforge.sinks.safetensors_files import Hashes, finish_plan, write_index, write_plan
 from shardforge.sinks.verify import verify_output
 
 log = logging.getLogger("shardforge")
@@ -27,8 +29,9 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 GENERATION_CONFIG = "generation_config.json"
 CONFIG = "config.json"
 
-# moves the files an early copy already wrote into the directory; the slabs it copied
-Prefill = Callable[[Path], Mapping[str, list[FileSlab]]]
+# moves the files an early copy already wrote into the directory; the slabs it copied and the
+# hashes of those files so far (None: not hashed)
+Prefill = Callable[[Path], tuple[Mapping[str, list[FileSlab]], Hashes | None]]
 
 
 def _verified(output: Output, directory: Path, quiet: bool) -> None:
@@ -86,15 +89,18 @@ class HfDirectorySink(Sink):
             journal = LocalJournal(tmp, resume_fingerprint(output), options.resume)
             with progress(output.plan.total_bytes, "merging", options.quiet) as update:
                 if prefill is not None:
-                    finish_plan(output.plan, output.sources, tmp, prefill(tmp), update, journal)
+                    copied, hashes = prefill(tmp)
+                    finish_plan(output.plan, output.sources, tmp, copied, update, journal, hashes)
                     write_index(output.plan, tmp)
                 else:
-                    write_plan(output.plan, output.sources, tmp, update, journal)
+                    hashes = new_hashes()
+                    write_plan(output.plan, output.sources, tmp, update, journal, hashes)
             journal.close()
             if output.companions is not None:
                 write_companions(output.companions, output.dtype, tmp)
             if options.verify:
                 _verified(output, tmp, options.quiet)
+            write_manifest(tmp, hashes, output.sources.values())
 
     def verify(self, output: Output, location: Path, progress: Progress | None = None) -> int:
         return verify_output(output.plan, output.sources, location, progress, output.tied)
@@ -116,15 +122,19 @@ class AdapterDirectorySink(Sink):
 
     def write(self, output: Output, out: Path, options: WriteOptions) -> None:
         assert output.adapter_config is not None
+        hashes = new_hashes()
         with atomic_directory(out, options.overwrite) as tmp:
             with progress(output.plan.total_bytes, "merging", options.quiet) as update:
-                write_plan(output.plan, output.sources, tmp, update)
+                write_plan(output.plan, output.sources, tmp, update, hashes=hashes)
             if options.verify:
                 _verified(output, tmp, options.quiet)
             os.replace(tmp / SAFE_WEIGHTS_NAME, tmp / ADAPTER_WEIGHTS)
+            if hashes is not None:
+                hashes[ADAPTER_WEIGHTS] = hashes.pop(SAFE_WEIGHTS_NAME)
             text = json.dumps(output.adapter_config, indent=2, sort_keys=True) + "\n"
             (tmp / ADAPTER_CONFIG).write_text(text)
             _tokenizer(output.companions, tmp)
+            write_manifest(tmp, hashes, output.sources.values())
 
     def verify(self, output: Output, location: Path, progress: Progress | None = None) -> int:
         return verify_output(output.plan, output.sources, location, progress, output.tied)

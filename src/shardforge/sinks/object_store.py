@@ -17,6 +17,10 @@ this merge had completed; the journal beside the prefix goes too.
 Resume (--resume): the journal of the interrupted merge must name the same plan and inputs;
 its completed files are kept when their size and ETag still match, its uploaded parts when
 their size matches, and only the rest is read and uploaded.
+
+The integrity manifest (`sinks.manifest`) is put last: each file's SHA-256 is computed as its
+staging file is filled (every tensor is then written, also those of parts an interrupted merge
+uploaded, which are not uploaded again) and kept in the journal for a resumed merge.
 """
 
 from __future__ import annotations
@@ -34,15 +38,19 @@ from shardforge.errors import MergeError
 from shardforge.formats.base import Destination
 from shardforge.formats.sources import TensorSource
 from shardforge.io.copy import ReadCache, pwrite_all
+from shardforge.io.digest import FileHash, hash_of, hashing
 from shardforge.io.fs import punch_hole
 from shardforge.io.mirror import RemoteTarget
 from shardforge.io.remote import storage_errors
 from shardforge.sinks.base import Output, Progress, Sink, WriteOptions, human
 from shardforge.sinks.hf_dir import HfDirectorySink, resume_fingerprint, write_companions
+from shardforge.sinks.manifest import MANIFEST as MANIFEST_NAME
+from shardforge.sinks.manifest import new_hashes, write_manifest
 from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, PlannedFile
 from shardforge.sinks.progress import progress
-from shardforge.sinks.safetensors_files import write_index
+from shardforge.sinks.safetensors_files import Hashes, write_index
 from shardforge.sinks.uploads import (
+    FileRange,
     FileUpload,
     Journal,
     PartSizer,
@@ -55,10 +63,8 @@ from shardforge.sinks.verify import verify_output
 
 log = logging.getLogger("shardforge")
 
-# parts uploaded at once (each held in memory while it is sent)
-UPLOADS = 4
-# the integrity manifest a sink may write beside the weights: published after the index
-MANIFEST_NAME = "shardforge-manifest.json"
+# parts uploaded at once (each read from the staging file as it is sent, not held in memory)
+UPLOADS = 8
 
 
 def check_target(target: RemoteTarget, overwrite: bool, resume: bool) -> None:
@@ -103,6 +109,7 @@ class ObjectStoreSink(Sink):
         local = self.target.staging / "directory"
         local.mkdir(parents=True, exist_ok=True)
         journal = self._journal(output, options.resume)
+        hashes = new_hashes()  # each file's, as its staging file is filled (`sinks.manifest`)
         done: list[str] = []
         try:
             with (
@@ -111,10 +118,11 @@ class ObjectStoreSink(Sink):
                 ThreadPoolExecutor(UPLOADS) as pool,
             ):
                 for pf in output.plan.files:
-                    self._upload_file(pf, output.sources, reader, pool, journal, update)
+                    self._upload_file(pf, output.sources, reader, pool, journal, update, hashes)
             write_index(output.plan, local)
             if output.companions is not None:
                 write_companions(output.companions, output.dtype, local)
+            self._manifest(output, local, hashes)
             self._publish(output, local, journal, options, done)
         except BaseException:
             journal.abort_all()
@@ -171,13 +179,27 @@ class ObjectStoreSink(Sink):
                 )
             for name, e in dict(left.get("files") or {}).items():
                 journal.files[name] = FileUpload(
-                    str(e["upload_id"]), int(e["part_size"]), completed=e.get("completed")
+                    str(e["upload_id"]),
+                    int(e["part_size"]),
+                    completed=e.get("completed"),
+                    sha256=e.get("sha256"),
                 )
             log.info("resuming the interrupted merge to %s", self.target.uri)
         elif resume:
             log.info("--resume: nothing to resume at %s; merging from the start", self.target.uri)
         journal.save()
         return journal
+
+    def _manifest(self, output: Output, local: Path, hashes: Hashes | None) -> None:
+        """The integrity manifest, put last (`_publish`): every file hashed as its staging
+        file was filled (by this merge, or by the interrupted one that completed it)."""
+        if hashes is None:
+            return
+        if len(hashes) < len(output.plan.files):  # completed by a merge that kept no hash
+            log.info("no %s: an interrupted merge's files were kept unhashed", MANIFEST_NAME)
+            return
+        sizes = {pf.name: pf.size for pf in output.plan.files}
+        write_manifest(local, hashes, output.sources.values(), sizes)
 
     def _kept(self, pf: PlannedFile, up: FileUpload) -> dict[int, str] | None:
         """What an interrupted merge left of `pf`: None when the file is complete (size and
@@ -205,6 +227,7 @@ class ObjectStoreSink(Sink):
         pool: ThreadPoolExecutor,
         journal: Journal,
         update: Progress,
+        hashes: Hashes | None = None,
     ) -> None:
         up = journal.files.get(pf.name)
         if up is None:
@@ -216,18 +239,25 @@ class ObjectStoreSink(Sink):
             kept = self._kept(pf, up)
         if kept is None:  # completed by the interrupted merge, and unchanged
             update(pf.size)
+            if hashes is not None and up.sha256 is not None:
+                hashes[pf.name] = up.sha256
             return
         up.etags = dict(kept)
         staged = self.target.staging / pf.name
         fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        h = FileHash() if hashes is not None else None
         try:
             os.ftruncate(fd, pf.size)
-            _Parts(self, pf, up, fd, pool).fill(sources, reader, update)
+            with hashing(fd, h):
+                _Parts(self, pf, up, fd, pool).fill(sources, reader, update)
         finally:
             os.close(fd)
             staged.unlink(missing_ok=True)
+        if hashes is not None and h is not None:
+            up.sha256 = hashes[pf.name] = h.hexdigest(pf.size)
+            journal.save()
 
-    def _send(self, name: str, up: FileUpload, number: int, body: bytes) -> str:
+    def _send(self, name: str, up: FileUpload, number: int, body: FileRange) -> str:
         import time
 
         start = time.monotonic()
@@ -306,7 +336,8 @@ class ObjectStoreSink(Sink):
 
 
 class _Parts:
-    """One file's parts: filled in its staging file, then read, uploaded and released."""
+    """One file's parts: filled in its staging file, then uploaded from it (`UPLOADS` at a
+    time, each read from the file as it is sent) and their blocks given back once sent."""
 
     def __init__(
         self,
@@ -332,19 +363,29 @@ class _Parts:
     def fill(
         self, sources: Mapping[str, TensorSource], reader: ReadCache, update: Progress
     ) -> None:
+        try:
+            self._fill(sources, reader, update)
+            while self.pending:
+                self._settle()
+        except BaseException:
+            self._drain()  # no upload may read the staging file once it is closed
+            raise
+
+    def _fill(
+        self, sources: Mapping[str, TensorSource], reader: ReadCache, update: Progress
+    ) -> None:
         header = self.pf.header
         pwrite_all(self.fd, memoryview(header), 0)
         update(len(header))
+        hashed = hash_of(self.fd) is not None  # every tensor written, uploaded parts too
         for t in sorted(self.pf.tensors, key=lambda t: t.offset):
-            if self._needed(t.offset, t.offset + t.spec.nbytes):
+            if hashed or self._needed(t.offset, t.offset + t.spec.nbytes):
                 src = sources[t.spec.name]
                 src.write(reader, Destination(self.fd, t.offset, t.spec.dtype, update))
             else:
                 update(t.spec.nbytes)
             self._send_ready(t.offset + t.spec.nbytes)
         self._send_ready(self.pf.size)
-        while self.pending:
-            self._settle()
 
     def _send_ready(self, frontier: int) -> None:
         while self.next < len(self.ranges) and self.ranges[self.next][1] <= frontier:
@@ -355,12 +396,23 @@ class _Parts:
                 continue
             while len(self.pending) >= UPLOADS:
                 self._settle()
-            body = os.pread(self.fd, b - a, a)
+            body = FileRange(self.fd, a, b)
             name, up = self.pf.name, self.up
             self.pending.append((number, self.pool.submit(self.sink._send, name, up, number, body)))
-            self.sink.uploaded += len(body)
-            punch_hole(self.fd, a, b - a)
+            self.sink.uploaded += b - a
 
     def _settle(self) -> None:
+        """Wait for the oldest upload in flight; its blocks of the staging file go back."""
         number, fut = self.pending.popleft()
         self.up.etags[number] = fut.result()
+        a, b = self.ranges[number - 1]
+        punch_hole(self.fd, a, b - a)
+
+    def _drain(self) -> None:
+        """A failure: the uploads not started are cancelled, the running ones waited for."""
+        for _, fut in self.pending:
+            fut.cancel()
+        for _, fut in self.pending:
+            with contextlib.suppress(BaseException):  # the failure on its way is the one raised
+                fut.exception()
+        self.pending.clear()

@@ -3,7 +3,8 @@ it finished in its hidden directory (a local output).
 
 Every local Hugging Face directory write keeps ``.shardforge-resume.json`` in its hidden
 directory: the fingerprint, and for each finished file (written and fsynced) its size and
-SHA-256, hashed on a thread while the next file is written. The journal is removed just before
+SHA-256: the one computed as it was written for the integrity manifest (`sinks.manifest`),
+else hashed on a thread while the next file is written. The journal is removed just before
 the directory is published. A merge killed with SIGKILL leaves the hidden directory behind;
 `--resume` takes it over (`io.publish`), keeps every finished file whose size and hash still
 match and rewrites the others. The object-store sink keeps its own journal beside the prefix
@@ -93,10 +94,19 @@ class LocalJournal:
         path.unlink(missing_ok=True)
         return False
 
-    def finish(self, pf: PlannedFile) -> None:
-        """`pf` is written and fsynced: hash it on the journal's thread."""
+    def finish(self, pf: PlannedFile, digest: str | None = None) -> None:
+        """`pf` is written and fsynced: record it with `digest`, its SHA-256 computed as it was
+        written (`sinks.manifest`), else hash it on the journal's thread."""
         self._collect()
+        if digest is not None:
+            self.finished[pf.name] = {"size": pf.size, "sha256": digest}
+            self._save()
+            return
         self._hashing[pf.name] = self._pool.submit(sha256_of, self.directory / pf.name)
+
+    def digest(self, name: str) -> str:
+        """The SHA-256 recorded for a kept file (`kept`)."""
+        return str(self.finished[name]["sha256"])
 
     def _collect(self, wait: bool = False) -> None:
         for name, fut in list(self._hashing.items()):

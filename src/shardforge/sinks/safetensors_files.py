@@ -5,20 +5,26 @@ A source whose bytes are slabs of input files (no cast) is copied file to file b
 (`copy_file_range`, no bytes through Python); every other source writes itself into its planned
 byte range (`TensorSource.write`: a DCP entry chunk by chunk). Peak memory is therefore
 about one tensor, whatever the model size.
+
+With `hashes` (a directory's integrity manifest, `sinks.manifest`) every file's SHA-256 is
+computed from the bytes as they are written (`io.digest.FileHash`): the tensors are then
+written in file order, runs of slab tensors copied through the copy threads' buffers in the
+order of their output bytes (read, hashed in turn, written), the others fed as they write.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardforge.formats.base import Destination, TensorSource
 from shardforge.io.copy import CopyJob, FileSlab, ReadCache, copy_jobs, copy_range, pwrite_all
+from shardforge.io.digest import FileHash, hashing
 from shardforge.io.fs import preallocate
-from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan
+from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan, PlannedFile
 
 if TYPE_CHECKING:
     import torch
@@ -26,6 +32,9 @@ if TYPE_CHECKING:
     from shardforge.sinks.resume import LocalJournal
 
 Progress = Callable[[int], None]
+# file name -> the hash of its bytes as they were written (`sinks.manifest`), or the SHA-256
+# of a file an interrupted merge wrote and this one kept (`sinks.resume`)
+Hashes = MutableMapping[str, FileHash | str]
 
 
 def write_plan(
@@ -34,42 +43,78 @@ def write_plan(
     directory: Path,
     progress: Progress,
     journal: LocalJournal | None = None,
+    hashes: Hashes | None = None,
 ) -> None:
     """Create every planned file (and the index when sharded) in `directory`; fsync them.
     With a `journal`, a file an interrupted merge finished is kept (`sinks.resume`) and each
-    file written is recorded."""
+    file written is recorded. With `hashes`, each file's hash as it was written (or, for a
+    kept file, its SHA-256 as the journal recorded it) is added to it."""
     with ReadCache() as reader:
         for pf in plan.files:
             if journal is not None and journal.kept(pf):
                 progress(pf.size)
+                if hashes is not None:
+                    hashes[pf.name] = journal.digest(pf.name)
                 continue
             fd = os.open(directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 preallocate(fd, pf.size)
-                pwrite_all(fd, memoryview(pf.header), 0)
-                progress(len(pf.header))
-                jobs: list[CopyJob] = []
-                through_memory = []
-                for planned in pf.tensors:
-                    src = sources[planned.spec.name]
-                    same = src.dtype == planned.spec.dtype
-                    slabs = src.slabs(reader) if same else None
-                    if slabs is None:
-                        through_memory.append((planned, src))
-                        continue
-                    jobs += [
-                        CopyJob(s.path, s.src_offset, fd, planned.offset + s.dst_offset, s.nbytes)
-                        for s in slabs
-                    ]
-                copy_jobs(jobs, copy_range, progress)
-                for planned, src in through_memory:
-                    src.write(reader, Destination(fd, planned.offset, planned.spec.dtype, progress))
+                h = None if hashes is None else FileHash()
+                if hashes is not None and h is not None:
+                    hashes[pf.name] = h
+                with hashing(fd, h):
+                    pwrite_all(fd, memoryview(pf.header), 0)
+                    progress(len(pf.header))
+                    _fill(pf, sources, reader, fd, progress, set(), ordered=h is not None)
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            if journal is not None:
-                journal.finish(pf)
+            _finished(pf, journal, h)
     write_index(plan, directory)
+
+
+def _finished(pf: PlannedFile, journal: LocalJournal | None, h: FileHash | str | None) -> None:
+    """`pf` is written and fsynced: the journal records it, with the SHA-256 it was written
+    with when it was hashed (else the journal hashes it)."""
+    if journal is not None:
+        journal.finish(pf, h.hexdigest(pf.size) if isinstance(h, FileHash) else h)
+
+
+def _fill(
+    pf: PlannedFile,
+    sources: Mapping[str, TensorSource],
+    reader: ReadCache,
+    fd: int,
+    progress: Progress,
+    skip: set[str],
+    ordered: bool,
+) -> None:
+    """Write every tensor of `pf` but those in `skip`: slabs copied file to file, the rest
+    through memory. `ordered`: in file order (a hashed file), runs of slab tensors copied
+    together; else all slabs first, in the order of their source bytes."""
+    jobs: list[CopyJob] = []
+    rest: list[tuple[int, TensorSource, torch.dtype]] = []
+    for planned in pf.tensors:
+        name = planned.spec.name
+        if name in skip:
+            continue
+        src = sources[name]
+        slabs = src.slabs(reader) if src.dtype == planned.spec.dtype else None
+        if slabs is None:
+            if ordered:  # the run of slabs before this tensor, then the tensor
+                copy_jobs(jobs, copy_range, progress)
+                jobs = []
+                src.write(reader, Destination(fd, planned.offset, planned.spec.dtype, progress))
+            else:
+                rest.append((planned.offset, src, planned.spec.dtype))
+            continue
+        jobs += [
+            CopyJob(s.path, s.src_offset, fd, planned.offset + s.dst_offset, s.nbytes)
+            for s in slabs
+        ]
+    copy_jobs(jobs, copy_range, progress)
+    for offset, src, dtype in rest:
+        src.write(reader, Destination(fd, offset, dtype, progress))
 
 
 def write_index(plan: OutputPlan, directory: Path) -> None:
@@ -86,35 +131,23 @@ def finish_plan(
     copied: Mapping[str, list[FileSlab]],
     progress: Progress,
     journal: LocalJournal | None = None,
+    hashes: Hashes | None = None,
 ) -> None:
     """Write every tensor the early copy did not into the existing planned files; fsync them
-    (the index is the caller's, as with `write_plan`)."""
+    (the index is the caller's, as with `write_plan`). `hashes`: the early copy's hashes of
+    these files, which this writing completes."""
     progress(sum(len(f.header) for f in plan.files))
     with ReadCache() as reader:
         for pf in plan.files:
             fd = os.open(directory / pf.name, os.O_WRONLY)
             try:
-                jobs: list[CopyJob] = []
-                rest: list[tuple[int, TensorSource, torch.dtype]] = []
-                for planned in pf.tensors:
-                    name = planned.spec.name
-                    if name in copied:
-                        progress(planned.spec.nbytes)
-                        continue
-                    src = sources[name]
-                    slabs = src.slabs(reader) if src.dtype == planned.spec.dtype else None
-                    if slabs is None:
-                        rest.append((planned.offset, src, planned.spec.dtype))
-                        continue
-                    jobs += [
-                        CopyJob(s.path, s.src_offset, fd, planned.offset + s.dst_offset, s.nbytes)
-                        for s in slabs
-                    ]
-                copy_jobs(jobs, copy_range, progress)
-                for offset, src, dtype in rest:
-                    src.write(reader, Destination(fd, offset, dtype, progress))
+                done = {t.spec.name for t in pf.tensors if t.spec.name in copied}
+                progress(sum(t.spec.nbytes for t in pf.tensors if t.spec.name in done))
+                h = None if hashes is None else hashes[pf.name]
+                assert not isinstance(h, str)  # (the early copy's hash of it so far)
+                with hashing(fd, h):
+                    _fill(pf, sources, reader, fd, progress, done, ordered=h is not None)
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            if journal is not None:
-                journal.finish(pf)
+            _finished(pf, journal, h)

@@ -11,12 +11,13 @@ each file's upload id and part size, so `--resume` finds the parts a killed merg
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
 import socket
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +30,10 @@ MIN_PART = 5 << 20
 MAX_PARTS = 10_000
 # part sizes: at first, then chosen so that one part takes about `PART_SECONDS` to upload
 FIRST_PART = 16 << 20
-MAX_PART = 512 << 20
+MAX_PART = 128 << 20
 PART_SECONDS = 2.0
+# a part's body is sent in pieces of this size
+PIECE = 256 << 10
 
 
 class PartSizer:
@@ -146,7 +149,8 @@ class Store:
         )
         return str(out["UploadId"])
 
-    def upload(self, name: str, upload_id: str, number: int, body: bytes) -> str:
+    def upload(self, name: str, upload_id: str, number: int, body: FileRange) -> str:
+        """Upload part `number` of `name`, its bytes read from `body` as they are sent."""
         out = self.call(
             "upload_part",
             self.uri.child(name),
@@ -154,6 +158,7 @@ class Store:
             Key=self.key(name),
             UploadId=upload_id,
             PartNumber=number,
+            ContentLength=len(body),
             Body=body,
         )
         return str(out["ETag"])
@@ -202,6 +207,42 @@ class Store:
         )
 
 
+class FileRange:
+    """Bytes [start, stop) of the open local file `fd` as a seekable, read-only stream: a
+    part's body, read by the client in pieces (its checksum, its signature, the request)
+    straight from the staging file, never held whole in memory. Not an `io.IOBase`: aiohttp
+    sends it as an async iterable, read on the event loop's thread, instead of reading it on
+    executor threads (each of which would keep a malloc arena of freed pieces)."""
+
+    def __init__(self, fd: int, start: int, stop: int) -> None:
+        self.fd, self.start, self.stop = fd, start, stop
+        self.pos = 0
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self)}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        left = max(0, len(self) - self.pos)
+        data = os.pread(self.fd, left if n < 0 else min(n, left), self.start + self.pos)
+        self.pos += len(data)
+        return data
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._pieces()
+
+    async def _pieces(self) -> AsyncIterator[bytes]:
+        while piece := self.read(PIECE):
+            yield piece
+
+
 @dataclass
 class FileUpload:
     """One planned file's multipart upload: its id, part size and the parts done."""
@@ -210,6 +251,7 @@ class FileUpload:
     part_size: int
     etags: dict[int, str] = field(default_factory=dict)
     completed: str | None = None  # the object's ETag once completed
+    sha256: str | None = None  # the file's, as its staging file was filled (`sinks.manifest`)
 
 
 @dataclass
@@ -231,6 +273,7 @@ class Journal:
                         "upload_id": f.upload_id,
                         "part_size": f.part_size,
                         "completed": f.completed,
+                        "sha256": f.sha256,
                     }
                     for n, f in self.files.items()
                 },

@@ -7,7 +7,10 @@
       rng_state_<rank>.pt   tensors and ints only (torch.load(weights_only=True))
 
 A checkpoint is written into `checkpoint-<step>.tmp` and renamed once every rank has finished,
-so a crash mid-save leaves the previous complete checkpoint as the latest one. With
+so a crash mid-save leaves the previous complete checkpoint as the latest one. In object storage
+(`output_dir: s3://...`, `train.remote_run`) there is no rename: the shards are written by DCP's
+fsspec writer into `checkpoint-<step>/` and trainer_state.json, which the layouts catalog needs
+to list a checkpoint, is written last. With
 `async_save` the shards are written by background threads (`start_async_save`) and the rename
 happens once they are done (`complete_async_save`). Before resuming,
 a checkpoint is checked as the merge checks one (`checkpoint_problem`); `auto` falls back past a
@@ -22,7 +25,7 @@ import os
 import random
 import shutil
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import torch
@@ -30,8 +33,11 @@ import torch.distributed as dist
 
 from shardforge.errors import CheckpointError
 from shardforge.io.fs import fsync_dir
+from shardforge.io.mirror import mirrored, staging
+from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import scan
 from shardforge.layouts.layout import Candidate, layout_named
+from shardforge.train.remote_run import RemoteOutput
 
 log = logging.getLogger("shardforge")
 
@@ -153,8 +159,14 @@ def checkpoint_problem(path: Path) -> str | None:
     return None
 
 
-def resolve_resume(resume: str | None, output_dir: Path, announce: bool = True) -> Path | None:
-    """The checkpoint to resume from: None, `auto` or a path.
+def resolve_resume(
+    resume: str | None,
+    output_dir: Path,
+    announce: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> Path | None:
+    """The checkpoint to resume from: None, `auto` or a path (an s3:// one is read through its
+    mirror in the active staging area, with `storage_options`).
 
     `auto`: the latest complete checkpoint that passes `checkpoint_problem`; each damaged
     newer one is skipped with a one-line notice (when `announce`: on one rank only). None when
@@ -181,7 +193,7 @@ def resolve_resume(resume: str | None, output_dir: Path, announce: bool = True) 
                 "(see above); name one explicitly or remove them to start fresh"
             )
         return None
-    path = Path(resume)
+    path = mirrored(resume, storage_options) if is_remote(resume) else Path(resume)
     if not path.is_dir():
         raise CheckpointError(f"resume_from_checkpoint: {path} is not a directory")
     problem = checkpoint_problem(path)
@@ -233,13 +245,13 @@ def _start_folder(output_dir: Path, step: int) -> tuple[Path, Path]:
 
 
 def save_checkpoint(
-    output_dir: Path,
+    output_dir: Path | RemoteOutput,
     state: TrainerState,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     save_total_limit: int | None,
     adapter_only: bool = False,
-) -> Path:
+) -> PurePath:
     """Write checkpoint-<step> on every rank; complete (renamed) only once all ranks are done.
 
     `adapter_only` (LoRA): the model folder holds the trainable parameters only (the adapter
@@ -249,6 +261,8 @@ def save_checkpoint(
         get_optimizer_state_dict,
     )
 
+    if isinstance(output_dir, RemoteOutput):
+        return _save_remote(output_dir, state, model, optimizer, save_total_limit, adapter_only)
     rank = dist.get_rank()
     tmp, final = _start_folder(output_dir, state.step)
     dcp.save(_model_state(model, adapter_only), checkpoint_id=str(tmp / MODEL_DIR))
@@ -261,6 +275,43 @@ def save_checkpoint(
         log.info("saved %s", final)
     dist.barrier()
     return final
+
+
+def _save_remote(
+    remote: RemoteOutput,
+    state: TrainerState,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    save_total_limit: int | None,
+    adapter_only: bool,
+) -> PurePath:
+    """`save_checkpoint` into a store: rank 0 removes what an earlier save of this step left
+    (its marker first), every rank writes its shards (DCP's fsspec writer) and RNG file, then
+    rank 0 writes trainer_state.json, the marker that makes the checkpoint complete."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    rank, name = dist.get_rank(), f"checkpoint-{state.step}"
+    if rank == 0:
+        remote.remove(name, first=STATE_FILE)
+    dist.barrier()
+    dcp.save(_model_state(model, adapter_only), storage_writer=remote.writer(f"{name}/{MODEL_DIR}"))
+    dcp.save(
+        get_optimizer_state_dict(model, optimizer),
+        storage_writer=remote.writer(f"{name}/{OPTIMIZER_DIR}"),
+    )
+    rng = io.BytesIO()
+    torch.save(rng_state(), rng)
+    remote.put(f"{name}/{RNG_FILE.format(rank=rank)}", rng.getvalue())
+    dist.barrier()
+    if rank == 0:
+        remote.put(f"{name}/{STATE_FILE}", (json.dumps(asdict(state), indent=2) + "\n").encode())
+        prune(remote, save_total_limit)
+        log.info("saved %s", remote.url(name))
+    dist.barrier()
+    return PurePath(name)
 
 
 def _publish(output_dir: Path, tmp: Path, final: Path, state: TrainerState) -> None:
@@ -381,18 +432,28 @@ def complete_async_save(output_dir: Path, pending: PendingSave) -> Path | None:
     return pending.final
 
 
-def prune(output_dir: Path, limit: int | None, keep: frozenset[Path] = frozenset()) -> list[Path]:
+def prune(
+    output_dir: Path | RemoteOutput, limit: int | None, keep: frozenset[Path] = frozenset()
+) -> list[PurePath]:
     """Delete the oldest complete checkpoints beyond `limit`; return what was deleted.
 
-    A checkpoint in `keep` (one being merged: merge_on_save) is left for a later call."""
+    A checkpoint in `keep` (one being merged: merge_on_save) is left for a later call. In a
+    store each goes marker first (a half-deleted checkpoint is an incomplete one)."""
     if limit is None:
         return []
+    if isinstance(output_dir, RemoteOutput):
+        with staging():
+            found = complete_checkpoints(mirrored(str(output_dir), output_dir.storage_options))
+        doomed = [PurePath(p.name) for p in found[: max(0, len(found) - limit)]]
+        for name in doomed:
+            output_dir.remove(name.name, first=STATE_FILE)
+        return doomed
     found = complete_checkpoints(output_dir)
     busy = {p.name for p in keep}
-    doomed = [p for p in found[: max(0, len(found) - limit)] if p.name not in busy]
-    for path in doomed:
+    doomed_here = [p for p in found[: max(0, len(found) - limit)] if p.name not in busy]
+    for path in doomed_here:
         shutil.rmtree(path)
-    return doomed
+    return list(doomed_here)
 
 
 def _model_options(adapter_only: bool) -> Any:

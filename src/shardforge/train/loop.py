@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ShardforgeError
 from shardforge.io.dist import finish_together
+from shardforge.io.mirror import public_name
 from shardforge.train import checkpointing as ckpt
 from shardforge.train.data import GlobalOrder, load_tokenizer
 from shardforge.train.diagnostics import StepMemory, report_sharding
@@ -51,6 +53,13 @@ from shardforge.train.optim import (
 )
 from shardforge.train.packing import check_packing
 from shardforge.train.prepared import prepared_datasets
+from shardforge.train.remote_run import (
+    RemoteOutput,
+    RunFiles,
+    checkpoint_folder,
+    checkpoint_name,
+    local_folder,
+)
 from shardforge.train.runtime import (
     Runtime,
     device_mesh,
@@ -71,9 +80,9 @@ class TrainResult:
     """What a finished run reports (rank 0 has the metrics of the steps it ran)."""
 
     steps: int
-    output_dir: Path
+    output_dir: Path | str  # str: an s3:// URI
     metrics: list[dict[str, Any]] = field(default_factory=list)
-    resumed_from: Path | None = None
+    resumed_from: Path | str | None = None
     saver: Saver | None = None  # its merges (merge_on_save) outlive the process group
 
 
@@ -175,6 +184,13 @@ class Trainer:
     ) -> None:
         self.cfg, self.rt = cfg, rt
         self.out = Path(cfg.output_dir)
+        # output_dir in a store: checkpoints go there directly, the other files of the run are
+        # written in a local folder and uploaded (rank 0; `train.remote_run`)
+        self.remote = RemoteOutput.of(cfg)
+        self.files: RunFiles | None = None
+        if self.remote is not None:
+            self.out = local_folder()
+            self.files = RunFiles(self.remote, self.out) if rt.is_main else None
         self.extra = list(callbacks)
         self.callbacks: list[Callback] = []  # made by setup: built-in, then `callbacks`
         self.global_step = 0  # optimizer steps done (a resumed run starts at its checkpoint's)
@@ -187,6 +203,13 @@ class Trainer:
         return self.global_step >= self.total_steps or self.stop
 
     def fit(self) -> TrainResult:
+        try:
+            return self._fit()
+        finally:
+            if self.remote is not None:
+                shutil.rmtree(self.out, ignore_errors=True)
+
+    def _fit(self) -> TrainResult:
         if not self.setup():
             return self.result
         failed = True
@@ -207,8 +230,20 @@ class Trainer:
                 self.saver.abort()
             for callback in reversed(self.callbacks):
                 callback.on_end(self, failed)
+            self._upload(failed)
         self.result.steps = self.global_step
         return self.result
+
+    def _upload(self, failed: bool = False) -> None:
+        """Rank 0, output_dir in a store: upload the run's new and changed files (after a
+        failure as far as the store lets it: the failure is what is reported)."""
+        if self.files is None:
+            return
+        if not failed:
+            self.files.sync()
+            return
+        with contextlib.suppress(ShardforgeError):
+            self.files.sync()
 
     def _emit(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
@@ -226,15 +261,25 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         self._setup_data()
-        self.resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, self.out, announce=rt.is_main)
-        saved = ckpt.TrainerState.read(self.resume) if self.resume is not None else None
-        self.result = TrainResult(steps=0, output_dir=self.out, resumed_from=self.resume)
+        with checkpoint_folder(cfg) as folder:  # an s3:// output_dir: its mirror
+            self.resume = ckpt.resolve_resume(
+                cfg.resume_from_checkpoint, folder, rt.is_main, cfg.storage_options
+            )
+            return self._setup_from(self.resume)
+
+    def _setup_from(self, resume: Path | None) -> bool:
+        """`setup` once the checkpoint to resume from (if any) is found."""
+        cfg, rt = self.cfg, self.rt
+        saved = ckpt.TrainerState.read(resume) if resume is not None else None
+        shown = checkpoint_name(resume) if resume and self.remote else resume
+        output = cfg.output_dir if self.remote is not None else self.out
+        self.result = TrainResult(steps=0, output_dir=output, resumed_from=shown)
         if saved is not None and saved.step >= self.total_steps:
             if rt.is_main:
                 log.info(
                     "nothing to do: %s already reached max_steps=%d (set a larger max_steps to "
                     "train further)",
-                    self.resume,
+                    shown,
                     self.total_steps,
                 )
             self.result.steps = saved.step
@@ -279,7 +324,8 @@ class Trainer:
         report_sharding(model, cfg, rt, self.mesh)
         if rt.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
-            write_output_metadata(cfg, self.model_config, self.tokenizer)
+            write_output_metadata(self.out, cfg, self.model_config, self.tokenizer)
+            self._upload()
         dist.barrier()
         model.train()
         self.model = model
@@ -297,7 +343,8 @@ class Trainer:
             )
         elif cfg.resume_from_checkpoint == "auto" and rt.is_main:
             log.info(
-                "resume_from_checkpoint: auto found no checkpoint in %s; starting fresh", self.out
+                "resume_from_checkpoint: auto found no checkpoint in %s; starting fresh",
+                cfg.output_dir,
             )
         self.result.steps = self.global_step
 
@@ -305,11 +352,14 @@ class Trainer:
         """Trackers, evaluation, memory diagnostics, the saver and the callbacks."""
         cfg, rt = self.cfg, self.rt
         resumed_step = self.global_step if self.resume is not None else None
+        if self.files is not None and resumed_step is not None:
+            self.files.fetch_continued()  # metrics.jsonl (and W&B's run id) to continue
         trackers = open_trackers(cfg, self.out, rt.is_main, resumed_step)
         steps_per_epoch = math.ceil(len(self.seqs) / self.global_batch)
         self.evaluator = Evaluator.of(cfg, self.data, rt, steps_per_epoch, self.total_steps)
         self.memory = StepMemory.of(cfg, rt)
-        self.saver = self.result.saver = Saver(cfg, self.out, rt)  # async, rotation, merges
+        # async, rotation, merges
+        self.saver = self.result.saver = Saver(cfg, self.remote or self.out, rt)
         self.callbacks = [Tracking(trackers), StepLog(self), *self.extra]
         if rt.is_main:
             log.info(
@@ -361,6 +411,7 @@ class Trainer:
             dist.barrier()
         elif final or (self.every is not None and self.global_step % self.every == 0):
             self.saver.save(ckpt.stamped(self.trainer_state()), self.model, self.optimizer, final)
+            self._upload()  # the metrics up to this checkpoint
 
     def trainer_state(self) -> ckpt.TrainerState:
         """What a checkpoint of this step records beside the model and optimizer."""
@@ -376,11 +427,13 @@ class Trainer:
         )
 
 
-def write_output_metadata(cfg: ShardforgeConfig, model_config: Any, tokenizer: Any) -> None:
-    """config.json, generation_config.json (if the base has one) and the tokenizer (rank 0)."""
+def write_output_metadata(
+    out: Path, cfg: ShardforgeConfig, model_config: Any, tokenizer: Any
+) -> None:
+    """config.json, generation_config.json (if the base has one) and the tokenizer into `out`,
+    output_dir or the local folder of a run in a store (rank 0)."""
     from transformers import GenerationConfig
 
-    out = Path(cfg.output_dir)
     model_config.save_pretrained(out)
     with contextlib.suppress(OSError):
         GenerationConfig.from_pretrained(model_config_source(cfg)).save_pretrained(out)
@@ -446,5 +499,5 @@ def _resume(
         )
     ckpt.restore_rng(path, rt.rank, state.world_size == rt.world_size, cfg.seed, state.step)
     if rt.is_main:
-        log.info("resumed from %s at step %d", path, state.step)
+        log.info("resumed from %s at step %d", public_name(str(path)), state.step)
     return state.step, state.consumed

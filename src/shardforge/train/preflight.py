@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shardforge.config.schema import ShardforgeConfig
-from shardforge.errors import ConfigError, ShardforgeError
+from shardforge.errors import ConfigError, ShardforgeError, StorageError
+from shardforge.io.remote import is_remote
 from shardforge.train import checkpointing as ckpt
 from shardforge.train.eval import check_eval
 from shardforge.train.model import (
@@ -24,6 +25,8 @@ from shardforge.train.model import (
 )
 from shardforge.train.packing import check_packing
 from shardforge.train.readers import data_files
+from shardforge.train.remote_run import checkpoint_folder
+from shardforge.train.remote_run import problems as remote_problems
 from shardforge.train.runtime import mesh_shape
 from shardforge.train.tracking import check_trackers
 
@@ -91,21 +94,32 @@ def check_tokenizer(cfg: ShardforgeConfig) -> list[Problem]:
 
 
 def check_resume(cfg: ShardforgeConfig) -> list[Problem]:
-    """A resume path is a complete checkpoint; a fresh start does not mix with old checkpoints."""
-    out = Path(cfg.output_dir)
+    """A resume path is a complete checkpoint; a fresh start does not mix with old checkpoints
+    (an s3:// output_dir: the checkpoints stored there)."""
+    problems = remote_problems(cfg)
+    if problems:
+        return problems
     try:
-        ckpt.resolve_resume(cfg.resume_from_checkpoint, out, announce=False)  # ranks announce
+        with checkpoint_folder(cfg) as out:
+            resume, options = cfg.resume_from_checkpoint, cfg.storage_options
+            ckpt.resolve_resume(resume, out, False, options)  # the ranks announce
+            existing = ckpt.complete_checkpoints(out)
+            saved = _saved_model(out) if cfg.resume_from_checkpoint is None else []
+    except StorageError as exc:  # the store cannot be listed
+        return [("output_dir", exc.message)]
     except ShardforgeError as exc:
         return [("resume_from_checkpoint", str(exc).removeprefix("resume_from_checkpoint: "))]
-    existing = ckpt.complete_checkpoints(out)
     if cfg.resume_from_checkpoint is None and existing:
         return [
             (
                 "output_dir",
-                f"{out} already holds checkpoints ({', '.join(p.name for p in existing)}); set "
+                f"{cfg.output_dir} already holds checkpoints "
+                f"({', '.join(p.name for p in existing)}); set "
                 "resume_from_checkpoint: auto to continue, or use an empty output_dir",
             )
         ]
+    if saved and is_remote(cfg.output_dir):  # a local output_dir: `check_output`
+        return [("output_dir", _overwrites(cfg.output_dir, saved))]
     return []
 
 
@@ -113,8 +127,24 @@ def check_resume(cfg: ShardforgeConfig) -> list[Problem]:
 FULL_MODEL_PATTERNS = (*WEIGHT_FILES, *WEIGHT_INDEX_FILES, "pytorch_model*.bin")
 
 
+def _saved_model(out: Path) -> list[str]:
+    if not out.is_dir():
+        return []
+    return sorted({p.name for pattern in FULL_MODEL_PATTERNS for p in out.glob(pattern)})
+
+
+def _overwrites(out: str | Path, saved: list[str]) -> str:
+    return (
+        f"{out} already holds a saved model ({', '.join(saved)}) that a fresh run would "
+        "overwrite; use an empty output_dir"
+    )
+
+
 def check_output(cfg: ShardforgeConfig) -> list[Problem]:
-    """output_dir is not (inside) the base model, and a fresh run overwrites no saved model."""
+    """output_dir is not (inside) the base model, and a fresh run overwrites no saved model
+    (an s3:// output_dir: `check_resume` looks at what is stored there)."""
+    if is_remote(cfg.output_dir):
+        return []
     out = Path(cfg.output_dir).resolve()
     base = Path(cfg.base_model)
     if base.is_dir():
@@ -128,17 +158,8 @@ def check_output(cfg: ShardforgeConfig) -> list[Problem]:
                     "training would write over the base model: use another output_dir",
                 )
             ]
-    if cfg.resume_from_checkpoint is None and out.is_dir():
-        saved = sorted({p.name for pattern in FULL_MODEL_PATTERNS for p in out.glob(pattern)})
-        if saved:
-            return [
-                (
-                    "output_dir",
-                    f"{out} already holds a saved model ({', '.join(saved)}) that a fresh run "
-                    "would overwrite; use an empty output_dir",
-                )
-            ]
-    return []
+    saved = _saved_model(out) if cfg.resume_from_checkpoint is None else []
+    return [("output_dir", _overwrites(out, saved))] if saved else []
 
 
 def check_attention(cfg: ShardforgeConfig) -> list[Problem]:

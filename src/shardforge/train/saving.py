@@ -16,13 +16,14 @@ while it is queued for or being merged.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import torch
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.train import checkpointing as ckpt
 from shardforge.train.merge_on_save import MergeOnSave
+from shardforge.train.remote_run import RemoteOutput
 from shardforge.train.runtime import Runtime
 
 log = logging.getLogger("shardforge")
@@ -31,7 +32,7 @@ log = logging.getLogger("shardforge")
 class Saver:
     """Writes a run's checkpoints and hands every complete one to merge_on_save."""
 
-    def __init__(self, cfg: ShardforgeConfig, output_dir: Path, rt: Runtime) -> None:
+    def __init__(self, cfg: ShardforgeConfig, output_dir: Path | RemoteOutput, rt: Runtime) -> None:
         self.cfg = cfg
         self.output_dir = output_dir
         self.rt = rt
@@ -40,7 +41,10 @@ class Saver:
         self.groups = ckpt.save_groups() if cfg.async_save else None
         self.pending: ckpt.PendingSave | None = None
         self.pending_final = False
-        self.merges = MergeOnSave(cfg, output_dir) if cfg.merge_on_save and rt.is_main else None
+        self.merges = None
+        if cfg.merge_on_save and rt.is_main:
+            assert isinstance(output_dir, Path), "merge_on_save: local output_dir only (preflight)"
+            self.merges = MergeOnSave(cfg, output_dir)
         full = cfg.fsdp.state_dict_type == "FULL_STATE_DICT"
         if rt.is_main and cfg.merge_on_save == "final" and full:
             log.warning(
@@ -65,6 +69,7 @@ class Saver:
                 self._completed(path, final)
             return
         self._complete_pending()  # at most one save in flight
+        assert isinstance(self.output_dir, Path), "async_save: local output_dir only (preflight)"
         self.pending = ckpt.start_async_save(
             self.output_dir, state, model, optimizer, self.groups, self.adapter_only
         )
@@ -101,14 +106,16 @@ class Saver:
         pending, final = self.pending, self.pending_final
         if pending is None:
             return
+        assert isinstance(self.output_dir, Path)
         path = ckpt.complete_async_save(self.output_dir, pending)
         self.pending = None
         if path is not None:
             self._completed(path, final)
 
-    def _completed(self, path: Path, final: bool) -> None:
+    def _completed(self, path: PurePath, final: bool) -> None:
         """Rank 0: `path` is complete: merge it (merge_on_save), then rotate."""
         if self.merges is not None and (self.cfg.merge_on_save is True or final):
+            assert isinstance(path, Path)
             self.merges.submit(path)
         self._prune()
 

@@ -42,8 +42,10 @@ def _install(spec: dict[str, Any]) -> None:
     original = getattr(owner, name)
     pattern = re.compile(spec["match"])
     after, thread = spec["when"] == "after", re.compile(spec["thread"])
+    nth = int(spec.get("nth", 1))
     lock = threading.Lock()
     fired = []
+    seen = []
 
     def pause() -> None:
         reached = os.path.join(folder, f"reached-{os.getpid()}")
@@ -59,8 +61,10 @@ def _install(spec: dict[str, Any]) -> None:
         name = threading.current_thread().name
         if not fired and args and thread.search(name) and pattern.search(_path_of(args[0])):
             with lock:
-                first = not fired
-                fired.append(True)
+                seen.append(True)
+                first = not fired and len(seen) >= nth
+                if first:
+                    fired.append(True)
             if first:
                 pause()
         return result if after else original(*args, **kwargs)

@@ -14,11 +14,14 @@ from shardforge.formats.base import (
     Contents,
     NamedSource,
     ReferenceReader,
+    SourceFile,
     StateSummary,
+    StoredRecord,
     TensorFact,
 )
 from shardforge.formats.dcp.metadata import METADATA_FILE, CheckpointMetadata, read_metadata
 from shardforge.formats.state import state_kind
+from shardforge.io.copy import ReadCache
 
 DISTCP_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
@@ -120,3 +123,30 @@ class DcpFormat(CheckpointFormat):
         from shardforge.formats.dcp.reference import DcpReference
 
         return DcpReference(location)
+
+    def identity(self, location: Path) -> list[SourceFile]:
+        """The metadata files and the data files of the model's entries, with each chunk
+        record's byte range and the CRC-32 stored for its tensor bytes (records parsed once
+        per merge)."""
+        from shardforge.formats.dcp.chunks import locate
+
+        meta = self.metadata(location)
+        by_kind, _ = _by_kind(meta)
+        records: dict[Path, set[StoredRecord]] = {}
+        with ReadCache() as reader:
+            for key in by_kind["model"]:
+                for c in meta.tensors[key].chunks:
+                    _, raw = locate(reader, c)
+                    crc = () if raw is None else ((raw.storage.name, raw.storage.crc32),)
+                    records.setdefault(c.file, set()).add(
+                        StoredRecord(c.byte_offset, c.byte_length, crc)
+                    )
+        files = [
+            SourceFile(p, (location / p).stat().st_size) for p in self.metadata_files(location)
+        ]
+        for path in sorted(records):
+            recs = tuple(sorted(records[path], key=lambda r: r.offset))
+            files.append(
+                SourceFile(PurePath(path.relative_to(location)), path.stat().st_size, recs)
+            )
+        return files

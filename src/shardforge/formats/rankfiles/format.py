@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from pathlib import Path, PurePath
 from typing import ClassVar
@@ -15,7 +16,9 @@ from shardforge.formats.base import (
     Contents,
     NamedSource,
     ReferenceReader,
+    SourceFile,
     StateSummary,
+    StoredRecord,
     TensorFact,
 )
 from shardforge.formats.rankfiles.names import RANK_NAMES, RankNames
@@ -115,3 +118,22 @@ class RankFilesFormat(CheckpointFormat):
         from shardforge.formats.rankfiles.reference import RankFilesReference
 
         return RankFilesReference(location, self.names)
+
+    def identity(self, location: Path) -> list[SourceFile]:
+        """Every rank file: one zip record, with the CRC-32 stored for each of its members
+        (its pickle and every storage)."""
+        from shardforge.formats.rankfiles.rank_plan import list_rank_files
+        from shardforge.io.files import open_regular
+        from shardforge.io.zip_record import read_zip_record
+
+        out = []
+        for path in list_rank_files(location, self.names).values():
+            fd = open_regular(path, location)
+            try:
+                size = os.fstat(fd).st_size
+                members = read_zip_record(fd, 0, size, str(path)).members
+            finally:
+                os.close(fd)
+            crcs = tuple(sorted((name, m.crc32) for name, m in members.items()))
+            out.append(SourceFile(PurePath(path.name), size, (StoredRecord(0, size, crcs),)))
+        return out

@@ -1,0 +1,217 @@
+"""`shardforge verify DIR [--checkpoint PATH]`: check a merged directory against the integrity
+manifest its merge wrote (`shardforge-manifest.json`, `sinks.manifest`), and with
+`--checkpoint` the checkpoint it was merged from against the identity recorded there.
+
+This reader shares nothing with the writer: each file is hashed here with `hashlib` as it is
+read; each source record is opened with Python's `zipfile` (not shardforge's zip locator), its
+stored CRC-32s compared with the manifest's and its members' bytes with them (`testzip`). The
+first problem is one `error:` line naming the file; exit 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import click
+
+from shardforge.cli._common import fire_entry, shardforge_command
+from shardforge.errors import MergeError
+from shardforge.sinks.manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, canonical
+
+EPILOG = """\b
+Examples:
+  # every file of a merged model against its shardforge-manifest.json
+  shardforge verify outputs/merged
+  # and the checkpoint it was merged from (sizes, records' CRC-32s, their bytes)
+  shardforge verify outputs/merged --checkpoint outputs/run/checkpoint-500/pytorch_model_fsdp_0
+  python -m shardforge.cli.verify outputs/merged
+"""
+
+BLOCK = 8 << 20  # bytes hashed at a time
+
+
+def _fail(path: Path, problem: str, details: list[str] | None = None) -> MergeError:
+    return MergeError(f"{path}: {problem}", details or [])
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of `directory`, checked to be one and unchanged since it was written."""
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise _fail(directory, "not a directory; give a merged model directory")
+    if not path.is_file():
+        raise _fail(path, "missing; was this directory written by a shardforge merge?")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise _fail(path, f"not readable as JSON ({type(exc).__name__})") from None
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+        raise _fail(path, f"not a {MANIFEST_FORMAT} document")
+    if doc.get("version") != MANIFEST_VERSION:
+        raise _fail(path, f"version {doc.get('version')!r}; this shardforge reads version 1")
+    if doc.get("checksum") != hashlib.sha256(canonical(doc)).hexdigest():
+        raise _fail(path, "changed after it was written (its own checksum does not match)")
+    if not isinstance(doc.get("files"), dict) or not isinstance(doc.get("source"), list):
+        raise _fail(path, "has no files or source list")
+    return doc
+
+
+def sha256_of(path: Path) -> str:
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(BLOCK):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def check_files(directory: Path, files: dict[str, Any]) -> int:
+    """Every listed file present with its size and SHA-256, and no other file; the bytes
+    checked."""
+    total = 0
+    for name in sorted(files):
+        want, path = files[name], directory / name
+        if not path.is_file():
+            raise _fail(path, f"missing (listed in {MANIFEST})")
+        size = path.stat().st_size
+        if size != want.get("size"):
+            raise _fail(path, f"{size:,} bytes, {want.get('size'):,} when it was written")
+        got = sha256_of(path)
+        if got != want.get("sha256"):
+            detail = [f"written: {want.get('sha256')}", f"now:     {got}"]
+            raise _fail(path, "SHA-256 differs from the manifest (the file changed)", detail)
+        total += size
+    listed = {*files, MANIFEST}
+    for path in sorted(p for p in directory.rglob("*") if not p.is_dir()):
+        if path.relative_to(directory).as_posix() not in listed:
+            raise _fail(path, f"not written by the merge (not in {MANIFEST})")
+    return total
+
+
+class _Window(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open file, as a file of their own (a DCP chunk's
+    zip archive for `zipfile`)."""
+
+    def __init__(self, f: Any, offset: int, length: int) -> None:
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + pos)
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        n = max(0, min(len(buf), self.length - self.pos))
+        self.f.seek(self.offset + self.pos)
+        got = self.f.readinto(memoryview(buf)[:n])
+        self.pos += got
+        return got
+
+
+def _check_record(f: Any, path: Path, record: dict[str, Any]) -> None:
+    at = f"record at byte {record['offset']}"
+    try:
+        with zipfile.ZipFile(_Window(f, record["offset"], record["length"])) as z:
+            stored = {m: z.getinfo(m).CRC for m in record["crc32"]}
+            bad = z.testzip()
+    except (zipfile.BadZipFile, KeyError, OSError, ValueError) as exc:
+        raise _fail(path, f"{at}: not the record merged ({type(exc).__name__})") from None
+    for member, crc in record["crc32"].items():
+        if stored[member] != crc:
+            raise _fail(path, f"{at}: {member} was rewritten (stored CRC-32 differs)")
+    if bad is not None:
+        raise _fail(path, f"{at}: the bytes of {bad} do not match their CRC-32 (changed)")
+
+
+def check_source(source: dict[str, Any], root: Path) -> int:
+    """The checkpoint at `root` against one source entry of the manifest: every file present
+    with its size, records and SHA-256; the number of records checked."""
+    records = 0
+    for entry in source.get("files", []):
+        path = root / entry["path"] if root.is_dir() else root
+        if not path.is_file():
+            raise _fail(path, "missing from the checkpoint the output was merged from")
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise _fail(path, f"{size:,} bytes, {entry['size']:,} when it was merged")
+        if "sha256" in entry and sha256_of(path) != entry["sha256"]:
+            raise _fail(path, "SHA-256 differs from when it was merged (the file changed)")
+        with path.open("rb") as f:
+            for record in entry.get("records", []):
+                _check_record(f, path, record)
+                records += 1
+    return records
+
+
+def _source_for(doc: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
+    """The manifest's source entry `checkpoint` stands for: the one whose location it is, or
+    the only one (a checkpoint moved since)."""
+    sources = doc["source"]
+    found = [s for s in sources if Path(s.get("location", "")) == checkpoint.absolute()]
+    if found:
+        return dict(found[0])
+    if len(sources) == 1:
+        return dict(sources[0])
+    where = [str(s.get("location")) for s in sources]
+    raise _fail(checkpoint, f"not one of the {len(sources)} checkpoints merged", where)
+
+
+def do_verify(directory: str | Path, checkpoint: str | Path | None = None) -> str:
+    """What `shardforge verify` prints once every check passed (else a MergeError)."""
+    out = Path(directory)
+    doc = read_manifest(out)
+    total = check_files(out, doc["files"])
+    lines = [f"ok: {out}: {len(doc['files'])} files, {total:,} bytes as written ({MANIFEST})"]
+    if checkpoint is not None:
+        ckpt = Path(checkpoint)
+        source = _source_for(doc, ckpt)
+        records = check_source(source, ckpt)
+        files = len(source.get("files", []))
+        lines.append(f"ok: {ckpt}: {files} files, {records} records as merged")
+    return "\n".join(lines) + "\n"
+
+
+@shardforge_command(
+    "verify",
+    epilog=EPILOG,
+    overrides=False,
+    params=[
+        click.Argument(["directory"], metavar="DIR", type=click.Path()),
+        click.Option(
+            ["--checkpoint"],
+            metavar="PATH",
+            type=click.Path(),
+            help="Also check this checkpoint (the one merged, possibly moved since) against "
+            "the identity the manifest records: files, sizes, records' CRC-32s and bytes.",
+        ),
+    ],
+)
+def command(directory: str, checkpoint: str | None) -> str:
+    """Check a directory a shardforge merge wrote against its shardforge-manifest.json: every
+    file present, none added, each with the size and SHA-256 it was written with (and the
+    manifest itself unchanged). With --checkpoint, the checkpoint it was merged from: its
+    files and sizes, and every record's stored CRC-32 and bytes. Reads every byte once;
+    writes nothing. Exit 0 when all match, 1 naming the first file that does not."""
+    return do_verify(directory, checkpoint)
+
+
+do_cli = fire_entry(command)
+
+
+if __name__ == "__main__":
+    import fire
+
+    fire.Fire(do_cli)

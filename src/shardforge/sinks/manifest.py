@@ -1,0 +1,140 @@
+"""The integrity manifest every output directory carries: ``shardforge-manifest.json``.
+
+    {"format": "shardforge-manifest", "version": 1, "written_by": "shardforge 0.1.0",
+     "files": {"model.safetensors": {"size": 4000000000, "sha256": "9f2c..."}, ...},
+     "source": [{"location": "/runs/a/checkpoint-500/pytorch_model_fsdp_0", "format": "dcp",
+                 "files": [{"path": "__0_0.distcp", "size": 2000000000,
+                            "records": [{"offset": 0, "length": 8392000,
+                                         "crc32": {"0/data/0": 2891173640}}, ...]}, ...]}]}
+
+`files` lists every file of the directory but the manifest itself, with its SHA-256. The
+weights are hashed as they are written (`safetensors_files.write_plan` with `hashes`:
+`io.digest.FileHash`, on the copy's threads); the small files beside them (config, generation
+config, tokenizer, index, adapter config: written by transformers or as JSON) are hashed here
+once written. `source` is what the merge read (`CheckpointFormat.identity`): each checkpoint
+location, its files and sizes, and the CRC-32 its writer stored for each record where the
+format has them (the SHA-256 of a small file without records, such as `.metadata`).
+`checksum` is the SHA-256 of the rest of the manifest (`canonical`): an edited manifest is
+told from a changed file. The manifest is the last file written into the hidden directory before it is
+published (`io.publish.atomic_directory`), so a published directory always has one.
+`shardforge verify DIR` checks a directory against it with its own reader (`cli.verify`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from shardforge.formats.base import SourceFile, TensorSource
+from shardforge.formats.registry import format_named
+from shardforge.io.digest import FileHash
+from shardforge.io.mirror import public_name
+from shardforge.version import __version__
+
+MANIFEST = "shardforge-manifest.json"
+MANIFEST_FORMAT = "shardforge-manifest"
+MANIFEST_VERSION = 1
+# Turned off, no manifest is written and nothing is hashed (benchmarks/merge_bench.py's
+# `shardforge_nomanifest` measures what the manifest costs).
+ENABLED = True
+# bytes read at a time when a small file is hashed once written
+READ_BLOCK = 1 << 20
+# a source file without records up to this size is identified by its SHA-256 (a `.metadata`)
+SMALL_SOURCE = 16 << 20
+
+
+def new_hashes() -> dict[str, FileHash | str] | None:
+    """Where a writer puts each file's hash as it writes it (None: no manifest)."""
+    return {} if ENABLED else None
+
+
+def write_manifest(
+    directory: Path,
+    hashes: Mapping[str, FileHash | str] | None,
+    sources: Iterable[TensorSource] = (),
+    elsewhere: Mapping[str, int] | None = None,
+) -> None:
+    """Write the manifest of `directory` (every other file in it; `hashes`: the hashes of
+    those hashed as they were written, or their SHA-256 already known; the identity of what
+    `sources` were read from); nothing when `hashes` is None (`ENABLED` off). `elsewhere`:
+    files of the output that are not in `directory` (name -> size; uploaded already), with
+    their hash in `hashes`."""
+    if hashes is None:
+        return
+    sizes = {
+        p.relative_to(directory).as_posix(): p.stat().st_size
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != MANIFEST
+    }
+    sizes.update(elsewhere or {})
+    files: dict[str, dict[str, Any]] = {}
+    for name, size in sorted(sizes.items()):
+        written = hashes.get(name)
+        if written is None:
+            digest = _hash_file(directory / name)
+        else:
+            digest = written if isinstance(written, str) else written.hexdigest(size)
+        files[name] = {"size": size, "sha256": digest}
+    doc: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "written_by": f"shardforge {__version__}",
+        "files": files,
+        "source": source_identity(sources),
+    }
+    doc["checksum"] = hashlib.sha256(canonical(doc)).hexdigest()
+    (directory / MANIFEST).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+
+
+def canonical(doc: Mapping[str, Any]) -> bytes:
+    """The bytes the manifest's own `checksum` is the SHA-256 of: the document without it,
+    keys sorted, no spaces (an edit to the manifest changes them)."""
+    rest = {k: v for k, v in doc.items() if k != "checksum"}
+    return json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
+
+
+def hash_files(directory: Path, names: Iterable[str]) -> dict[str, str]:
+    """The SHA-256 of files already written (a merge on several ranks: one file's bytes come
+    from several processes, and SHA-256 is not made of parts)."""
+    return {name: _hash_file(directory / name) for name in names}
+
+
+def _hash_file(path: Path) -> str:
+    """A file hashed once written: a small one written by another library (config,
+    tokenizer), or `hash_files`'."""
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(READ_BLOCK):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def source_identity(sources: Iterable[TensorSource]) -> list[dict[str, Any]]:
+    """Each location the sources' stored tensors come from (`TensorSource.stored`), as its
+    format describes it (`CheckpointFormat.identity`), in a stable order."""
+    where = sorted({(s.fmt, s.directory.absolute()) for src in sources for s in src.stored()})
+    return [  # a checkpoint in object storage under its URI, not its local mirror's path
+        {"location": public_name(str(location)), "format": fmt, "files": _files(fmt, location)}
+        for fmt, location in where
+    ]
+
+
+def _files(fmt: str, location: Path) -> list[dict[str, Any]]:
+    base = location if location.is_dir() else location.parent
+    return [_file(f, base / f.path) for f in format_named(fmt).identity(location)]
+
+
+def _file(f: SourceFile, path: Path) -> dict[str, Any]:
+    """A source file's entry: its records' stored CRC-32s, or for a small file without
+    records (a `.metadata`, an index) its SHA-256."""
+    out: dict[str, Any] = {"path": f.path.as_posix(), "size": f.size}
+    if f.records:
+        out["records"] = [
+            {"offset": r.offset, "length": r.length, "crc32": dict(r.crc32)} for r in f.records
+        ]
+    elif f.size <= SMALL_SOURCE:
+        out["sha256"] = _hash_file(path)
+    return out

@@ -1,0 +1,154 @@
+"""`shardforge verify DIR [--checkpoint PATH]`: a merged directory against its manifest, and its
+checkpoint against the identity recorded there; the first bad file is one `error:` line."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from helpers.keep import make_keep_checkpoint
+from shardforge.cli.main import cli
+from shardforge.merge.api import merge_fsdp_weights
+from shardforge.sinks.manifest import MANIFEST
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A checkpoint (real DCP) and its merge, sharded in three files."""
+    root = tmp_path_factory.mktemp("verify")
+    base, ckpt = make_keep_checkpoint(root)
+    cfg = {"base_model": str(base), "output_dir": str(root / "run")}
+    out = merge_fsdp_weights(
+        cfg, root / "merged", checkpoint=ckpt, dtype="bf16", max_shard_size="100KB", quiet=True,
+        save_tokenizer=False,
+    )  # fmt: skip
+    return out, ckpt
+
+
+def run(*args: str | Path) -> Result:
+    return CliRunner().invoke(cli, ["verify", *(str(a) for a in args)])
+
+
+def copy(src: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(src, tmp_path / src.name))
+
+
+def flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def one_error(result: Result) -> str:
+    assert result.exit_code == 1, result.output
+    (line, *_) = result.stderr.splitlines()
+    assert line.startswith("error: ") and len(line) <= 300 and "Traceback" not in result.output
+    return line
+
+
+def test_a_good_directory_and_its_checkpoint_pass(merged: tuple[Path, Path]) -> None:
+    out, ckpt = merged
+    doc = json.loads((out / MANIFEST).read_text())
+    assert len([n for n in doc["files"] if n.endswith(".safetensors")]) == 3
+    result = run(out, "--checkpoint", ckpt)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"ok: {out}: {len(doc['files'])} files, ")
+    records = sum(len(f.get("records", [])) for f in doc["source"][0]["files"])
+    assert lines[1] == f"ok: {ckpt}: 2 files, {records} records as merged" and records == 23
+
+
+def test_a_flipped_byte_is_named(merged: tuple[Path, Path], tmp_path: Path) -> None:
+    out = copy(merged[0], tmp_path)
+    shard = out / "model-00002-of-00003.safetensors"
+    flip(shard, shard.stat().st_size // 2)
+    line = one_error(run(out))
+    assert line == f"error: {shard}: SHA-256 differs from the manifest (the file changed)"
+
+
+def test_a_missing_or_extra_file_is_named(merged: tuple[Path, Path], tmp_path: Path) -> None:
+    out = copy(merged[0], tmp_path)
+    (out / "config.json").unlink()
+    assert one_error(run(out)) == f"error: {out / 'config.json'}: missing (listed in {MANIFEST})"
+    out = copy(merged[0], tmp_path / "extra")
+    (out / "notes.txt").write_text("added")
+    assert "notes.txt: not written by the merge" in one_error(run(out))
+    out = copy(merged[0], tmp_path / "short")
+    shard = out / "model-00001-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    size = shard.stat().st_size
+    assert (
+        one_error(run(out)) == f"error: {shard}: {size:,} bytes, {size + 1:,} when it was written"
+    )
+
+
+def test_a_tampered_or_missing_manifest_is_named(merged: tuple[Path, Path], tmp_path: Path) -> None:
+    out = copy(merged[0], tmp_path)
+    doc = json.loads((out / MANIFEST).read_text())
+    name = "model-00001-of-00003.safetensors"
+    doc["files"][name]["sha256"] = "0" * 64  # as if the file's change were hidden
+    (out / MANIFEST).write_text(json.dumps(doc))
+    line = one_error(run(out))
+    assert (
+        line
+        == f"error: {out / MANIFEST}: changed after it was written (its own checksum does not match)"
+    )
+    (out / MANIFEST).write_text("{not json")
+    assert "not readable as JSON" in one_error(run(out))
+    (out / MANIFEST).unlink()
+    assert one_error(run(out)).endswith(
+        "missing; was this directory written by a shardforge merge?"
+    )
+
+
+def test_a_changed_checkpoint_is_named(merged: tuple[Path, Path], tmp_path: Path) -> None:
+    out, ckpt = merged
+    moved = copy(ckpt, tmp_path)  # a checkpoint moved since: checked where it is now
+    assert run(out, "--checkpoint", moved).exit_code == 0
+    data = moved / "__0_0.distcp"
+    flip(data, data.stat().st_size // 2)
+    line = one_error(run(out, "--checkpoint", moved))
+    assert (
+        line.startswith(f"error: {data}: record at byte ") and "do not match their CRC-32" in line
+    )
+    # its data file saved again with other values: the same size, other stored CRC-32s
+    _, again = make_keep_checkpoint(tmp_path / "again", seed=1)
+    resaved = copy(ckpt, tmp_path / "resaved")
+    shutil.copyfile(again / "__0_0.distcp", resaved / "__0_0.distcp")
+    assert (resaved / "__0_0.distcp").stat().st_size == (ckpt / "__0_0.distcp").stat().st_size
+    line = one_error(run(out, "--checkpoint", resaved))
+    assert re.fullmatch(
+        rf"error: {re.escape(str(resaved))}/__0_0\.distcp: record at byte [1-9]\d*: "
+        r"\S+/data/0 was rewritten \(stored CRC-32 differs\)",
+        line,
+    ), line
+    (moved / ".metadata").unlink()
+    assert one_error(run(out, "--checkpoint", moved)) == (
+        f"error: {moved / '.metadata'}: missing from the checkpoint the output was merged from"
+    )
+
+
+def test_help_and_the_command_list() -> None:
+    result = run("--help")
+    assert result.exit_code == 0 and "Examples:" in result.output
+    assert "shardforge verify outputs/merged --checkpoint" in result.output
+    top = CliRunner().invoke(cli, ["--help"]).output
+    assert "verify" in top and "shardforge-manifest.json" in top
+
+
+@pytest.mark.slow
+def test_python_module_entry_point(merged: tuple[Path, Path], tmp_path: Path) -> None:
+    out = copy(merged[0], tmp_path)
+    cmd = [sys.executable, "-m", "shardforge.cli.verify", str(out)]
+    ok = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert ok.returncode == 0 and ok.stdout.startswith(f"ok: {out}: "), ok.stderr
+    (out / "config.json").write_text("{}")
+    bad = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert bad.returncode == 1 and bad.stderr.startswith(f"error: {out / 'config.json'}: ")
