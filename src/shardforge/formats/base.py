@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -180,6 +180,28 @@ class Contents:
     optimizer: StateSummary | None = None
     other_state: StateSummary | None = None
     versions: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of_rank_files(
+        cls,
+        storage: str,
+        plan: Mapping[str, Any],
+        world_size: int,
+        names_shown: str,
+        optimizer: StateSummary | None = None,
+        other_state: StateSummary | None = None,
+    ) -> Contents:
+        """The contents of per-rank files: the tensors of `plan` (anything with a dtype and a
+        shape), no other entries, the world size read from the file names `names_shown`."""
+        return cls(
+            storage=storage,
+            tensors=tuple(TensorFact.of(k, t) for k, t in plan.items()),
+            non_tensor_keys=(),
+            world_size=world_size,
+            world_size_source=f"{names_shown} file names",
+            optimizer=optimizer,
+            other_state=other_state,
+        )
 
 
 # ----------------------------------------------------------------------------- reference

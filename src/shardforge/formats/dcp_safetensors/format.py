@@ -24,7 +24,6 @@ from shardforge.formats.base import (
     Contents,
     NamedSource,
     ReferenceReader,
-    TensorFact,
 )
 from shardforge.formats.dcp_safetensors.names import (
     DCP_SAFETENSORS,
@@ -75,14 +74,8 @@ class DcpSafetensorsFormat(CheckpointFormat):
         from shardforge.formats.dcp_safetensors.sharded import plan_shards
 
         shards = _required(folder)
-        plan = plan_shards(shards)
-        tensors = tuple(TensorFact.of(k, t) for k, t in plan.items())
-        return Contents(
-            storage=self.name,
-            tensors=tensors,
-            non_tensor_keys=(),
-            world_size=world_size(shards),
-            world_size_source=f"{SHARD_SHOWN} file names",
+        return Contents.of_rank_files(
+            self.name, plan_shards(shards), world_size(shards), SHARD_SHOWN
         )
 
     def shard_files(self, folder: Path) -> list[PurePath]:

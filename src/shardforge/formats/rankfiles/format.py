@@ -19,7 +19,6 @@ from shardforge.formats.base import (
     SourceFile,
     StateSummary,
     StoredRecord,
-    TensorFact,
 )
 from shardforge.formats.rankfiles.names import RANK_NAMES, RankNames
 
@@ -98,13 +97,11 @@ class RankFilesFormat(CheckpointFormat):
         from shardforge.formats.rankfiles.rank_plan import plan_from_files, read_rank_files
 
         files = read_rank_files(folder, self.names)
-        tensors = tuple(TensorFact.of(k, tp) for k, tp in plan_from_files(files).items())
-        return Contents(
-            storage=self.name,
-            tensors=tensors,
-            non_tensor_keys=(),
-            world_size=len(files),
-            world_size_source=f"{self.names.shown} file names",
+        return Contents.of_rank_files(
+            self.name,
+            plan_from_files(files),
+            len(files),
+            self.names.shown,
             optimizer=_rank_state(folder, self.state_files.get("optimizer")),
             other_state=_rank_state(folder, self.state_files.get("other")),
         )
