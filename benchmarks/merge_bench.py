@@ -34,6 +34,15 @@ and to the copy.
     python benchmarks/merge_bench.py --size 4GB --contenders shardforge,shardforge_nomanifest  # the manifest
     python benchmarks/merge_bench.py --size 4GB --contenders copy,shardforge,shardforge_cast,\
         shardforge_2ranks,shardforge_3ranks,shardforge_dry_run,accelerate
+    python benchmarks/merge_bench.py --size 4GB --contenders shardforge \
+        --format dcp,dcp-ranks,accelerate-bin,dcp-safetensors,dcp-safetensors-consolidated
+
+`--format` chooses how the checkpoint is saved (`bench_formats.py`: each by its trainer's own
+saving API, the same model and values in each); with several, every shardforge contender runs on
+every format (`shardforge@accelerate-bin`, the plain name on `dcp`), alternating with the rest,
+and the ratios to the same contender on `dcp` are printed, with whether the merged weights files
+are the same bytes (from each output's manifest). The peers, `copy` and `baseline` read `dcp`
+only.
 
 `--cache cold` evicts the checkpoint's files from the page cache before every run
 (posix_fadvise DONTNEED after an fsync, no root needed; not a system-wide drop_caches);
