@@ -5,7 +5,7 @@
 
 Tests must not change what is in it (copy first). The builder starts child processes, so a
 test that gets the folder counts as starting them (`helpers.children`), whether it built the
-folder or found it built.
+folder or found it built; a builder that starts none says so (`starts_children=False`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ from helpers import children
 
 
 def shared_folder(
-    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    build: Callable[[Path], object],
+    starts_children: bool = True,
 ) -> Path:
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -32,7 +35,8 @@ def shared_folder(
     with (shared / f"{name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (root / "DONE").exists():
-            children.started(f"{name}: shared, built by another test's child processes")
+            if starts_children:
+                children.started(f"{name}: shared, built by another test's child processes")
         else:
             shutil.rmtree(root, ignore_errors=True)  # what a failed build left
             build(root)

@@ -10,6 +10,7 @@ MXFP4 on the CPU) and give the same logits; ``--dtype bfloat16`` casts only the 
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers.moe import CONFIGS, logits, moe_checkpoints
+from helpers.moe import CONFIGS, config, logits, moe_checkpoints
 from shardforge.formats.registry import open_checkpoint
 from shardforge.io.copy import ReadCache
 from shardforge.keymap.conversion import SavedLayout, Slice, saved_layout
@@ -121,21 +122,38 @@ def test_merges_to_what_save_pretrained_writes(moe_root: Path, name: str, tmp_pa
     assert torch.equal(logits(out), logits(base))
 
 
+def _kept_in_float32(name: str) -> re.Pattern[str] | None:
+    """The names the model class keeps in float32, matched by transformers' own glob rule."""
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import build_glob_alternation
+
+    cls = AutoModelForCausalLM._model_mapping[type(config(name))]
+    modules = [*(cls._keep_in_fp32_modules or ()), *(cls._keep_in_fp32_modules_strict or ())]
+    return build_glob_alternation(modules)[0] if modules else None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fp8", "mxfp4"])
 def test_a_cast_keeps_quantized_weights_scales_and_integers(
     moe_root: Path, name: str, tmp_path: Path
 ) -> None:
+    """Plain floats become bfloat16; quantized weights, scales, integers and the names the
+    model keeps in float32 (`_keep_in_fp32_modules*`) keep their dtype and bits."""
     out = _merge(moe_root, name, tmp_path / "merged", dtype="bfloat16")
     merged = load_file(out / "model.safetensors")
     original = load_file(moe_root / name / "base" / "model.safetensors")
+    kept = _kept_in_float32(name)
+    casts = 0
     for key, t in original.items():
         quantized = t.dtype in (torch.float8_e4m3fn, torch.int64, torch.uint8)
         quantized = quantized or key.endswith(("_scale_inv", "_scales"))
-        if quantized:
+        if quantized or (kept is not None and kept.search(key)):
             assert merged[key].dtype == t.dtype and torch.equal(_bits(merged[key]), _bits(t)), key
         else:
-            assert merged[key].dtype == torch.bfloat16 and torch.equal(merged[key], t.bfloat16())
+            casts += 1
+            assert merged[key].dtype == torch.bfloat16, key
+            assert torch.equal(merged[key], t.bfloat16()), key
+    assert casts > 0
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from helpers.dist import run_on_ranks
+from helpers.meshes import mesh_rank_files
 from helpers.shared import shared_folder
 from helpers.tiny import make_model
 from shardforge.errors import CheckpointError, MergeError, ShardforgeError
@@ -390,26 +391,17 @@ def test_dry_run_writes_nothing(
     assert tree_hash(built.root) == before
 
 
-def save_hsdp(rank: int, world_size: int, base: str, out: str) -> None:
-    """HSDP: a (replicate 2, shard 2) mesh, each rank saving its DTensor state dict."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    folder = Path(out) / "global_step_4" / "actor"
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), folder / f"model_world_size_{world_size}_rank_{rank}.pt")
-
-
-def test_hsdp_rank_files(built: Built, tmp_path: Path) -> None:
-    run_on_ranks(save_hsdp, 4, str(built.base), str(tmp_path / "run"))
-    out = merge_fsdp_weights(_cfg(built.base, tmp_path / "run"), tmp_path / "out", verify=True)
-    assert_merged(built.base, out, expected_state(built.base, 0.0))
+def test_hsdp_rank_files(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """HSDP rank files in verl's layout: a (replicate 2, shard 2) mesh, each of 4 gloo ranks
+    saving its DTensor state dict (`helpers.meshes`' hsdp/, written once per run), merged with
+    --verify into the model they were saved from."""
+    mesh = mesh_rank_files(tmp_path_factory)
+    actor = tmp_path / "run" / "global_step_4" / "actor"
+    actor.mkdir(parents=True)
+    for rank_file in (mesh / "hsdp").iterdir():
+        shutil.copy(rank_file, actor)
+    out = merge_fsdp_weights(_cfg(mesh / "base", tmp_path / "run"), tmp_path / "out", verify=True)
+    assert_merged(mesh / "base", out, expected_state(mesh / "base", 0.0))
 
 
 def test_verl_fsdp_config_of_another_world_size(built: Built, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ killed with SIGKILL in the middle of a background save resumes from the last com
 from __future__ import annotations
 
 import json
+import logging
 import math
 import signal
 import subprocess
@@ -19,8 +20,7 @@ from train_helpers import (
     job_processes,
     kill_all,
     losses,
-    run_in,
-    run_train,
+    shared_run,
     train_cmd,
     train_env,
     write_config,
@@ -33,14 +33,17 @@ RTOL = 1e-6  # resumed vs uninterrupted steps, fp32 (as test_checkpointing.py)
 
 
 @pytest.fixture(scope="module")
-def sync_run(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """2 ranks, 6 steps, a (synchronous) checkpoint every 2 steps."""
-    return run_in(tmp_path_factory.mktemp("sync"), base_cfg)
+def sync_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """2 ranks, 6 steps, a (synchronous) checkpoint every 2 steps (`shared_run`, read only)."""
+    return shared_run(tmp_path_factory, "reference")
 
 
 @pytest.fixture(scope="module")
-def async_run(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return run_in(tmp_path_factory.mktemp("async"), {**base_cfg, "async_save": True})
+def async_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The same with async_save: true (`shared_run`)."""
+    run = shared_run(tmp_path_factory, "async")
+    assert run.cfg["async_save"] is True
+    return run
 
 
 def _layout(directory: Path) -> dict[str, Any]:
@@ -90,12 +93,14 @@ def test_async_checkpoints_equal_sync_ones(sync_run: Run, async_run: Run) -> Non
 
 
 def test_kill_9_during_an_async_save_resumes_from_the_last_complete_checkpoint(
-    sync_run: Run, base_cfg: dict[str, Any], tmp_path: Path
+    sync_run: Run, base_cfg: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The job is killed with SIGKILL while checkpoint-4 is being written in the background
-    (its ranks' RNG files exist, the shards are being written); with save_total_limit 1 the
-    older checkpoint-2 is still there, and the next run resumes from it and computes what the
-    uninterrupted run did."""
+    """The job (`shardforge train` on 2 ranks) is killed with SIGKILL while checkpoint-4 is
+    being written in the background (its ranks' RNG files exist, the shards are being written);
+    with save_total_limit 1 the older checkpoint-2 is still there, and the next run (1 rank, in
+    this process) resumes from it and computes what the uninterrupted run did."""
+    from shardforge.train.launch import do_train
+
     out = tmp_path / "out"
     cfg = {
         **base_cfg,
@@ -125,8 +130,10 @@ def test_kill_9_during_an_async_save_resumes_from_the_last_complete_checkpoint(
     assert saving.is_dir() and not (out / "checkpoint-4").exists()
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
 
-    proc = run_train(config, nproc=2)
-    assert "checkpoint-2 at step 2" in proc.stderr
+    resumed = {**cfg, "micro_batch_size": 6}  # the same global batch of 12 on 1 rank
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        assert do_train(write_config(tmp_path / "one.yml", resumed), [], "python") == 0
+    assert "checkpoint-2 at step 2" in caplog.text
     got, want = losses(out), losses(sync_run.out)
     for s in range(3, 7):
         assert math.isclose(got[s], want[s], rel_tol=RTOL, abs_tol=0.0), (s, got[s], want[s])

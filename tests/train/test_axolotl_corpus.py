@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from train_helpers import ROOT, train_env
+from train_helpers import ROOT, train_configs, train_env
 
 from helpers.dist import run_on_ranks
 from helpers.tiny import make_model, tiny_conversations, tiny_texts, write_jsonl
@@ -92,23 +92,11 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _train_all(rank: int, world: int, paths: list[str], stores: str) -> None:
-    """Train every config in turn on these ranks (each run makes and ends its process group,
-    as a torchrun job would)."""
-    import torch.distributed as dist
-
-    from shardforge.config import load_cfg
-    from shardforge.train.loop import run_training
-
+    """Train every config in turn on these ranks (`train_configs`)."""
     # relative paths of the configs (dataset_prepared_path: last_run_prepared) land in the
     # test's folder, as they land in the folder Axolotl users start from
     os.chdir(Path(stores).parent)
-    for i, path in enumerate(paths):
-        if not dist.is_initialized():
-            dist.init_process_group(
-                "gloo", init_method=f"file://{stores}/s{i}", rank=rank, world_size=world
-            )
-        run_training(load_cfg(path, command="train").to_model())
-    dist.init_process_group("gloo", init_method=f"file://{stores}/end", rank=rank, world_size=world)
+    train_configs(rank, world, [(path, None) for path in paths], stores)
 
 
 def test_train_ok_configs_train_on_two_ranks_and_merge(corpus: dict[str, Any]) -> None:

@@ -21,9 +21,11 @@ from train_helpers import (
     ROOT,
     job_processes,
     kill_all,
+    launch_train,
     losses,
     read_metrics,
     run_train,
+    shared_run,
     train_cmd,
     train_env,
     write_config,
@@ -36,12 +38,10 @@ RTOL = 1e-6  # resumed steps vs uninterrupted steps, fp32 (see test_loop.py)
 
 
 @pytest.fixture(scope="module")
-def reference(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted 2-rank run of 6 steps, checkpointing every 2 steps."""
-    root = tmp_path_factory.mktemp("reference")
-    cfg = {**base_cfg, "output_dir": str(root / "out")}
-    run_train(write_config(root / "cfg.yml", cfg), nproc=2)
-    return root / "out"
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 2-rank run of 6 steps, checkpointing every 2 steps (`shared_run`,
+    shared with other modules: read only)."""
+    return shared_run(tmp_path_factory, "reference").out
 
 
 def _stopped_after(reference: Path, step: int, dest: Path) -> Path:
@@ -91,20 +91,16 @@ def test_layout_matches_the_merge_contract(reference: Path) -> None:
 
 
 def test_dcp_model_holds_plain_hf_keys_and_the_trained_weights(
-    reference: Path, base_cfg: dict[str, Any], tmp_path: Path
+    reference: Path, base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """The DCP model loads into a plain transformers model and equals the FULL_STATE_DICT save
     of the same (deterministic) run, bit for bit; the HF directory loads and generates."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    full_out = tmp_path / "full"
-    cfg = {
-        **base_cfg,
-        "output_dir": str(full_out),
-        "fsdp": {**base_cfg["fsdp"], "state_dict_type": "FULL_STATE_DICT"},
-    }
-    run_train(write_config(tmp_path / "full.yml", cfg), nproc=2)
+    full = shared_run(tmp_path_factory, "full-state-dict")
+    assert full.cfg["fsdp"]["state_dict_type"] == "FULL_STATE_DICT"
+    full_out = full.out
     assert not (full_out / "checkpoint-6").exists()  # the final save is the HF directory
     hf = AutoModelForCausalLM.from_pretrained(full_out)
 
@@ -137,8 +133,8 @@ def test_resume_continues_like_an_uninterrupted_run(
         "micro_batch_size": micro,
         "resume_from_checkpoint": "auto",
     }
-    proc = run_train(write_config(tmp_path / "cfg.yml", cfg), nproc=nproc)
-    assert "resumed from" in proc.stderr and "checkpoint-4 at step 4" in proc.stderr
+    stderr = launch_train(write_config(tmp_path / "cfg.yml", cfg), nproc=nproc)
+    assert "resumed from" in stderr and "checkpoint-4 at step 4" in stderr
     got = losses(out)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     _assert_same_losses(got, losses(reference), range(5, 7))
@@ -210,8 +206,7 @@ def test_kill_9_during_save_resumes_from_the_last_complete_checkpoint(
     assert not (out / "checkpoint-4").exists()
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
 
-    proc = run_train(config, nproc=2)
-    assert "checkpoint-2 at step 2" in proc.stderr
+    assert "checkpoint-2 at step 2" in launch_train(config)
     _assert_same_losses(losses(out), losses(reference), range(3, 7))
     assert [p.name for p in ckpt.complete_checkpoints(out)] == [
         "checkpoint-2",
@@ -313,10 +308,11 @@ def test_a_named_damaged_checkpoint_is_one_error(
 
 
 def test_hsdp_trains_resumes_and_merges_like_full_shard(
-    reference: Path, base_cfg: dict[str, Any], tmp_path: Path
+    reference: Path, base_cfg: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """HSDP on 4 ranks (2 replicas x 2 shards) computes the plain 2-rank FULL_SHARD run: same
-    losses; its checkpoint resumes at 2 ranks and merges into the same weights."""
+    losses; its checkpoint resumes without HSDP on 1 rank (in this process) and merges into the
+    same weights."""
     from safetensors.torch import load_file
 
     from shardforge.merge.api import merge_fsdp_weights
@@ -330,8 +326,8 @@ def test_hsdp_trains_resumes_and_merges_like_full_shard(
         "dp_shard_size": 2,
         "fsdp": {**base_cfg["fsdp"], "hybrid_shard": True},
     }
-    proc = run_train(write_config(tmp_path / "hsdp.yml", cfg), nproc=4)
-    assert "HSDP: 2 replicas of 2-rank shard groups" in proc.stderr
+    stderr = launch_train(write_config(tmp_path / "hsdp.yml", cfg), nproc=4)
+    assert "HSDP: 2 replicas of 2-rank shard groups" in stderr
     state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
     assert state["mesh_shape"] == [2, 2] and state["world_size"] == 4
     assert json.loads((reference / "checkpoint-6" / "trainer_state.json").read_text())[
@@ -340,9 +336,10 @@ def test_hsdp_trains_resumes_and_merges_like_full_shard(
     _assert_same_losses(losses(out), losses(reference), range(1, 7))
 
     resumed = _stopped_after(out, 4, tmp_path / "resumed")
-    plain = {**base_cfg, "output_dir": str(resumed), "resume_from_checkpoint": "auto"}
-    proc = run_train(write_config(tmp_path / "plain.yml", plain), nproc=2)
-    assert "checkpoint-4 at step 4" in proc.stderr and "HSDP" not in proc.stderr
+    plain = _one_rank(base_cfg, resumed, resume_from_checkpoint="auto")
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        _train_here(plain, tmp_path / "plain.yml")
+    assert "checkpoint-4 at step 4" in caplog.text and "HSDP" not in caplog.text
     _assert_same_losses(losses(resumed), losses(reference), range(5, 7))
 
     merged = {}

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from train_helpers import run_train, write_config
+from train_helpers import launch_train, write_config
 
 from shardforge.config import validate_cfg
 from shardforge.train.diagnostics import (
@@ -61,8 +61,7 @@ def test_a_run_starts_with_the_sharding_and_logs_phase_memory(
         "max_steps": 3,
         "save_steps": None,
     }
-    proc = run_train(write_config(tmp_path / "cfg.yml", cfg), nproc=2)
-    lines = proc.stderr.splitlines()
+    lines = launch_train(write_config(tmp_path / "cfg.yml", cfg)).splitlines()
     layers = json.loads((Path(base_cfg["base_model"]) / "config.json").read_text())[
         "num_hidden_layers"
     ]

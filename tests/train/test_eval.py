@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from train_helpers import read_metrics, run_train, write_config
+from train_helpers import EVALUATED, read_metrics, shared_run, write_config
 
 from helpers.tiny import make_tokenizer, tiny_texts, write_jsonl
 from shardforge.config import validate_cfg
@@ -20,16 +20,8 @@ EVAL_STEPS = [0, 2, 4, 5]
 
 
 def _eval_cfg(base_cfg: dict[str, Any], out: Path, **extra: Any) -> dict[str, Any]:
-    return {
-        **base_cfg,
-        "output_dir": str(out),
-        "val_set_size": 0.1,
-        "eval_steps": 2,
-        "eval_batch_size": 2,  # the same chunks at any world size (see below)
-        "max_steps": 5,
-        "save_steps": None,
-        **extra,
-    }
+    # eval_batch_size 2: the same chunks at any world size (see below)
+    return {**base_cfg, "output_dir": str(out), **EVALUATED, **extra}
 
 
 def _evals(out: Path) -> dict[int, dict[str, Any]]:
@@ -37,7 +29,7 @@ def _evals(out: Path) -> dict[int, dict[str, Any]]:
 
 
 def test_eval_loss_is_the_same_at_one_and_two_ranks(
-    base_cfg: dict[str, Any], tmp_path: Path
+    base_cfg: dict[str, Any], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Every chunk of eval_batch_size sequences is one forward pass on some rank, and the
     per-sequence sums are added in sequence order after the all-reduce: with the same weights
@@ -46,12 +38,13 @@ def test_eval_loss_is_the_same_at_one_and_two_ranks(
     reduction order, see test_loop.py), so later evaluations agree to 1e-6 relative."""
     from shardforge.train.launch import do_train
 
-    one, two = tmp_path / "one", tmp_path / "two"
+    one = tmp_path / "one"
     cfg1 = _eval_cfg(base_cfg, one, micro_batch_size=6)  # global batch 12 at 1 rank
     assert do_train(write_config(tmp_path / "one.yml", cfg1), [], "python") == 0
-    proc = run_train(write_config(tmp_path / "two.yml", _eval_cfg(base_cfg, two)), nproc=2)
-    assert "sequences (val_set_size), before the first step, every 2 steps" in proc.stderr
-    assert "eval at step 0  loss" in proc.stderr
+    run = shared_run(tmp_path_factory, "evaluated")  # 2 ranks, the same config
+    two = run.out
+    assert "sequences (val_set_size), before the first step, every 2 steps" in run.stderr
+    assert "eval at step 0  loss" in run.stderr
 
     a, b = _evals(one), _evals(two)
     assert sorted(a) == sorted(b) == EVAL_STEPS

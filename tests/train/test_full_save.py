@@ -66,14 +66,32 @@ def _read(out: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _both(rank: int, world_size: int, base: str, root: str) -> None:
+    """The saves of both tests below, in one launch of ranks."""
+    _save(rank, world_size, base, f"{root}/buffers", "40KB")
+    _interrupted(rank, world_size, base, f"{root}/interrupted")
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The saves of 2 gloo ranks: buffers/ (`_save`) and interrupted/ (`_interrupted`, its
+    output_dirs each holding a config.json first)."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    (root / "buffers").mkdir()  # the run's output_dir, made when training starts
+    for earlier in EARLIER:
+        (root / "interrupted" / (earlier or "fresh")).mkdir(parents=True)
+        (root / "interrupted" / (earlier or "fresh") / "config.json").write_text("{}")
+    run_on_ranks(_both, 2, str(base), str(root))
+    return root
+
+
 @pytest.mark.slow
-def test_integer_and_bool_buffers_keep_their_dtype_and_values(base: Path, tmp_path: Path) -> None:
+def test_integer_and_bool_buffers_keep_their_dtype_and_values(
+    base: Path, on_two_ranks: Path
+) -> None:
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "out"
-    out.mkdir()  # the run's output_dir, made when training starts
-    run_on_ranks(_save, 2, str(base), str(out), "40KB")
-    saved = _read(out)
+    saved = _read(on_two_ranks / "buffers")
     assert saved["step_count"].dtype == torch.int64 and torch.equal(saved["step_count"], INT_BUFFER)
     assert saved["model.keep"].dtype == torch.bool and torch.equal(saved["model.keep"], BOOL_BUFFER)
     reference = AutoModelForCausalLM.from_pretrained(base).state_dict()
@@ -144,14 +162,10 @@ EARLIER = ("", "100KB", "5GB")
 
 
 @pytest.mark.slow
-def test_an_interrupted_save_leaves_output_dir_as_it_was(base: Path, tmp_path: Path) -> None:
+def test_an_interrupted_save_leaves_output_dir_as_it_was(on_two_ranks: Path) -> None:
     """The error comes after the first shard was complete on disk: output_dir holds no index and
     no shard of this save (nor a hidden temporary); an earlier complete save is intact."""
-    for earlier in EARLIER:
-        (tmp_path / (earlier or "fresh")).mkdir()
-        (tmp_path / (earlier or "fresh") / "config.json").write_text("{}")
-    run_on_ranks(_interrupted, 2, str(base), str(tmp_path))
-    reports = json.loads((tmp_path / "report.json").read_text())
+    reports = json.loads((on_two_ranks / "interrupted" / "report.json").read_text())
     for earlier, report in reports.items():
         assert report["error"] is not None and "injected" in report["error"], earlier
         assert len(report["written"]) == 1, earlier  # the first shard was complete, then it stopped

@@ -6,7 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from train_helpers import read_metrics, run_train, write_config
+import pytest
+from train_helpers import read_metrics, shared_run, write_config
 
 from shardforge.config import validate_cfg
 from shardforge.train.loop import Callback, Trainer, run_training
@@ -20,14 +21,17 @@ def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=RTOL, abs_tol=0.0)
 
 
-def test_two_ranks_match_one_rank(base_cfg: dict[str, Any], tmp_path: Path) -> None:
-    runs = {}
-    for nproc, micro in ((1, 6), (2, 3)):  # same global batch: 12 sequences per step
-        out = tmp_path / f"ranks{nproc}"
-        cfg = {**base_cfg, "output_dir": str(out), "micro_batch_size": micro, "save_steps": None}
-        run_train(write_config(tmp_path / f"r{nproc}.yml", cfg), nproc=nproc)
-        runs[nproc] = read_metrics(out)
-    one, two = runs[1], runs[2]
+def test_two_ranks_match_one_rank(
+    base_cfg: dict[str, Any], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The shared 2-rank run (`shared_run`: micro batch 3) and the same global batch of 12
+    sequences on 1 rank (micro batch 6, in this process)."""
+    from shardforge.train.launch import do_train
+
+    out = tmp_path / "ranks1"
+    cfg = {**base_cfg, "output_dir": str(out), "micro_batch_size": 6, "save_steps": None}
+    assert do_train(write_config(tmp_path / "r1.yml", cfg), [], "python") == 0
+    one, two = read_metrics(out), read_metrics(shared_run(tmp_path_factory, "reference").out)
     assert [m["step"] for m in one] == [m["step"] for m in two] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(one, two, strict=True):
         assert _close(a["loss"], b["loss"]), (a, b)

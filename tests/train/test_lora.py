@@ -1,7 +1,8 @@
 """`adapter: lora` training under FSDP2 on gloo ranks: a tiny Llama (q/v adapters) and a
 tied-embedding Qwen2 with `lora_modules_to_save: [embed_tokens, lm_head]`.
 
-Each is trained once on 2 ranks (torchrun) and once on 1 rank in this process; the losses agree,
+Each is trained once on 2 gloo ranks (both in one launch: `train_helpers.shared_run`) and once
+on 1 rank in this process; the losses agree,
 a run resumed (at the other world size) equals the uninterrupted one, checkpoints hold only the
 trainable parameters, and the exported PEFT adapter loaded with `PeftModel.from_pretrained`
 gives the same logits as the trained weights read back from the DCP checkpoint.
@@ -18,21 +19,13 @@ from typing import Any
 
 import pytest
 import torch
-from train_helpers import losses, read_metrics, run_train, write_config
+from train_helpers import Run as SharedRun
+from train_helpers import losses, read_metrics, shared_run, write_config
 
 from helpers.tiny import make_model
 from shardforge.formats.dcp.metadata import read_metadata
 
 RTOL = 1e-6  # 1 vs 2 ranks, resumed vs uninterrupted, fp32 (see test_loop.py)
-
-LORA = {
-    "adapter": "lora",
-    "lora_r": 4,
-    "lora_alpha": 8,
-    "lora_dropout": 0.0,
-    "lora_target_modules": ["q_proj", "v_proj"],
-    "learning_rate": 2.0e-2,
-}
 
 
 def _train_here(cfg: dict[str, Any], config: Path) -> None:
@@ -48,37 +41,26 @@ def _same(got: dict[int, float], want: dict[int, float], steps: range) -> None:
 
 
 class Run:
-    """One config trained on 2 ranks (torchrun) and on 1 rank (in process)."""
+    """One config trained on 2 ranks (`shared_run`: gloo ranks, one launch for both configs)
+    and on 1 rank (in this process)."""
 
-    def __init__(self, root: Path, cfg: dict[str, Any]) -> None:
-        self.root, self.cfg = root, cfg
-        self.two = root / "two"
-        run_train(write_config(root / "two.yml", {**cfg, "output_dir": str(self.two)}), nproc=2)
+    def __init__(self, root: Path, two: SharedRun) -> None:
+        self.root, self.cfg, self.two, self.config = root, two.cfg, two.out, two.config
         self.one = root / "one"
+        cfg = self.cfg
         one = {**cfg, "output_dir": str(self.one), "micro_batch_size": 2 * cfg["micro_batch_size"]}
         _train_here(one, root / "one.yml")
 
 
 @pytest.fixture(scope="module")
-def llama(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return Run(tmp_path_factory.mktemp("lora-llama"), {**base_cfg, **LORA})
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return Run(tmp_path_factory.mktemp("lora-llama"), shared_run(tmp_path_factory, "lora-llama"))
 
 
 @pytest.fixture(scope="module")
-def qwen(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
-    root = tmp_path_factory.mktemp("lora-qwen")
-    base = make_model(root / "base", "qwen2", vocab_size=320, seed=3)
-    cfg = {
-        **base_cfg,
-        **LORA,
-        "base_model": str(base),
-        "max_steps": 4,
-        "lora_target_linear": True,
-        "lora_target_modules": None,
-        "lora_modules_to_save": ["embed_tokens", "lm_head"],
-        "fsdp": {"transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]},
-    }
-    return Run(root, cfg)
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """A tied-embedding Qwen2: every linear layer adapted, embed_tokens and lm_head trained."""
+    return Run(tmp_path_factory.mktemp("lora-qwen"), shared_run(tmp_path_factory, "lora-qwen"))
 
 
 @pytest.mark.slow
@@ -114,7 +96,8 @@ def _trained_model(run: Run, checkpoint: str) -> torch.nn.Module:
     from shardforge.config import load_cfg
     from shardforge.train.lora import add_lora
 
-    cfg = load_cfg(run.root / "two.yml")
+    assert run.config is not None
+    cfg = load_cfg(run.config)
     model = AutoModelForCausalLM.from_pretrained(cfg.base_model)
     add_lora(model, cfg)
     trainable = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}

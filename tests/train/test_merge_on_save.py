@@ -10,31 +10,23 @@ from typing import Any
 
 import pytest
 import torch
-from train_helpers import Run, losses, read_metrics, run_in, write_config
+from train_helpers import LORA, Run, losses, read_metrics, shared_run, write_config
 
 from shardforge.train import checkpointing as ckpt
 
-LORA = {
-    "adapter": "lora",
-    "lora_r": 4,
-    "lora_alpha": 8,
-    "lora_dropout": 0.0,
-    "lora_target_modules": ["q_proj", "v_proj"],
-    "learning_rate": 2.0e-2,
-}
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """2 ranks, 6 steps, a checkpoint every 2 steps, no merging (`shared_run`, read only)."""
+    return shared_run(tmp_path_factory, "reference")
 
 
 @pytest.fixture(scope="module")
-def plain(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """2 ranks, 6 steps, a checkpoint every 2 steps, no merging."""
-    return run_in(tmp_path_factory.mktemp("plain"), base_cfg)
-
-
-@pytest.fixture(scope="module")
-def merging(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """The same with merge_on_save: true and save_total_limit: 2."""
-    cfg = {**base_cfg, "merge_on_save": True, "save_total_limit": 2}
-    return run_in(tmp_path_factory.mktemp("merging"), cfg)
+def merging(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The same with merge_on_save: true and save_total_limit: 2 (`shared_run`)."""
+    run = shared_run(tmp_path_factory, "merging")
+    assert run.cfg["merge_on_save"] is True and run.cfg["save_total_limit"] == 2
+    return run
 
 
 def _dcp_weights(base_model: str, checkpoint: Path) -> dict[str, torch.Tensor]:

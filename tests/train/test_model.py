@@ -27,11 +27,21 @@ def _cfg(base: Path, **extra: Any) -> Any:
     return validate_cfg({"base_model": str(base), **extra})
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def base(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+MODEL_TYPES = ("llama", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # odd vocab and hidden sizes: no shard boundary falls evenly on 2 ranks
-    root = tmp_path_factory.mktemp(request.param)
-    return make_model(root / "base", request.param, vocab_size=331, hidden_size=72)
+    root = tmp_path_factory.mktemp("bases")
+    return {
+        t: make_model(root / t / "base", t, vocab_size=331, hidden_size=72) for t in MODEL_TYPES
+    }
+
+
+@pytest.fixture(scope="module", params=MODEL_TYPES)
+def base(request: pytest.FixtureRequest, bases: dict[str, Path]) -> Path:
+    return bases[request.param]
 
 
 def test_meta_build_has_no_weights_and_real_buffers(base: Path) -> None:
@@ -123,11 +133,25 @@ def _check_sharded_model(rank: int, world_size: int, base: str, out: str) -> Non
     dist.barrier()
 
 
-def test_sharded_load_equals_the_base_model_on_two_ranks(base: Path, tmp_path: Path) -> None:
+def _check_each(rank: int, world_size: int, bases: dict[str, str], root: str) -> None:
+    """`_check_sharded_model` for every base, its save in root/<type>-full (one launch of
+    ranks for all; a failed check fails the launch, naming the assertion)."""
+    for model_type, base in bases.items():
+        _check_sharded_model(rank, world_size, base, f"{root}/{model_type}-full")
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(bases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every base checked on 2 gloo ranks (`_check_each`), in one launch."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    run_on_ranks(_check_each, 2, {t: str(b) for t, b in bases.items()}, str(root))
+    return root
+
+
+def test_sharded_load_equals_the_base_model_on_two_ranks(base: Path, on_two_ranks: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    out = tmp_path / "full"
-    run_on_ranks(_check_sharded_model, 2, str(base), str(out))
+    out = on_two_ranks / f"{base.parent.name}-full"
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
     assert (out / "model.safetensors.index.json").is_file()
     AutoConfig.from_pretrained(base).save_pretrained(out)  # train writes it at start

@@ -10,14 +10,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from train_helpers import losses, read_metrics, run_train, write_config
+from train_helpers import losses, read_metrics, shared_run
 
 from shardforge.config import validate_cfg
 from shardforge.errors import ConfigError
@@ -187,11 +186,12 @@ def test_attention_that_cannot_isolate_is_refused(base_cfg: dict[str, Any]) -> N
     check_packing(validate_cfg({**base_cfg, "sample_packing": False}), model)  # padding: fine
 
 
-def test_packed_training_runs_on_two_ranks(base_cfg: dict[str, Any], tmp_path: Path) -> None:
-    """A 2-rank packed run (windows of several samples each) trains and logs every step."""
-    out = tmp_path / "out"
-    cfg = {**base_cfg, "output_dir": str(out), "sequence_len": 96, "save_steps": None}
-    run_train(write_config(tmp_path / "cfg.yml", cfg), nproc=2)
+def test_packed_training_runs_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A 2-rank packed run (windows of 96 tokens, several samples each: `shared_run`) trains
+    and logs every step."""
+    run = shared_run(tmp_path_factory, "packed")
+    assert run.cfg["sequence_len"] == 96 and run.cfg["sample_packing"] is True
+    out = run.out
     got = losses(out)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     assert all(math.isfinite(v) for v in got.values()) and got[6] < got[1]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from train_helpers import read_metrics, run_train, write_config
+from train_helpers import EVALUATED, launch_train, read_metrics, shared_run, write_config
 
 from helpers.dist import run_on_ranks
 from helpers.tiny import make_tokenizer, tiny_texts, write_jsonl
@@ -316,22 +316,23 @@ def test_one_process_per_node_prepares_and_the_others_wait(data_root: Path, tmp_
 
 @pytest.fixture(scope="module")
 def runs(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The same 2-rank run without dataset_prepared_path, and after `preprocess` with it."""
+    """The same 2-rank run without dataset_prepared_path (`shared_run`), and after `preprocess`
+    with it (`launch_train`: torchrun)."""
     from shardforge.cli.main import cli
 
     root = tmp_path_factory.mktemp("prepared-runs")
-    cfg = {**base_cfg, "max_steps": 3, "save_steps": None, "val_set_size": 0.1}
-    plain = run_train(write_config(root / "plain.yml", {**cfg, "output_dir": str(root / "a")}))
+    plain = shared_run(tmp_path_factory, "evaluated")
+    cfg = {**base_cfg, **EVALUATED}
     with_cache = {**cfg, "output_dir": str(root / "b"), "dataset_prepared_path": str(root / "p")}
     config = write_config(root / "cached.yml", with_cache)
     pre = CliRunner().invoke(cli, ["preprocess", str(config)])
     assert pre.exit_code == 0, pre.output
-    cached = run_train(config)
+    cached = launch_train(config)
     return {
         "root": root,
         "config": config,
-        "plain": (root / "a", plain.stderr),
-        "cached": (root / "b", cached.stderr),
+        "plain": (plain.out, plain.stderr),
+        "cached": (root / "b", cached),
         "preprocess": pre.stdout,
     }
 
@@ -350,7 +351,7 @@ def test_train_reuses_what_preprocess_prepared_and_trains_the_same(runs: dict[st
     got = read_metrics(out)
     keys = ("step", "loss", "grad_norm", "tokens", "eval_loss")
     assert [{k: m.get(k) for k in keys} for m in got] == [{k: m.get(k) for k in keys} for m in want]
-    assert [m["step"] for m in got if "loss" in m] == [1, 2, 3]
+    assert [m["step"] for m in got if "loss" in m] == [1, 2, 3, 4, 5]
     assert any("eval_loss" in m for m in got)
     assert load_cfg(runs["config"], command="train").dataset_prepared_path == str(
         runs["root"] / "p"

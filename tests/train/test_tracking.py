@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from train_helpers import read_metrics, run_train, write_config
+from train_helpers import launch_train, read_metrics, write_config
 
 from shardforge.config import validate_cfg
 from shardforge.errors import ConfigError
@@ -60,7 +60,7 @@ def tracked(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) 
     checkpointing every 2."""
     root = tmp_path_factory.mktemp("tracked")
     out = root / "out"
-    run_train(write_config(root / "cfg.yml", _tracked_cfg(base_cfg, out)), env=WANDB_ENV)
+    launch_train(write_config(root / "cfg.yml", _tracked_cfg(base_cfg, out)), env=WANDB_ENV)
     return out
 
 
@@ -169,9 +169,9 @@ def test_a_resumed_run_records_every_step_once(
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in before))
 
     cfg = _tracked_cfg(base_cfg, out, resume_from_checkpoint="auto")
-    proc = run_train(write_config(tmp_path / "cfg.yml", cfg), env=WANDB_ENV)
-    assert "checkpoint-4 at step 4" in proc.stderr
-    assert "eval at step 0" not in proc.stderr  # only a fresh run evaluates before step 1
+    stderr = launch_train(write_config(tmp_path / "cfg.yml", cfg), env=WANDB_ENV)
+    assert "checkpoint-4 at step 4" in stderr
+    assert "eval at step 0" not in stderr  # only a fresh run evaluates before step 1
 
     rows = read_metrics(out)
     train = [m["step"] for m in rows if "loss" in m]

@@ -12,12 +12,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import yaml
 
+from helpers.dist import run_on_ranks
+from helpers.shared import shared_folder
 from helpers.tiny import make_model, tiny_conversations, tiny_texts, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,14 +34,19 @@ def make_base(root: Path) -> dict[str, Any]:
     The global batch is 12 sequences, so 1, 2 and 3 ranks can all run it (micro batch 12, 6, 4
     with gradient_accumulation_steps 1; or as set by the caller).
     """
-    base = make_model(root / "base", "llama", vocab_size=320, seed=0)
-    data = write_jsonl(root / "data.jsonl", [{"text": t} for t in tiny_texts(48, seed=1)])
+    make_model(root / "base", "llama", vocab_size=320, seed=0)
+    write_jsonl(root / "data.jsonl", [{"text": t} for t in tiny_texts(48, seed=1)])
     write_jsonl(root / "chats.jsonl", [{"messages": m} for m in tiny_conversations(16, seed=1)])
+    return base_config(root)
+
+
+def base_config(root: Path) -> dict[str, Any]:
+    """The config that trains `make_base`'s model on its completion data (output in root/out)."""
     return {
-        "base_model": str(base),
+        "base_model": str(root / "base"),
         "output_dir": str(root / "out"),
         "seed": 7,
-        "datasets": [{"path": str(data), "type": "completion", "field": "text"}],
+        "datasets": [{"path": str(root / "data.jsonl"), "type": "completion", "field": "text"}],
         "sequence_len": 32,
         "sample_packing": True,
         "micro_batch_size": 3,
@@ -87,6 +97,70 @@ def run_train(
     return proc
 
 
+def launch_train(
+    config: Path, *args: str, nproc: int = 2, env: dict[str, str] | None = None
+) -> str:
+    """`shardforge train CONFIG --nproc_per_node N ARGS` with its launcher in this process
+    (`launch.do_train`: the config's checks, then torchrun and the ranks, real child processes);
+    what the command prints on stderr (the launcher's log lines, torchrun's and the ranks'
+    output, in order). For the tests of what training does: a launcher process of its own
+    costs seconds of imports. The command's own process is tested through `run_train`."""
+    import tempfile
+
+    from shardforge.errors import ShardforgeError
+    from shardforge.train.launch import LaunchOptions, do_train
+
+    with tempfile.TemporaryDirectory(prefix="shardforge-train-") as tmp:
+        log = Path(tmp) / "stderr"
+        with _environment(train_env(env)), _stderr_to(log):
+            try:
+                do_train(config, list(args), "torchrun", LaunchOptions(nproc_per_node=nproc))
+                failed = None
+            except ShardforgeError as exc:
+                failed = exc
+        stderr = log.read_text()
+    if failed is not None:
+        raise AssertionError(f"train failed ({failed.message}):\n{stderr[-4000:]}")
+    return stderr
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """os.environ is `env` in the block (the child processes' environment)."""
+    before = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """File descriptor 2 (the child processes' stderr) and shardforge's log records, appended
+    to `path` in the order they are written."""
+    import logging
+
+    logger = logging.getLogger("shardforge")
+    level = logger.level
+    with path.open("a", encoding="utf-8") as f:
+        handler = logging.StreamHandler(f)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
@@ -97,17 +171,128 @@ def losses(output_dir: Path) -> dict[int, float]:
 
 
 class Run:
-    """A finished `shardforge train` run: its output directory and what it printed."""
+    """A finished `shardforge train` run: its output directory, what it printed and (where
+    known) its config file."""
 
-    def __init__(self, out: Path, stderr: str) -> None:
-        self.out, self.stderr = out, stderr
+    def __init__(self, out: Path, stderr: str, config: Path | None = None) -> None:
+        self.out, self.stderr, self.config = out, stderr, config
+
+    @property
+    def cfg(self) -> dict[str, Any]:
+        assert self.config is not None
+        data: dict[str, Any] = yaml.safe_load(self.config.read_text())
+        return data
 
 
-def run_in(root: Path, cfg: dict[str, Any]) -> Run:
-    """Train `cfg` on 2 ranks with its output in `root`/out (config at `root`/cfg.yml)."""
-    out = root / "out"
-    proc = run_train(write_config(root / "cfg.yml", {**cfg, "output_dir": str(out)}), nproc=2)
-    return Run(out, proc.stderr)
+def shared_base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """`make_base`, made once per test run for every module and xdist worker (no process is
+    started for it). Read only: its output_dir is for the caller to replace."""
+    return base_config(shared_folder(tmp_path_factory, "train-base", make_base, False))
+
+
+LORA = {
+    "adapter": "lora",
+    "lora_r": 4,
+    "lora_alpha": 8,
+    "lora_dropout": 0.0,
+    "lora_target_modules": ["q_proj", "v_proj"],
+    "learning_rate": 2.0e-2,
+}
+# a held-out split evaluated before the first step, every 2 steps and after the last (0, 2, 4,
+# 5), in the same chunks at any world size
+EVALUATED = {
+    "val_set_size": 0.1,
+    "eval_steps": 2,
+    "eval_batch_size": 2,
+    "max_steps": 5,
+    "save_steps": None,
+}
+
+
+def _shared_runs(base: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
+    """The 2-rank runs tests compare with: name -> what it changes in the shared base's config.
+
+    reference: 6 steps, a checkpoint every 2; evaluated: `EVALUATED`; async: async_save;
+    merging: merge_on_save, save_total_limit 2; packed: windows of 96 tokens (several samples
+    each); full-state-dict: FULL_STATE_DICT; lora-llama: `LORA`; lora-qwen: a tied-embedding
+    Qwen2 (root/qwen-base) with every linear layer adapted and the embedding trained (4 steps).
+    """
+    fsdp = base["fsdp"]
+    return {
+        "reference": {},
+        "evaluated": EVALUATED,
+        "async": {"async_save": True},
+        "merging": {"merge_on_save": True, "save_total_limit": 2},
+        "packed": {"sequence_len": 96, "save_steps": None},
+        "full-state-dict": {"fsdp": {**fsdp, "state_dict_type": "FULL_STATE_DICT"}},
+        "lora-llama": LORA,
+        "lora-qwen": {
+            **LORA,
+            "base_model": str(root / "qwen-base"),
+            "max_steps": 4,
+            "lora_target_linear": True,
+            "lora_target_modules": None,
+            "lora_modules_to_save": ["embed_tokens", "lm_head"],
+            "fsdp": {"transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]},
+        },
+    }
+
+
+def shared_run(tmp_path_factory: pytest.TempPathFactory, name: str) -> Run:
+    """The run `name` of `_shared_runs`, trained on 2 gloo ranks: all of them once per test run,
+    in one launch of 2 processes (`train_configs`), for every module and xdist worker that
+    compares with them. Read only: copy a run before changing anything in it.
+
+    The ranks run what a rank of `shardforge train` runs (`run_training`) and log as it does;
+    its stderr is rank 0's log. (A launch of ranks costs seconds of imports; torchrun and the
+    launcher have the tests of their own that use `launch_train` and `run_train`.)"""
+    root = shared_folder(tmp_path_factory, "train-runs", partial(_train_shared, tmp_path_factory))
+    run = root / name
+    return Run(run / "out", (run / "stderr.txt").read_text(), run / "cfg.yml")
+
+
+def _train_shared(tmp_path_factory: pytest.TempPathFactory, root: Path) -> None:
+    base = shared_base(tmp_path_factory)
+    make_model(root / "qwen-base", "qwen2", vocab_size=320, seed=3)
+    runs = []
+    for name, changes in _shared_runs(base, root).items():
+        cfg = {**base, **changes, "output_dir": str(root / name / "out")}
+        (root / name).mkdir()
+        runs.append(
+            (str(write_config(root / name / "cfg.yml", cfg)), str(root / name / "stderr.txt"))
+        )
+    (root / "stores").mkdir()
+    run_on_ranks(train_configs, 2, runs, str(root / "stores"))
+
+
+def train_configs(rank: int, world: int, runs: list[tuple[str, str | None]], stores: str) -> None:
+    """On each rank of `run_on_ranks`: train every config of `runs` (config, log file) in turn,
+    as a rank of `shardforge train` does: each run makes and ends its process group; rank 0
+    logs at INFO, the others warnings only, to the log file (rank R > 0: `<file>.R`)."""
+    import logging
+
+    import torch.distributed as dist
+
+    from shardforge.config import load_cfg
+    from shardforge.train.loop import run_training
+
+    logger = logging.getLogger("shardforge")
+    for i, (config, log) in enumerate(runs):
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "gloo", init_method=f"file://{stores}/s{i}", rank=rank, world_size=world
+            )
+        handler = logging.FileHandler(log if rank == 0 else f"{log}.{rank}") if log else None
+        if handler is not None:
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+        try:
+            run_training(load_cfg(config, command="train").to_model())
+        finally:
+            if handler is not None:
+                logger.removeHandler(handler)
+                handler.close()
+    dist.init_process_group("gloo", init_method=f"file://{stores}/end", rank=rank, world_size=world)
 
 
 def _command(p: psutil.Process) -> str:

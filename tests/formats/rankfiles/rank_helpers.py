@@ -8,12 +8,15 @@ Imported by name (``from rank_helpers import ...``); the name is unique across t
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from helpers.dist import run_on_ranks
+from helpers.shared import shared_folder
 from helpers.tiny import make_model
 
 # hidden 70 (not divisible by 3 or 4), vocab 331 and intermediate 101 (divisible by neither 2
@@ -54,28 +57,38 @@ def write_rank_files(
     torch.save(model.state_dict(), f"{out_dir}/model_world_size_{world_size}_rank_{rank}.pt")
 
 
-def make_rank_files(
-    root: Path,
-    world_size: int,
-    dtype: str = "float32",
-    mesh_shape: tuple[int, ...] = (),
-    matrix_shard_dim: int = 0,
-) -> tuple[Path, Path]:
-    """(model_dir, rank_dir) for a tiny Llama whose sizes split unevenly over 2 and 3 ranks
-    (FSDP2 shards dim 1 only evenly: then the default tiny sizes, all even, are used)."""
-    shapes = SHAPES if matrix_shard_dim == 0 else {"vocab_size": 331}
-    model_dir = make_model(root / "base", "llama", dtype=dtype, seed=world_size, **shapes)
-    rank_dir = root / "ranks"
-    rank_dir.mkdir()
-    run_on_ranks(
-        write_rank_files,
-        world_size,
-        str(model_dir),
-        str(rank_dir),
-        mesh_shape or (world_size,),
-        matrix_shard_dim,
-    )
-    return model_dir, rank_dir
+# the rank-file sets of the tests: name -> (world size, dtype, the dim matrices are sharded on)
+RANK_SETS: dict[str, tuple[int, str, int]] = {
+    "ranks_2_fp32": (2, "float32", 0),
+    "shard_dim_1": (2, "float32", 1),
+    "ranks_3_bf16": (3, "bfloat16", 0),
+}
+
+
+def shared_rank_files(tmp_path_factory: pytest.TempPathFactory, name: str) -> tuple[Path, Path]:
+    """(model_dir, rank_dir) of the set `name` of `RANK_SETS`: a tiny Llama whose sizes split
+    unevenly over 2 and 3 ranks (FSDP2 shards dim 1 only evenly: then the default tiny sizes,
+    all even, are used), saved by each rank. Written once per test run for every xdist worker,
+    the sets of one world size in one launch of gloo ranks; read only."""
+    world = RANK_SETS[name][0]
+    root = shared_folder(tmp_path_factory, f"rank-files-{world}", partial(_write_sets, world))
+    return root / name / "base", root / name / "ranks"
+
+
+def _write_sets(world_size: int, root: Path) -> None:
+    sets = []
+    for name, (world, dtype, dim) in RANK_SETS.items():
+        if world == world_size:
+            shapes = SHAPES if dim == 0 else {"vocab_size": 331}
+            model_dir = make_model(root / name / "base", "llama", dtype=dtype, seed=world, **shapes)
+            (root / name / "ranks").mkdir()
+            sets.append((str(model_dir), str(root / name / "ranks"), (world,), dim))
+    run_on_ranks(_write_each, world_size, sets)
+
+
+def _write_each(rank: int, world_size: int, sets: list[tuple[str, str, tuple[int], int]]) -> None:
+    for model_dir, out_dir, mesh_shape, matrix_shard_dim in sets:
+        write_rank_files(rank, world_size, model_dir, out_dir, mesh_shape, matrix_shard_dim)
 
 
 def logits(model_dir: Path, state_dict: dict[str, torch.Tensor] | None = None) -> torch.Tensor:

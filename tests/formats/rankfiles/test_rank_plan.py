@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rank_helpers import full_tensors, logits, make_rank_files
+from rank_helpers import full_tensors, logits
 from safetensors.torch import load_file
 
 from shardforge.errors import CheckpointError
@@ -96,9 +96,9 @@ def test_hsdp_replicate_shard_mesh(mesh_root: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_shard_dim_1(tmp_path: Path) -> None:
+def test_shard_dim_1(shard_dim_1: tuple[Path, Path]) -> None:
     """FSDP2 with shard_placement_fn -> Shard(1) for matrices: column blocks, assembled in memory."""
-    model_dir, rank_dir = make_rank_files(tmp_path, 2, "float32", matrix_shard_dim=1)
+    model_dir, rank_dir = shard_dim_1
     plan = plan_rank_files(rank_dir)
     emb = plan["model.embed_tokens.weight"]
     assert emb.placements == (Placement("shard", 1),)
