@@ -34,6 +34,15 @@ and to the copy.
     python benchmarks/merge_bench.py --size 4GB --contenders shardforge,shardforge_nomanifest  # the manifest
     python benchmarks/merge_bench.py --size 4GB --contenders copy,shardforge,shardforge_cast,\
         shardforge_2ranks,shardforge_3ranks,shardforge_dry_run,accelerate
+    python benchmarks/merge_bench.py --size 4GB --contenders shardforge \
+        --format dcp,dcp-ranks,accelerate-bin,dcp-safetensors,dcp-safetensors-consolidated
+
+`--format` chooses how the checkpoint is saved (`bench_formats.py`: each by its trainer's own
+saving API, the same model and values in each); with several, every shardforge contender runs on
+every format (`shardforge@accelerate-bin`, the plain name on `dcp`), alternating with the rest,
+and the ratios to the same contender on `dcp` are printed, with whether the merged weights files
+are the same bytes (from each output's manifest). The peers, `copy` and `baseline` read `dcp`
+only.
 
 `--cache cold` evicts the checkpoint's files from the page cache before every run
 (posix_fadvise DONTNEED after an fsync, no root needed; not a system-wide drop_caches);
@@ -62,6 +71,9 @@ from typing import Any
 
 # the test helpers (tiny models, CPU ranks) live in tests/helpers/, outside the package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_formats, also in spawned ranks
+
+from bench_formats import FORMATS, checkpoint_files, make_format
 
 UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -142,51 +154,46 @@ def _write_part(
     rank: int, world: int, part_dir: str, names: list[str], shapes: list[list[int]], dtype: str
 ) -> None:
     """On every rank: this part's tensors as dim-0-sharded DTensors, written by dcp.save."""
-    import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from bench_formats import sharded_state
 
-    mesh = init_device_mesh("cpu", (world,))
-    gen = torch.Generator().manual_seed(1234 + rank)
-    # Random values, tiled from one block: content does not matter to the merge, and drawing
-    # gigabytes of random numbers would dominate the generator's time.
-    block = torch.randn(1 << 22, generator=gen).to(getattr(torch, dtype))
-    state: dict[str, Any] = {}
-    for name, shape in zip(names, shapes, strict=True):
-        rows = shape[0]
-        per = -(-rows // world)  # torch.chunk semantics: ceil, the last ranks may get less or none
-        start, stop = min(rank * per, rows), min((rank + 1) * per, rows)
-        local = torch.empty((stop - start, *shape[1:]), dtype=getattr(torch, dtype))
-        flat = local.view(-1)
-        for at in range(0, flat.numel(), block.numel()):
-            n = min(block.numel(), flat.numel() - at)
-            flat[at : at + n] = block[:n]
-        stride = torch.empty(shape, device="meta").stride()
-        state[name] = DTensor.from_local(
-            local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride
-        )
+    state = sharded_state(rank, world, names, shapes, dtype)
     dcp.save({"model": state}, checkpoint_id=part_dir)  # keys `model.<fqn>`, as HF Trainer writes
 
 
-def make_checkpoint(root: Path, size_bytes: int, dtype: str, ranks: int) -> tuple[Path, Path]:
-    """Write base config + tokenizer and `checkpoint-1/pytorch_model_fsdp_0/`; return (cfg, dcp)."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    from helpers.dist import run_on_ranks
+def make_checkpoints(
+    root: Path, size_bytes: int, dtype: str, ranks: int, formats: list[str]
+) -> tuple[Path, dict[str, Path]]:
+    """The bench config and, for every format, the checkpoint folder to merge (written by that
+    format's own saving API, or reused): the same model, the same values."""
     from helpers.tiny import make_tokenizer
-    from shardforge.formats.dcp.pickles import load_metadata_pickle
 
     cfg = llama_config_for(size_bytes, dtype)
     base = root / "base"
     base.mkdir(parents=True, exist_ok=True)
     (base / "config.json").write_text(json.dumps(cfg, indent=2))
     make_tokenizer().save_pretrained(base)
+    ckpts = {}
+    for fmt in formats:
+        if fmt == "dcp":
+            ckpts[fmt] = make_checkpoint(root, cfg, dtype, ranks)
+        else:
+            ckpts[fmt] = make_format(root, fmt, cfg, param_shapes(cfg), dtype, ranks)
+    return write_bench_config(root, base), ckpts
+
+
+def make_checkpoint(root: Path, cfg: dict[str, Any], dtype: str, ranks: int) -> Path:
+    """Write `out/checkpoint-1/pytorch_model_fsdp_0/` (DCP, in parts) unless it exists."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from helpers.dist import run_on_ranks
+    from shardforge.formats.dcp.pickles import load_metadata_pickle
+
     ckpt = root / "out" / "checkpoint-1" / "pytorch_model_fsdp_0"
     done = ckpt / ".metadata"
     if done.exists():
         print(f"reusing checkpoint {ckpt}", file=sys.stderr)
-        return write_bench_config(root, base), ckpt
+        return ckpt
     shutil.rmtree(ckpt, ignore_errors=True)
     ckpt.mkdir(parents=True)
 
@@ -242,7 +249,7 @@ def make_checkpoint(root: Path, size_bytes: int, dtype: str, ranks: int) -> tupl
         pickle.dump(merged, f)
     os.replace(ckpt / ".metadata.tmp", done)
     subprocess.run(["sync"], check=False)
-    return write_bench_config(root, base), ckpt
+    return ckpt
 
 
 def write_bench_config(root: Path, base: Path) -> Path:
@@ -347,6 +354,7 @@ class Result:
     cpu: list[float] = field(default_factory=list)  # user + kernel CPU seconds of the tree
     load: list[float] = field(default_factory=list)  # 1-minute load average before each run
     out_bytes: int = 0
+    weights_sha256: set[str] = field(default_factory=set)  # per run, from the output's manifest
     failure: str = ""
 
 
@@ -433,6 +441,19 @@ def run_measured(cmd: list[str], limit_bytes: int | None, scratch: Path) -> Run:
     return Run(r["seconds"], r["rss"], r["tree_rss"], r["cpu"], r["code"], err[-600:])
 
 
+def weights_digest(out: Path) -> str:
+    """One SHA-256 over the output's weights files' names and SHA-256s, from the merge's
+    manifest ("" without one): equal digests mean byte-identical weights files."""
+    import hashlib
+
+    manifest = out / "shardforge-manifest.json"
+    if not manifest.is_file():
+        return ""
+    files = json.loads(manifest.read_text())["files"]
+    weights = sorted((n, f["sha256"]) for n, f in files.items() if n.endswith(".safetensors"))
+    return hashlib.sha256(json.dumps(weights).encode()).hexdigest()
+
+
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -495,6 +516,12 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
     parser.add_argument("--ranks", type=int, default=2, help="ranks writing the checkpoint")
+    parser.add_argument(
+        "--format",
+        default="dcp",
+        help="how the checkpoint is saved, comma-separated for several (the same model in each; "
+        f"the shardforge contenders run on every one, as NAME@FORMAT): {', '.join(FORMATS)}",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--contenders",
@@ -535,19 +562,27 @@ def main() -> None:
         f"making a {human(size)} {args.dtype} checkpoint on {args.ranks} ranks in {root}",
         file=sys.stderr,
     )
-    cfg, ckpt = make_checkpoint(root, size, args.dtype, args.ranks)
-    files = [*sorted(ckpt.glob("*.distcp")), ckpt / ".metadata"]
-    ckpt_bytes = sum(p.stat().st_size for p in files)
-    names = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    if args.baseline and "baseline" not in names:
-        names.append("baseline")
-    results = {n: Result() for n in names}
-    peer_limit = parse_size(args.peer_mem_limit) if args.peer_mem_limit else None
-    store = start_store(root, ckpt) if any(n in S3_CONTENDERS for n in names) else None
-
-    unknown = [n for n in names if shardforge_options(n) is None and n not in (*PEERS, "baseline")]
+    formats = [f.strip() for f in args.format.split(",") if f.strip()]
+    if not formats or set(formats) - set(FORMATS):
+        parser.error(f"--format: one or more of {', '.join(FORMATS)}, comma-separated")
+    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    if args.baseline and "baseline" not in contenders:
+        contenders.append("baseline")
+    unknown = [
+        n for n in contenders if shardforge_options(n) is None and n not in (*PEERS, "baseline")
+    ]
     if unknown:
         parser.error(f"unknown contender(s) {', '.join(unknown)}")
+    names = run_labels(contenders, formats)
+    if not names:
+        parser.error("no contender runs on these formats (the peers, copy and baseline: dcp only)")
+    cfg, ckpts = make_checkpoints(root, size, args.dtype, args.ranks, formats)
+    files = {fmt: checkpoint_files(root, fmt) for fmt in formats}
+    fmt_bytes = {fmt: sum(p.stat().st_size for p in fs) for fmt, fs in files.items()}
+    ckpt_bytes = fmt_bytes[formats[0]]
+    results = {n: Result() for n in names}
+    peer_limit = parse_size(args.peer_mem_limit) if args.peer_mem_limit else None
+    store = start_store(root, ckpts["dcp"]) if any(n in S3_CONTENDERS for n in names) else None
     for n in names:
         m = RANKS_VARIANT.match(n)
         if m and int(m[1]) > (os.cpu_count() or 1):
@@ -556,7 +591,12 @@ def main() -> None:
         print("note: shardforge_cast of a bfloat16 checkpoint casts nothing", file=sys.stderr)
 
     def report() -> dict[str, Any]:
-        return summarize(results, ckpt_bytes, len(files) - 1, args)
+        table = summarize(results, ckpt_bytes, len(files[formats[0]]) - 1, args)
+        table["formats"] = {
+            fmt: {"folder": str(ckpts[fmt]), "bytes": fmt_bytes[fmt], "files": len(files[fmt])}
+            for fmt in formats
+        }
+        return table
 
     for rep in range(args.repeats):
         order = names[rep % len(names) :] + names[: rep % len(names)]  # alternate who goes first
@@ -564,14 +604,15 @@ def main() -> None:
             res = results[name]
             if res.failure:
                 continue
+            contender, fmt = split_label(name)
             out = root / f"merged-{name}"
             shutil.rmtree(out, ignore_errors=True)
-            (evict if args.cache == "cold" else warm)(files)
+            (evict if args.cache == "cold" else warm)(files[fmt])
             settle(root)
             time.sleep(args.pause)
-            ours = shardforge_options(name) is not None or name in ("baseline", "copy")
+            ours = shardforge_options(contender) is not None or name in ("baseline", "copy")
             limit = None if ours else peer_limit
-            cmd = command_for(name, cfg, ckpt, out, args.baseline, args.source)
+            cmd = command_for(contender, cfg, ckpts[fmt], out, args.baseline, args.source)
             load = os.getloadavg()[0]
             run = run_measured(cmd, limit, root)
             if run.code != 0:
@@ -587,6 +628,8 @@ def main() -> None:
                 res.out_bytes = (
                     stored_bytes(store, out) if name in S3_CONTENDERS else dir_bytes(out)
                 )
+                if digest := weights_digest(out):
+                    res.weights_sha256.add(digest)
                 print(
                     f"  run {rep + 1} {name}: {run.seconds:.2f} s, CPU {run.cpu:.2f} s, peak RSS "
                     f"{human(run.rss)} (tree {human(run.tree_rss)}), load before {load:.2f}",
@@ -599,19 +642,23 @@ def main() -> None:
                 Path(args.json).write_text(json.dumps(report(), indent=2))
 
     table = report()
-    print(f"\ncheckpoint: {human(ckpt_bytes)} {args.dtype}, {len(files) - 1} files, "
-          f"{args.ranks} ranks; cache: {table['cache']}; repeats: {args.repeats}; "
+    for fmt in formats:
+        print(f"\ncheckpoint {fmt}: {human(fmt_bytes[fmt])} {args.dtype}, {len(files[fmt])} "
+              f"files, {args.ranks} ranks", end="")  # fmt: skip
+    print(f"\ncache: {table['cache']}; repeats: {args.repeats}; "
           f"{os.cpu_count()} cores; disk settled + {args.pause:g} s rest before every run")  # fmt: skip
-    print(f"{'contender':<22}{'median s':>10}{'best s':>8}{'CPU s':>7}{'MB/s':>8}{'peak RSS':>11}"
+    w = max(22, *(len(n) + 2 for n in names))
+    print(f"{'contender':<{w}}{'median s':>10}{'best s':>8}{'CPU s':>7}{'MB/s':>8}{'peak RSS':>11}"
           f"{'RSS/ckpt':>10}{'tree RSS':>11}{'output':>11}{'/copy':>8}{'load':>7}")  # fmt: skip
     for name, row in table["results"].items():
         if "median_s" not in row:
-            print(f"{name:<22}{'failed: ' + row['failure'] if row['failure'] else 'no runs'}")
+            print(f"{name:<{w}}{'failed: ' + row['failure'] if row['failure'] else 'no runs'}")
             continue
         vs_copy = f"{row['copy_time_ratio']:.2f}x" if "copy_time_ratio" in row else "-"
-        print(f"{name:<22}{row['median_s']:>10.2f}{row['best_s']:>8.2f}{row['median_cpu_s']:>7.1f}"
-              f"{ckpt_bytes / row['median_s'] / 1e6:>8.0f}"
-              f"{human(row['peak_rss']):>11}{row['peak_rss'] / ckpt_bytes:>10.1%}"
+        print(f"{name:<{w}}{row['median_s']:>10.2f}{row['best_s']:>8.2f}{row['median_cpu_s']:>7.1f}"
+              f"{fmt_bytes[split_label(name)[1]] / row['median_s'] / 1e6:>8.0f}"
+              f"{human(row['peak_rss']):>11}"
+              f"{row['peak_rss'] / fmt_bytes[split_label(name)[1]]:>10.1%}"
               f"{human(row['tree_rss']):>11}{human(row['output_bytes']):>11}{vs_copy:>8}"
               f"{row['median_load']:>7.2f}")  # fmt: skip
     for line in table["ratios"]:
@@ -642,6 +689,25 @@ def stored_bytes(store: Any, out: Path) -> int:
 
 
 PEERS = (*PEER_SNIPPETS, "copy", "shardforge_s3")
+
+
+def run_labels(contenders: list[str], formats: list[str]) -> list[str]:
+    """The runs of one repeat: every shardforge contender on every format (``NAME@FORMAT``,
+    the plain name on ``dcp``); the peers, copy and baseline on ``dcp`` only."""
+    labels = []
+    for fmt in formats:
+        for name in contenders:
+            if fmt == "dcp":
+                labels.append(name)
+            elif shardforge_options(name) is not None:
+                labels.append(f"{name}@{fmt}")
+    return labels
+
+
+def split_label(label: str) -> tuple[str, str]:
+    """(contender, format) of a run label."""
+    name, _, fmt = label.partition("@")
+    return name, fmt or "dcp"
 
 
 def summarize(
@@ -680,6 +746,7 @@ def summarize(
             "loads": res.load,
             "median_load": statistics.median(res.load),
             "output_bytes": res.out_bytes,
+            "weights_sha256": sorted(res.weights_sha256),
         }
         if "copy" in med and name != "copy":
             row["copy_time_ratio"] = med[name] / med["copy"]
@@ -697,6 +764,18 @@ def summarize(
     for name in med:
         if name != "copy" and "copy" in med:
             lines.append(f"{name} / copy: {med[name] / med['copy']:.2f}x the time")
+    for name in med:
+        contender, fmt = split_label(name)
+        if fmt != "dcp" and contender in med:
+            mine, theirs = results[name].seconds, results[contender].seconds
+            paired = ", ".join(f"{a / b:.2f}" for a, b in zip(mine, theirs, strict=False))
+            digests = results[name].weights_sha256 | results[contender].weights_sha256
+            same = "; same weights bytes as on dcp" if len(digests) == 1 else ""
+            lines.append(
+                f"{name} / {contender}: {med[name] / med[contender]:.2f}x the time ({fmt} "
+                f"against dcp; best runs {min(mine) / min(theirs):.2f}x; repeat by repeat "
+                f"{paired}{same})"
+            )
     if "shardforge" in med:
         for name in med:
             if name.startswith("shardforge_") or name == "baseline":
