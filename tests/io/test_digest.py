@@ -96,6 +96,30 @@ def test_deferred_bytes_are_read_from_their_source_in_turn(tmp_path: Path) -> No
     assert h.hexdigest(len(DATA)) == hashlib.sha256(DATA).hexdigest()
 
 
+def test_written_bytes_out_of_turn_are_read_back_from_the_output(tmp_path: Path) -> None:
+    """`feed_written`: a piece in turn is hashed from memory; one out of turn is kept as its
+    place in the output only, and read back from the output file when the hash reaches it."""
+    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        h = FileHash()
+        shuffled = pieces(30, seed=7)
+        random.Random(7).shuffle(shuffled)
+        for offset, data in shuffled:
+            os.pwrite(fd, data, offset)
+            h.feed_written(fd, offset, data)
+            assert not any(isinstance(p, bytes) for p in h._pending.values())
+        assert h.hexdigest(len(DATA)) == hashlib.sha256(DATA).hexdigest()
+        # what is hashed out of turn is the output's bytes when the hash reaches them
+        h = FileHash()
+        h.feed_written(fd, 10, DATA[10:])
+        os.pwrite(fd, b"\0" * 10, 20)
+        h.feed_written(fd, 0, DATA[:10])
+        changed = DATA[:20] + b"\0" * 10 + DATA[30:]
+        assert h.hexdigest(len(DATA)) == hashlib.sha256(changed).hexdigest()
+    finally:
+        os.close(fd)
+
+
 def test_hashing_registers_a_descriptor_for_the_block_only(tmp_path: Path) -> None:
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
     try:

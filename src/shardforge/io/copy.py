@@ -210,6 +210,16 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+def pwrite_then_hash(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of `data` at `offset` of `fd`, then feed the file's hash (if it has one): a
+    piece out of turn is read back from `fd` when the hash reaches it (`FileHash.feed_written`),
+    not kept. For writers whose pieces arrive out of order (a stored object's parallel GETs)."""
+    _write_plain(fd, data.cast("B"), offset)
+    h = hash_of(fd)
+    if h is not None:
+        h.feed_written(fd, offset, data)
+
+
 def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
     """Copy bytes file to file, in the kernel where possible (a stand-in of a stored object:
     its bytes by ranged requests, several at a time); into a hashed output file
@@ -223,11 +233,11 @@ def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> No
 
 def _kernel_copy(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
     """`copy_file_range` (or a bounded read + write where it is unsupported); a stored
-    object's stand-in by its ranged requests (their bytes written by `pwrite_all`, which
+    object's stand-in by its ranged requests (their bytes written by `pwrite_then_hash`, which
     feeds the output's hash if it has one)."""
     remote = remote_of(src)
     if remote is not None:
-        remote.copy_to(dst, src_off, dst_off, count, write=pwrite_all)
+        remote.copy_to(dst, src_off, dst_off, count, write=pwrite_then_hash)
         return
     while count > 0:
         try:

@@ -14,6 +14,11 @@ hashes in file order:
 - `defer(offset, path, src_offset, n)`: bytes copied in the kernel (`copy_file_range`) while
   an earlier range is not written yet; they are read from their source file when the hash
   reaches them (the early copy's tensors after a gap: `merge.overlap`).
+- `feed_written(fd, offset, data)`: a piece already written at `offset` of the output `fd`;
+  hashed at once when in turn, else read back from the output (its page cache) when the hash
+  reaches it, nothing kept. The parallel ranged GETs of a stored object (`io.remote`) write
+  their bodies this way: up to `PARALLEL` parts arrive out of order, and keeping them would
+  hold about 100 MB per stream.
 
 `hashing(fd, h)` registers `h` for the open output file `fd`: `io.copy`'s `pwrite_all` and
 `copy_range` then feed it every byte they write there, whichever code calls them (a format's
@@ -52,13 +57,22 @@ class _Deferred:
     n: int
 
 
+@dataclass(frozen=True)
+class _Written:
+    """`n` bytes already written at `offset` of the open output file `fd`."""
+
+    fd: int
+    offset: int
+    n: int
+
+
 class FileHash:
     """The SHA-256 of one output file, fed its pieces in any order (see the module docstring)."""
 
     def __init__(self) -> None:
         self._sha = hashlib.sha256()
         self.frontier = 0  # every byte before it is hashed
-        self._pending: dict[int, bytes | _Deferred] = {}
+        self._pending: dict[int, bytes | _Deferred | _Written] = {}
         self._cond = threading.Condition()
         self._failed: str | None = None
 
@@ -81,6 +95,18 @@ class FileHash:
             self._check()
             if self.frontier != offset:
                 raise MergeError(f"internal error: bytes at {offset} were hashed twice")
+            self._sha.update(data)
+            self.frontier += len(data)
+            self._advance()
+
+    def feed_written(self, fd: int, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """`data` is written at `offset` of `fd` (the output): hashed now if in turn, else read
+        back from `fd` when it is (nothing kept meanwhile)."""
+        with self._cond:
+            self._check()
+            if offset != self.frontier:
+                self._keep(offset, _Written(fd, offset, len(data)))
+                return
             self._sha.update(data)
             self.frontier += len(data)
             self._advance()
@@ -109,7 +135,7 @@ class FileHash:
                 )
             return self._sha.hexdigest()
 
-    def _keep(self, offset: int, piece: bytes | _Deferred) -> None:
+    def _keep(self, offset: int, piece: bytes | _Deferred | _Written) -> None:
         if offset < self.frontier or offset in self._pending:
             raise MergeError(f"internal error: bytes at {offset} were written twice")
         self._pending[offset] = piece
@@ -120,6 +146,9 @@ class FileHash:
             piece = self._pending.pop(self.frontier)
             if isinstance(piece, _Deferred):
                 self._hash_source(piece)
+            elif isinstance(piece, _Written):
+                self._hash_range(piece.fd, piece.offset, piece.n, "the output file")
+                self.frontier += piece.n
             else:
                 self._sha.update(piece)
                 self.frontier += len(piece)
@@ -128,16 +157,20 @@ class FileHash:
     def _hash_source(self, piece: _Deferred) -> None:
         fd = open_regular(piece.path)
         try:
-            buf = bytearray(min(piece.n, DEFERRED_BLOCK))
-            done = 0
-            while done < piece.n:
-                view = memoryview(buf)[: min(len(buf), piece.n - done)]
-                read_exact_into(fd, view, piece.src_offset + done, str(piece.path))
-                self._sha.update(view)
-                done += len(view)
+            self._hash_range(fd, piece.src_offset, piece.n, str(piece.path))
         finally:
             os.close(fd)
         self.frontier += piece.n
+
+    def _hash_range(self, fd: int, offset: int, n: int, label: str) -> None:
+        """Hash `n` bytes at `offset` of `fd`, read `DEFERRED_BLOCK` at a time."""
+        buf = bytearray(min(n, DEFERRED_BLOCK))
+        done = 0
+        while done < n:
+            view = memoryview(buf)[: min(len(buf), n - done)]
+            read_exact_into(fd, view, offset + done, label)
+            self._sha.update(view)
+            done += len(view)
 
     def _check(self) -> None:
         if self._failed is not None:

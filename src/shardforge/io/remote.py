@@ -257,7 +257,7 @@ class RemoteObject:
         write: Callable[[int, memoryview, int], None] | None = None,
     ) -> None:
         """[src_off, src_off + count) written at `dst_off` of the local file `dst_fd` (by
-        `write(fd, data, offset)` when given: `io.copy.pwrite_all`, which feeds a hash)."""
+        `write(fd, data, offset)` when given: `io.copy.pwrite_then_hash`, which feeds a hash)."""
         done = self._stream(src_off, count, _FileSink(dst_fd, dst_off - src_off, write))
         if done < count:
             raise CheckpointError(
