@@ -636,9 +636,10 @@ def main() -> None:
                     file=sys.stderr,
                 )
             shutil.rmtree(out, ignore_errors=True)
-            if store is not None and name in S3_CONTENDERS:  # a failed merge wrote nothing
-                if store.fs().exists(f"{S3_BUCKET}/{out.name}"):
-                    store.fs().rm(f"{S3_BUCKET}/{out.name}", recursive=True)
+            stored = f"{S3_BUCKET}/{out.name}"  # a failed merge wrote nothing there
+            if store is not None and name in S3_CONTENDERS and store.fs().exists(stored):
+                store.fs().rm(stored, recursive=True)
+                store.vacuum()  # the server's volumes would fill the disk run by run
             if args.json:  # after every run: a long session that is cut off keeps its numbers
                 Path(args.json).write_text(json.dumps(report(), indent=2))
 

@@ -85,6 +85,7 @@ class S3Server:
     process: subprocess.Popen[bytes]
     log: Path
     cmd: list[str] = field(default_factory=list)
+    master_url: str = ""
     access_key: str = ACCESS_KEY
     secret_key: str = SECRET_KEY
     _buckets: list[str] = field(default_factory=list)
@@ -131,6 +132,14 @@ class S3Server:
                 time.sleep(0.2)  # the filer is still starting
         self._buckets.append(name)
         return name
+
+    def vacuum(self) -> None:
+        """Give back the space of deleted objects now (the master's vacuum; SeaweedFS keeps
+        a deleted object's bytes in its volume until then)."""
+        from urllib.request import urlopen
+
+        with urlopen(f"{self.master_url}/vol/vacuum?garbageThreshold=0.0001", timeout=600):
+            pass
 
     def metric(self, name: str, **labels: str) -> int:
         """A counter of the server's Prometheus metrics (0 when it has not counted yet)."""
@@ -240,6 +249,7 @@ def start_server(folder: Path, volume_size_mb: int = 256) -> S3Server:
         process,
         log,
         cmd,
+        f"http://127.0.0.1:{ports['master.port']}",
     )
     _wait_ready(server)
     return server
