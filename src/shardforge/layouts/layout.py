@@ -96,6 +96,15 @@ class Layout:
     finder: Finder | None = None  # a scan of its own (Lightning)
 
 
+# where a model folder given directly may hold its format's files ("." is the folder itself)
+DIRECT_FOLDERS = (".", "model", "pytorch_model_fsdp_0", "actor")
+
+
+def _direct(fmt: str, looked_for: str, state_beside: str) -> Layout:
+    """The row of a model folder of format `fmt` given directly (`--checkpoint DIR`)."""
+    return Layout(fmt, None, DIRECT_FOLDERS, (fmt,), looked_for, state_beside, direct=True)
+
+
 def hf_dir(model_dir: Path) -> Path | None:
     d = model_dir / HF_FOLDER
     return d if (d / "config.json").is_file() else None
@@ -256,50 +265,26 @@ LAYOUTS: tuple[Layout, ...] = (
         finder=find_lightning,
     ),
     # a model folder given directly: its format (`formats.registry.detect`) decides
-    Layout(
-        DCP,
-        None,
-        (".", "model", "pytorch_model_fsdp_0", "actor"),
-        (DCP,),
-        "a DCP directory with .metadata",
-        "optimizer/ or optimizer_0/ beside it",
-        direct=True,
-    ),
-    Layout(
+    _direct(DCP, "a DCP directory with .metadata", "optimizer/ or optimizer_0/ beside it"),
+    _direct(
         RANK_FILES,
-        None,
-        (".", "model", "pytorch_model_fsdp_0", "actor"),
-        (RANK_FILES,),
         "a folder of model_world_size_W_rank_R.pt files",
         "optim_world_size_W_rank_R.pt beside the rank files",
-        direct=True,
     ),
-    Layout(
+    _direct(
         ACCELERATE_BIN,
-        None,
-        (".", "model", "pytorch_model_fsdp_0", "actor"),
-        (ACCELERATE_BIN,),
         "a folder of pytorch_model_fsdp_0_rank<R>.bin files",
         "optimizer_0_rank<R>.bin beside them",
-        direct=True,
     ),
-    Layout(
+    _direct(
         DCP_RANKS,
-        None,
-        (".", "model", "pytorch_model_fsdp_0", "actor"),
-        (DCP_RANKS,),
         "a DCP directory with __<R>.metadata per rank (use_collectives=False)",
         "optimizer entries in the same files, or a folder beside it",
-        direct=True,
     ),
-    Layout(
+    _direct(
         DCP_SAFETENSORS,
-        None,
-        (".", "model", "pytorch_model_fsdp_0", "actor"),
-        (DCP_SAFETENSORS,),
         "a folder of shard-<S>-model-<K>-of-<N>.safetensors files (or sharded/ with them)",
         "none: DCP's safetensors storage holds tensors only",
-        direct=True,
     ),
 )
 _BY_NAME = {row.name: row for row in LAYOUTS}

@@ -4,11 +4,9 @@ and the docs table are derived from them.
 
     @dataclass(frozen=True)
     class Request:
-        step: int | None = field(
-            default=None, metadata=option("Merge this step instead of the latest.", type=int)
-        )
+        step: int | None = optional("Merge this step instead of the latest.", type=int)
 
-A field without `option(...)` metadata is not an option. A bool field is a flag (`--verify`,
+A field without `option(...)` metadata (`optional`, `flag`) is not an option. A bool field is a flag (`--verify`,
 declared with `flag(...)`); one that defaults to True also takes its negation
 (`--no_save_tokenizer`). Every multi-word option takes both spellings users type:
 `--output_path` and `--output-path`.
@@ -66,6 +64,12 @@ def option(help: str, **facts: Any) -> dict[str, Option]:
     """The metadata of an option field: `field(default=None, metadata=option("...", type=int))`
     (`facts`: Option's other fields)."""
     return {OPTION: Option(help, **facts)}
+
+
+def optional(help: str, default: Any = None, **facts: Any) -> Any:
+    """An option's field: `step: int | None = optional("Merge this step ...", type=int)` is
+    `field(default=None, metadata=option("Merge this step ...", type=int))`."""
+    return dataclasses.field(default=default, metadata=option(help, **facts))
 
 
 def flag(help: str, default: bool = False, **facts: Any) -> Any:

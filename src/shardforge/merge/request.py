@@ -26,6 +26,7 @@ from shardforge.merge.options import (
     option,
     option_fields,
     option_of,
+    optional,
     parse_fields,
     parse_path,
     parse_size,
@@ -58,69 +59,52 @@ def parse_keep(value: Any, flag: str) -> tuple[str, ...]:
 class MergeRequest:
     """What to merge and how: one field per option (its help text in `option(...)`)."""
 
-    output_path: Path | None = field(
-        default=None,
-        metadata=option(
-            "Directory (--format hf) or file (--format safetensors/torch) to create, written as a "
-            "temporary sibling and renamed when complete; required except with --format torch "
-            "(default <model dir>.consolidated).",
-            metavar="PATH",
-            parse=parse_path,
-            annotation="str | Path | None",
-        ),
+    output_path: Path | None = optional(
+        "Directory (--format hf) or file (--format safetensors/torch) to create, written as a "
+        "temporary sibling and renamed when complete; required except with --format torch "
+        "(default <model dir>.consolidated).",
+        metavar="PATH",
+        parse=parse_path,
+        annotation="str | Path | None",
     )
     save_tokenizer: bool = flag(
         "Write the tokenizer with its chat template (default: on; --format hf only).", default=True
     )
-    checkpoint: str | Path | None = field(
-        default=None,
-        metadata=option(
-            "A checkpoint to merge instead of the config's output_dir: a DCP directory, a folder "
-            "of rank files, a step folder or a checkpoint root.",
-            metavar="PATH",
-            doc="How the checkpoint is picked: [merge.md](merge.md#which-checkpoint).",
-        ),
+    checkpoint: str | Path | None = optional(
+        "A checkpoint to merge instead of the config's output_dir: a DCP directory, a folder "
+        "of rank files, a step folder or a checkpoint root.",
+        metavar="PATH",
+        doc="How the checkpoint is picked: [merge.md](merge.md#which-checkpoint).",
     )
-    step: int | None = field(
-        default=None,
-        metadata=option("Merge this step instead of the latest.", type=int, metavar="N"),
+    step: int | None = optional("Merge this step instead of the latest.", type=int, metavar="N")
+    dtype: str | torch.dtype | None = optional(
+        "Output dtype of floating tensors: bfloat16, float16, float32 or as_saved (default: "
+        "the config's dtype/torch_dtype, else as saved).",
+        metavar="DTYPE",
+        doc="Also `bf16`, `fp16`, `fp32`. Cast while streaming; integer, bool and FP8/FP4 "
+        "tensors are never cast, nor the modules the model class keeps in float32 "
+        "(`_keep_in_fp32_modules`, `_keep_in_fp32_modules_strict`) or `--keep_dtype` names: "
+        "[merge.md](merge.md#which-tensors---dtype-casts).",
     )
-    dtype: str | torch.dtype | None = field(
-        default=None,
-        metadata=option(
-            "Output dtype of floating tensors: bfloat16, float16, float32 or as_saved (default: "
-            "the config's dtype/torch_dtype, else as saved).",
-            metavar="DTYPE",
-            doc="Also `bf16`, `fp16`, `fp32`. Cast while streaming; integer, bool and FP8/FP4 "
-            "tensors are never cast, nor the modules the model class keeps in float32 "
-            "(`_keep_in_fp32_modules`, `_keep_in_fp32_modules_strict`) or `--keep_dtype` names: "
-            "[merge.md](merge.md#which-tensors---dtype-casts).",
-        ),
-    )
-    keep_dtype: Sequence[str] = field(
+    keep_dtype: Sequence[str] = optional(
+        "Keep the tensors whose name matches PATTERN in the dtype they are stored in, "
+        "whatever --dtype says: a regular expression searched in the name, * for any "
+        "characters (as transformers matches _keep_in_fp32_modules), e.g. router or "
+        "layers.*.mlp.gate.weight.",
+        metavar="PATTERN",
+        multiple=True,
+        parse=parse_keep,
+        annotation="Sequence[str]",
+        doc="In Python a list. `--dry_run` lists what is cast and what is kept, and why.",
         default=(),
-        metadata=option(
-            "Keep the tensors whose name matches PATTERN in the dtype they are stored in, "
-            "whatever --dtype says: a regular expression searched in the name, * for any "
-            "characters (as transformers matches _keep_in_fp32_modules), e.g. router or "
-            "layers.*.mlp.gate.weight.",
-            metavar="PATTERN",
-            multiple=True,
-            parse=parse_keep,
-            annotation="Sequence[str]",
-            doc="In Python a list. `--dry_run` lists what is cast and what is kept, and why.",
-        ),
     )
-    max_shard_size: int | str | None = field(
-        default=None,
-        metadata=option(
-            "Largest safetensors file, e.g. 5GB, or bytes (default: as save_pretrained).",
-            metavar="SIZE",
-            parse=parse_size,
-            doc="Decimal units (`5GB`, `500MB`), greedy in the order `save_pretrained` uses, so "
-            "files and index are the ones `save_pretrained` writes (its default is 50GB in "
-            "transformers 5.x). Refused with `--format safetensors/torch`.",
-        ),
+    max_shard_size: int | str | None = optional(
+        "Largest safetensors file, e.g. 5GB, or bytes (default: as save_pretrained).",
+        metavar="SIZE",
+        parse=parse_size,
+        doc="Decimal units (`5GB`, `500MB`), greedy in the order `save_pretrained` uses, so "
+        "files and index are the ones `save_pretrained` writes (its default is 50GB in "
+        "transformers 5.x). Refused with `--format safetensors/torch`.",
     )
     verify: bool = flag(
         "Re-read the output and compare every tensor with the checkpoint.",
@@ -140,49 +124,37 @@ class MergeRequest:
         doc="Finished files are re-checked by size and SHA-256, uploaded parts by size; a merge "
         "of other inputs or another plan is refused. See [storage.md](storage.md#resume).",
     )
-    engine: Engine = field(
+    engine: Engine = optional(
+        "stream (bounded memory, default) or transformers (meta model + dcp.load + "
+        "save_pretrained; whole model in memory; plain DCP, --format hf only).",
+        choices=ENGINES,
+        doc="The literal path: a meta-device model, `to_empty`, `dcp.load` (through the safe "
+        "metadata reader), `save_pretrained`; it writes the same tensors.",
         default="stream",
-        metadata=option(
-            "stream (bounded memory, default) or transformers (meta model + dcp.load + "
-            "save_pretrained; whole model in memory; plain DCP, --format hf only).",
-            choices=ENGINES,
-            doc="The literal path: a meta-device model, `to_empty`, `dcp.load` (through the safe "
-            "metadata reader), `save_pretrained`; it writes the same tensors.",
-        ),
     )
     quiet: bool = flag("No progress bar.")
-    state_dict_dirname: str | None = field(
-        default=None,
-        metadata=option(
-            "The model folder inside each step, e.g. pytorch_ema_model_fsdp_0 (EMA weights).",
-            metavar="NAME",
-        ),
+    state_dict_dirname: str | None = optional(
+        "The model folder inside each step, e.g. pytorch_ema_model_fsdp_0 (EMA weights).",
+        metavar="NAME",
     )
-    average_last: int | None = field(
-        default=None,
-        metadata=option(
-            "Merge the element-wise mean of the last K checkpoints (fp32 accumulation).",
-            type=int,
-            metavar="K",
-        ),
+    average_last: int | None = optional(
+        "Merge the element-wise mean of the last K checkpoints (fp32 accumulation).",
+        type=int,
+        metavar="K",
     )
-    average_steps: Sequence[int] = field(
+    average_steps: Sequence[int] = optional(
+        "Merge the element-wise mean of these steps, e.g. 100,200,300 (in Python a list).",
+        metavar="STEPS",
+        parse=parse_steps,
         default=(),
-        metadata=option(
-            "Merge the element-wise mean of these steps, e.g. 100,200,300 (in Python a list).",
-            metavar="STEPS",
-            parse=parse_steps,
-        ),
     )
-    output_format: str = field(
+    output_format: str = optional(
+        "hf: a Hugging Face model directory (default); safetensors: one model.safetensors-"
+        'format file; torch: one torch.save file {"state_dict": ...} with CPU tensors, '
+        "written one tensor at a time.",
+        cli_name="format",
+        choices=OUTPUT_FORMATS,
         default="hf",
-        metadata=option(
-            "hf: a Hugging Face model directory (default); safetensors: one model.safetensors-"
-            'format file; torch: one torch.save file {"state_dict": ...} with CPU tensors, '
-            "written one tensor at a time.",
-            cli_name="format",
-            choices=OUTPUT_FORMATS,
-        ),
     )
     dry_run: bool = flag(
         "Print the plan (inputs, output files, dtypes, bytes, free disk) and write nothing."
@@ -197,56 +169,36 @@ class MergeRequest:
         "Merge every checkpoint of the run, each to OUTPUT_PATH/step-N.",
         doc="See [merge.md](merge.md#every-step-of-a-run---all_steps----steps).",
     )
-    steps: Sequence[int] = field(
+    steps: Sequence[int] = optional(
+        "Merge these steps, e.g. 100,200 (in Python a list), each to OUTPUT_PATH/step-N as "
+        "--all_steps does with every step.",
+        metavar="STEPS",
+        parse=parse_steps,
         default=(),
-        metadata=option(
-            "Merge these steps, e.g. 100,200 (in Python a list), each to OUTPUT_PATH/step-N as "
-            "--all_steps does with every step.",
-            metavar="STEPS",
-            parse=parse_steps,
-        ),
     )
     # a distributed merge: torchrun's options, passed through (gloo, CPU ranks)
-    nproc_per_node: int | None = field(
-        default=None,
-        metadata=option(
-            "Merge on N CPU ranks of this machine (gloo): the output bytes are split evenly "
-            "between them.",
-            type=int,
-            metavar="N",
-            group=TORCHRUN,
-            doc="See [merge.md](merge.md#on-several-ranks-and-machines---nproc_per_node); "
-            "with the options below, a merge over several machines on a shared file system.",
-        ),
+    nproc_per_node: int | None = optional(
+        "Merge on N CPU ranks of this machine (gloo): the output bytes are split evenly "
+        "between them.",
+        type=int,
+        metavar="N",
+        group=TORCHRUN,
+        doc="See [merge.md](merge.md#on-several-ranks-and-machines---nproc_per_node); "
+        "with the options below, a merge over several machines on a shared file system.",
     )
-    nnodes: str | None = field(
-        default=None,
-        metadata=option(
-            "Machines of a distributed merge.",
-            metavar="N",
-            parse=parse_text,
-            group=TORCHRUN,
-        ),
+    nnodes: str | None = optional(
+        "Machines of a distributed merge.",
+        metavar="N",
+        parse=parse_text,
+        group=TORCHRUN,
     )
-    node_rank: int | None = field(
-        default=None,
-        metadata=option("This machine's rank.", type=int, metavar="R", group=TORCHRUN),
+    node_rank: int | None = optional("This machine's rank.", type=int, metavar="R", group=TORCHRUN)
+    rdzv_endpoint: str | None = optional(
+        "host:port of the rendezvous.", metavar="HOST:PORT", group=TORCHRUN
     )
-    rdzv_endpoint: str | None = field(
-        default=None,
-        metadata=option("host:port of the rendezvous.", metavar="HOST:PORT", group=TORCHRUN),
-    )
-    rdzv_id: str | None = field(
-        default=None, metadata=option("Rendezvous id.", metavar="ID", group=TORCHRUN)
-    )
-    master_addr: str | None = field(
-        default=None,
-        metadata=option("Address of node 0.", metavar="HOST", group=TORCHRUN),
-    )
-    master_port: int | None = field(
-        default=None,
-        metadata=option("Port on node 0.", type=int, metavar="PORT", group=TORCHRUN),
-    )
+    rdzv_id: str | None = optional("Rendezvous id.", metavar="ID", group=TORCHRUN)
+    master_addr: str | None = optional("Address of node 0.", metavar="HOST", group=TORCHRUN)
+    master_port: int | None = optional("Port on node 0.", type=int, metavar="PORT", group=TORCHRUN)
     group: ProcessGroup | None = field(
         default=None,
         compare=False,
@@ -433,12 +385,9 @@ def _as_merge(name: str, **changes: Any) -> Any:
 class LoraMergeRequest:
     """The options of `shardforge merge-lora`: `shardforge.merge.lora.merge_lora`'s keywords."""
 
-    lora_model_dir: str | Path | None = field(
-        default=None,
-        metadata=option(
-            "The PEFT adapter directory (default: the config's lora_model_dir, else output_dir).",
-            metavar="DIR",
-        ),
+    lora_model_dir: str | Path | None = optional(
+        "The PEFT adapter directory (default: the config's lora_model_dir, else output_dir).",
+        metavar="DIR",
     )
     output_path: str | Path | None = field(
         default=None,

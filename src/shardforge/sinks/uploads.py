@@ -99,6 +99,11 @@ class Store:
     def key(self, name: str) -> str:
         return self.uri.child(name).key
 
+    def on_object(self, method: str, name: str, **kwargs: Any) -> Any:
+        """`method` on the object `name` under the prefix (errors name its URI)."""
+        where = self.uri.child(name)
+        return self.call(method, where, Bucket=self.uri.bucket, Key=where.key, **kwargs)
+
     def journal_key(self) -> str:
         parent, _, name = self.uri.key.rpartition("/")
         return (
@@ -129,33 +134,20 @@ class Store:
             raise
 
     def put(self, name: str, body: bytes) -> None:
-        self.call(
-            "put_object",
-            self.uri.child(name),
-            Bucket=self.uri.bucket,
-            Key=self.key(name),
-            Body=body,
-        )
+        self.on_object("put_object", name, Body=body)
 
     def delete(self, key: str) -> None:
         self.call("delete_object", Bucket=self.uri.bucket, Key=key)
 
     def create(self, name: str) -> str:
-        out = self.call(
-            "create_multipart_upload",
-            self.uri.child(name),
-            Bucket=self.uri.bucket,
-            Key=self.key(name),
-        )
+        out = self.on_object("create_multipart_upload", name)
         return str(out["UploadId"])
 
     def upload(self, name: str, upload_id: str, number: int, body: FileRange) -> str:
         """Upload part `number` of `name`, its bytes read from `body` as they are sent."""
-        out = self.call(
+        out = self.on_object(
             "upload_part",
-            self.uri.child(name),
-            Bucket=self.uri.bucket,
-            Key=self.key(name),
+            name,
             UploadId=upload_id,
             PartNumber=number,
             ContentLength=len(body),
@@ -169,14 +161,7 @@ class Store:
         marker: dict[str, Any] = {}
         while True:
             try:
-                page = self.call(
-                    "list_parts",
-                    self.uri.child(name),
-                    Bucket=self.uri.bucket,
-                    Key=self.key(name),
-                    UploadId=upload_id,
-                    **marker,
-                )
+                page = self.on_object("list_parts", name, UploadId=upload_id, **marker)
             except StorageError:  # the upload was aborted or completed meanwhile
                 return {}
             for p in page.get("Parts", []):
@@ -187,24 +172,13 @@ class Store:
 
     def complete(self, name: str, upload_id: str, etags: Mapping[int, str]) -> str:
         parts = [{"PartNumber": n, "ETag": e} for n, e in sorted(etags.items())]
-        out = self.call(
-            "complete_multipart_upload",
-            self.uri.child(name),
-            Bucket=self.uri.bucket,
-            Key=self.key(name),
-            UploadId=upload_id,
-            MultipartUpload={"Parts": parts},
+        out = self.on_object(
+            "complete_multipart_upload", name, UploadId=upload_id, MultipartUpload={"Parts": parts}
         )
         return str(out.get("ETag", ""))
 
     def abort(self, name: str, upload_id: str) -> None:
-        self.call(
-            "abort_multipart_upload",
-            self.uri.child(name),
-            Bucket=self.uri.bucket,
-            Key=self.key(name),
-            UploadId=upload_id,
-        )
+        self.on_object("abort_multipart_upload", name, UploadId=upload_id)
 
 
 class FileRange:

@@ -9,12 +9,12 @@ them (`cli._common.request_options`). Torch-free: `--help` imports this module a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shardforge.errors import ShardforgeError
-from shardforge.merge.options import flag, option, parse_fields, parse_path
+from shardforge.merge.options import flag, optional, parse_fields, parse_path
 
 # the most tokens generated when --max_new_tokens is not given
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -32,45 +32,33 @@ def refuse(problems: list[str], what: str) -> None:
 class ModelRequest:
     """Which weights to use; none given: the run's own (see `shardforge.use.model.pick`)."""
 
-    model_dir: Path | None = field(
-        default=None,
-        metadata=option(
-            "A Hugging Face model directory (e.g. the output of merge-sharded-fsdp-weights or "
-            "merge-lora).",
-            metavar="DIR",
-            doc="Safetensors weights only.",
-            parse=parse_path,
-        ),
+    model_dir: Path | None = optional(
+        "A Hugging Face model directory (e.g. the output of merge-sharded-fsdp-weights or "
+        "merge-lora).",
+        metavar="DIR",
+        doc="Safetensors weights only.",
+        parse=parse_path,
     )
-    lora_model_dir: Path | None = field(
-        default=None,
-        metadata=option(
-            "A PEFT adapter directory, applied to the config's base_model with peft (default "
-            "for a run with `adapter`: the config's lora_model_dir, else output_dir when it "
-            "holds the adapter).",
-            metavar="DIR",
-            doc="`PeftModel.from_pretrained`: unfused, as training ran it.",
-            parse=parse_path,
-        ),
+    lora_model_dir: Path | None = optional(
+        "A PEFT adapter directory, applied to the config's base_model with peft (default "
+        "for a run with `adapter`: the config's lora_model_dir, else output_dir when it "
+        "holds the adapter).",
+        metavar="DIR",
+        doc="`PeftModel.from_pretrained`: unfused, as training ran it.",
+        parse=parse_path,
     )
-    checkpoint: Path | None = field(
-        default=None,
-        metadata=option(
-            "A sharded checkpoint (or a run folder) to merge on the fly into a temporary "
-            "directory, read as merge-sharded-fsdp-weights --checkpoint reads it (default: the "
-            "run's latest, when output_dir holds no final model).",
-            metavar="PATH",
-            doc="See [Which model](inference.md#which-model).",
-            parse=parse_path,
-        ),
+    checkpoint: Path | None = optional(
+        "A sharded checkpoint (or a run folder) to merge on the fly into a temporary "
+        "directory, read as merge-sharded-fsdp-weights --checkpoint reads it (default: the "
+        "run's latest, when output_dir holds no final model).",
+        metavar="PATH",
+        doc="See [Which model](inference.md#which-model).",
+        parse=parse_path,
     )
-    step: int | None = field(
-        default=None,
-        metadata=option(
-            "Merge the checkpoint of this step on the fly instead of the latest.",
-            type=int,
-            metavar="N",
-        ),
+    step: int | None = optional(
+        "Merge the checkpoint of this step on the fly instead of the latest.",
+        type=int,
+        metavar="N",
     )
 
     def __post_init__(self) -> None:
@@ -112,64 +100,43 @@ CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 class InferenceRequest(ModelRequest):
     """The model, the prompt and how to generate (transformers' `generate` keywords)."""
 
-    prompt: str | None = field(
-        default=None,
-        metadata=option(
-            "The prompt (default: standard input, read to its end). With the config's "
-            "chat_template it is the user message of a one-turn conversation.",
-            metavar="TEXT",
-        ),
+    prompt: str | None = optional(
+        "The prompt (default: standard input, read to its end). With the config's "
+        "chat_template it is the user message of a one-turn conversation.",
+        metavar="TEXT",
     )
-    max_new_tokens: int | None = field(
-        default=None,
-        metadata=option(
-            f"Most tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}).",
-            type=int,
-            metavar="N",
-            doc="Generation also stops at the model's end-of-sequence tokens and the config's "
-            "`eot_tokens`.",
-        ),
+    max_new_tokens: int | None = optional(
+        f"Most tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}).",
+        type=int,
+        metavar="N",
+        doc="Generation also stops at the model's end-of-sequence tokens and the config's "
+        "`eot_tokens`.",
     )
     do_sample: bool = flag(
         "Sample the next token (default: greedy decoding).",
         doc="Seeded by the config's `seed` (`--seed 3`): the same seed, the same answer.",
     )
-    temperature: float | None = field(
-        default=None,
-        metadata=option(
-            "Sampling temperature, above 0 (with --do_sample).", type=float, metavar="T"
-        ),
+    temperature: float | None = optional(
+        "Sampling temperature, above 0 (with --do_sample).", type=float, metavar="T"
     )
-    top_k: int | None = field(
-        default=None,
-        metadata=option(
-            "Sample among the K likeliest tokens (with --do_sample).", type=int, metavar="K"
-        ),
+    top_k: int | None = optional(
+        "Sample among the K likeliest tokens (with --do_sample).", type=int, metavar="K"
     )
-    top_p: float | None = field(
-        default=None,
-        metadata=option(
-            "Nucleus sampling: the smallest set of tokens holding probability P, P in (0, 1] "
-            "(with --do_sample).",
-            type=float,
-            metavar="P",
-        ),
+    top_p: float | None = optional(
+        "Nucleus sampling: the smallest set of tokens holding probability P, P in (0, 1] "
+        "(with --do_sample).",
+        type=float,
+        metavar="P",
     )
-    min_p: float | None = field(
-        default=None,
-        metadata=option(
-            "Drop tokens less likely than P x the likeliest one, P in [0, 1] (with --do_sample).",
-            type=float,
-            metavar="P",
-        ),
+    min_p: float | None = optional(
+        "Drop tokens less likely than P x the likeliest one, P in [0, 1] (with --do_sample).",
+        type=float,
+        metavar="P",
     )
-    repetition_penalty: float | None = field(
-        default=None,
-        metadata=option(
-            "Penalty on tokens already in the text, above 0 (1.0: none; greedy decoding too).",
-            type=float,
-            metavar="X",
-        ),
+    repetition_penalty: float | None = optional(
+        "Penalty on tokens already in the text, above 0 (1.0: none; greedy decoding too).",
+        type=float,
+        metavar="X",
     )
 
     def problems(self) -> list[str]:
