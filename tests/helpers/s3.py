@@ -170,9 +170,10 @@ class S3Server:
 
     def restart(self) -> None:
         """The killed server again, on its ports and data."""
+        # a restarted master waits one election timeout (10 s by default) before it leads again
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
-                self.cmd,
+                [*self.cmd, "-master.electionTimeout=1s"],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
