@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import losses, run_train, write_config
+from train_helpers import losses, run_train, shared_run, write_config
 
 from helpers.s3 import S3Server
 from shardforge.config.schema import ShardforgeConfig
@@ -40,13 +40,16 @@ def keys(server: S3Server, prefix: str) -> set[str]:
 
 
 def test_train_saves_to_s3_and_resumes_at_another_world_size(
-    base_cfg: dict[str, Any], s3_server: S3Server, tmp_path: Path
+    base_cfg: dict[str, Any],
+    s3_server: S3Server,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
+    """The same config trained to the store as the shared local reference run (2 ranks)."""
     bucket = s3_server.bucket("train-run")
     prefix = f"{bucket}/run"
     env = s3_server.env({})  # credentials and endpoint from the AWS variables
-    local = tmp_path / "local"
-    run_train(write_config(tmp_path / "local.yml", {**base_cfg, "output_dir": str(local)}))
+    local = shared_run(tmp_path_factory, "reference").out  # read only
     run_train(
         write_config(tmp_path / "s3.yml", {**base_cfg, "output_dir": f"s3://{prefix}"}), env=env
     )
