@@ -4,8 +4,8 @@
   only) and the facts parsed from them (a record's layout, a `.metadata`), kept per file
   identity (device, inode, size, modification time) for the whole process, so that the head
   start, the merge and every reader parse each record and each `.metadata` once.
-- `copy_range`, `pwrite_all`, `tensor_bytes`, `FileSlab`: bytes file to file in the kernel
-  (`copy_file_range`) or through a bounded buffer; positional writes.
+- `copy_range`, `pwrite_all`, `pwrite_then_hash`, `tensor_bytes`, `FileSlab`: bytes file to
+  file in the kernel (`copy_file_range`) or through a bounded buffer; positional writes.
 
 - `prefetch`: ask the kernel to start reading the checkpoint's data files into the page cache
   (`posix_fadvise(WILLNEED)`, asynchronous, no memory held by this process) while the merge is
@@ -214,10 +214,11 @@ def pwrite_then_hash(fd: int, data: memoryview, offset: int) -> None:
     """Write all of `data` at `offset` of `fd`, then feed the file's hash (if it has one): a
     piece out of turn is read back from `fd` when the hash reaches it (`FileHash.feed_written`),
     not kept. For writers whose pieces arrive out of order (a stored object's parallel GETs)."""
-    _write_plain(fd, data.cast("B"), offset)
+    view = data.cast("B")  # lengths in bytes, whatever the element type
+    _write_plain(fd, view, offset)
     h = hash_of(fd)
     if h is not None:
-        h.feed_written(fd, offset, data)
+        h.feed_written(fd, offset, view)
 
 
 def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
