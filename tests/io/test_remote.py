@@ -167,3 +167,19 @@ def test_wrong_credentials_and_a_missing_bucket(
     gone = RemoteObject(filesystem(s3_server.storage_options), RemoteURI("no-such-bucket", "x"), 3)
     with pytest.raises(StorageError, match="no such bucket"):
         gone.read(3, 0)
+
+
+@pytest.mark.slow
+def test_the_same_options_give_one_client_after_requests(s3_server: S3Server) -> None:
+    """botocore rewrites the `retries` it is given (`max_attempts` -> `total_max_attempts`): the
+    options of the next `filesystem` call must not change with it, or fsspec's instance cache
+    misses and every call makes another S3 client (each with its own ~16 MB S3 model)."""
+    bucket = s3_server.bucket("remote-one-client")
+    defaults = repr(remote.DEFAULT_CONFIG)
+    options = {**s3_server.storage_options, "config_kwargs": {"retries": {"max_attempts": 2}}}
+    given = repr(options)
+    fs = filesystem(options)
+    fs.ls(bucket, refresh=True)  # a request: botocore has read (and rewritten) its config
+    assert filesystem(options) is fs
+    assert filesystem(dict(options)) is fs
+    assert repr(remote.DEFAULT_CONFIG) == defaults and repr(options) == given

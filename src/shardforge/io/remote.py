@@ -24,6 +24,7 @@ Nothing here imports s3fs until a remote path is used (the `s3` extra installs i
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import re
@@ -110,11 +111,14 @@ def filesystem(storage_options: Mapping[str, Any] | None = None) -> Any:
 
 def fsspec_options(storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`storage_options` as s3fs takes them (`filesystem`, and torch DCP's fsspec writer):
-    botocore's `config_kwargs` completed with `DEFAULT_CONFIG`."""
+    botocore's `config_kwargs` completed with `DEFAULT_CONFIG`. A deep copy: botocore rewrites
+    the `retries` it is given in place (`max_attempts` -> `total_max_attempts`), and the next
+    call's options, changed, would miss fsspec's instance cache: a second S3 client, with its own
+    copy of botocore's S3 model (about 16 MB)."""
     for name in ("botocore", "aiobotocore", "s3fs"):  # their notices name endpoints and ids
         logging.getLogger(name).setLevel(logging.WARNING)
-    options = dict(storage_options or {})
-    config = {**DEFAULT_CONFIG, **dict(options.pop("config_kwargs", None) or {})}
+    options = copy.deepcopy(dict(storage_options or {}))
+    config = {**copy.deepcopy(DEFAULT_CONFIG), **dict(options.pop("config_kwargs", None) or {})}
     return {**options, "config_kwargs": config}
 
 
