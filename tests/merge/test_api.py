@@ -407,3 +407,28 @@ def test_a_failing_weight_conversion_check_names_its_cause(
         api._architecture.cache_clear()
     assert "conversion table is broken" in info.value.message
     assert "--engine transformers" not in info.value.message
+
+
+@pytest.mark.parametrize("remove", [False, True])
+def test_relative_paths_merge_verify_and_remove(
+    built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, remove: bool
+) -> None:
+    """`make demo`'s spelling: output_dir and output_path relative to the working directory.
+    The DCP metadata is parsed once per merge (cached by its absolute path); the manifest's
+    source identity and the shard removal name its files relative to the folder however it
+    was spelled (the manifest failed with a ValueError of pathlib after the merge)."""
+    src = built.root / "ws2" / "llama-fp32" / "shardforge" / "checkpoint-4"
+    shutil.copytree(src, tmp_path / "run" / "checkpoint-4")
+    monkeypatch.chdir(tmp_path)
+    cfg = {"base_model": str(built.bases["llama-fp32"]), "output_dir": "run"}
+    merged = merge_fsdp_weights(
+        cfg, "merged", quiet=True, verify=True, remove_checkpoint_dir=remove
+    )
+    assert (tmp_path / "run" / "checkpoint-4" / "model").exists() is not remove
+    assert (tmp_path / "run" / "checkpoint-4" / "optimizer").is_dir()  # not the model's shards
+    manifest = json.loads((tmp_path / "merged" / "shardforge-manifest.json").read_text())
+    (source,) = manifest["source"]
+    assert source["location"] == str(tmp_path / "run" / "checkpoint-4" / "model")
+    names = sorted(f["path"] for f in source["files"])
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert_same_model(built.bases["llama-fp32"], tmp_path / Path(merged))

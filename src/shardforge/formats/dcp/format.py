@@ -116,7 +116,7 @@ class DcpFormat(CheckpointFormat):
                 f"shards would delete it - {NOT_REMOVED}"
             )
         files = {c.file for e in meta.tensors.values() for c in e.chunks}
-        data = sorted(PurePath(f.relative_to(folder)) for f in files)
+        data = sorted(PurePath(f.relative_to(meta.directory)) for f in files)
         return [*self.metadata_files(folder), *data]
 
     def reference(self, location: Path) -> ReferenceReader:
@@ -147,6 +147,6 @@ class DcpFormat(CheckpointFormat):
         for path in sorted(records):
             recs = tuple(sorted(records[path], key=lambda r: r.offset))
             files.append(
-                SourceFile(PurePath(path.relative_to(location)), path.stat().st_size, recs)
+                SourceFile(PurePath(path.relative_to(meta.directory)), path.stat().st_size, recs)
             )
         return files
