@@ -211,6 +211,34 @@ def test_identity_lists_the_files_read_with_their_sizes_and_records(
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_files_are_named_alike_however_the_folder_is_spelled(
+    fmt: CheckpointFormat,
+    written: dict[str, tuple[Path, Tensors]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A merge parses a file's facts once (`fact_session`, keyed by the absolute path) and may
+    name the folder relative to the working directory in one step (`make demo`'s output_dir)
+    and absolute in another (the manifest's identity, the shard removal): `shard_files` and
+    `identity` name the same files either way, in either order."""
+    from shardforge.io.copy import fact_session
+
+    for fixture in _own(fmt):
+        folder, _ = written[fixture]
+        monkeypatch.chdir(folder.parent)
+        spellings = [Path(folder.name), folder.absolute()]
+        for first, then in (spellings, spellings[::-1]):
+            with fact_session():
+                opened = fmt.open(first)
+                files = fmt.shard_files(then)
+                locations = {s.directory for n in opened.values() for s in n.source.stored()}
+                for location in locations:
+                    named = [f.path for f in fmt.identity(location)]
+                    other = location if location.is_absolute() else location.absolute()
+                    assert named == [f.path for f in fmt.identity(other)], (fixture, first)
+            assert files == fmt.shard_files(folder), (fixture, first)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_the_reference_reader_gives_what_the_source_reads(
     fmt: CheckpointFormat, written: dict[str, tuple[Path, Tensors]]
 ) -> None:
