@@ -95,6 +95,7 @@ def test_training_with_added_tokens_saves_the_grown_vocab(
     out = tmp_path / "out"
     cfg = {**base_cfg, **ADDED, "output_dir": str(out), "max_steps": 2, "save_steps": None}
     run_training(validate_cfg(cfg))  # one rank, in this process (gloo)
+    assert not torch.distributed.is_initialized()  # a caller's process: the group is destroyed
 
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 323
     tok = AutoTokenizer.from_pretrained(out)

@@ -7,6 +7,7 @@ import os
 import sys
 
 from shardforge.cli._common import run_guarded, setup_logging, split_debug
+from shardforge.cli.main import exit_now
 from shardforge.errors import ShardforgeError
 from shardforge.train.launch import load_checked, report_rank_error
 
@@ -24,12 +25,16 @@ def main(argv: list[str]) -> None:
 
     def train() -> None:
         try:
-            run_training(load_checked(args[0], args[1:]))
+            run_training(load_checked(args[0], args[1:]), keep_group=True)
         except ShardforgeError as exc:
             report_rank_error(exc)
             raise
 
     run_guarded(train, debug)
+    # Every rank finished together, its checkpoints and merges done: leave without gloo's
+    # teardown and the interpreter's (either once aborted a rank of a complete run with
+    # "terminate called without an active exception"), as a merge rank does.
+    exit_now(0)
 
 
 if __name__ == "__main__":

@@ -161,16 +161,25 @@ class StepLog(Callback):
             self.bar.close()
 
 
-def run_training(cfg: ShardforgeConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
-    """Train on this rank (joining or creating the process group); destroy the group after."""
+def run_training(
+    cfg: ShardforgeConfig, callbacks: Sequence[Callback] = (), *, keep_group: bool = False
+) -> TrainResult:
+    """Train on this rank (joining or creating the process group); destroy the group after.
+    `keep_group`: after a complete run the group is left as it is, for a caller that leaves its
+    process at once (a rank of `shardforge train`: `cli.train_rank`): gloo's teardown, or the
+    interpreter's with a group alive, can abort a rank after its last checkpoint ("terminate
+    called without an active exception"), which fails a run that is complete."""
     rt = init_distributed()
+    finished = False
     try:
         result = Trainer(cfg, rt, callbacks).fit()
         # every rank is done with its last collective before any rank tears the group down
         # (gloo can abort a rank whose peer closes its connections while it still talks)
         finish_together()
+        finished = True
     finally:
-        dist.destroy_process_group()
+        if not (finished and keep_group):
+            dist.destroy_process_group()
     if result.saver is not None:
         result.saver.finish()  # merge_on_save: the run ends when its merges have
     return result
