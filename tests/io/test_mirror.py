@@ -54,7 +54,11 @@ def test_s3_to_local_is_the_local_merge(
 
 
 def test_output_dir_in_s3_and_messages_name_the_uri(
-    checkpoints: Built, s3_server: S3Server, stand_ins: None, tmp_path: Path
+    checkpoints: Built,
+    s3_server: S3Server,
+    stand_ins: None,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     bucket = s3_server.bucket("src-run")
     uri = upload(s3_server, bucket, checkpoints.root / "hf", "runs/hf")
@@ -63,7 +67,12 @@ def test_output_dir_in_s3_and_messages_name_the_uri(
         "output_dir": uri,
         "storage_options": s3_server.storage_options,
     }
-    out = merge_fsdp_weights(cfg, tmp_path / "out")
+    with caplog.at_level("INFO", logger="shardforge"):
+        out = merge_fsdp_weights(cfg, tmp_path / "out")
+    assert out == tmp_path / "out"
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith(f"checkpoint: {uri}/checkpoint-") for line in lines), lines
+    assert not [line for line in lines if "shardforge-staging" in line]
     local = merge_fsdp_weights(
         {**cfg, "output_dir": str(checkpoints.root / "hf")}, tmp_path / "local"
     )

@@ -64,6 +64,7 @@ def test_local_to_s3_and_s3_to_s3_are_the_local_merge(
     s3_server: S3Server,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(mirror, "DOWNLOAD_LIMIT", 0)  # every data file read by ranges
     folder = layout_folder(checkpoints.root, layout)
@@ -79,9 +80,14 @@ def test_local_to_s3_and_s3_to_s3_are_the_local_merge(
     )
     assert stored(s3_server, f"{bucket}/up", tmp_path / "up") == want
     s3_server.fs().put(str(folder), f"{bucket}/ckpt", recursive=True)
-    merge_fsdp_weights(
-        config, f"s3://{bucket}/both", checkpoint=f"s3://{bucket}/ckpt", max_shard_size="150KB"
-    )
+    with caplog.at_level("INFO", logger="shardforge"):
+        both = merge_fsdp_weights(
+            config, f"s3://{bucket}/both", checkpoint=f"s3://{bucket}/ckpt", max_shard_size="150KB"
+        )
+    assert both == f"s3://{bucket}/both"  # the URI, not the staging folder
+    lines = [r.getMessage() for r in caplog.records]
+    assert f"wrote s3://{bucket}/both" in "\n".join(lines), lines
+    assert not [line for line in lines if "shardforge-staging" in line]
     assert stored(s3_server, f"{bucket}/both", tmp_path / "both") == want
     # the prefix is taken: refused without --overwrite, replaced with it (unsharded now)
     with pytest.raises(MergeError, match="pass --overwrite"):

@@ -56,7 +56,7 @@ def do_merge_sharded_fsdp_weights(
     output_path: str | Path | None,
     override_args: list[str] | None = None,
     **options: Any,
-) -> Path:
+) -> Path | str:
     """Load `config` (plus overrides) and run `merge_fsdp_weights` with `options` (the fields
     of `MergeRequest`, as the command line gives them: `steps="100,200"` is parsed there).
 
@@ -79,7 +79,7 @@ def merge_fsdp_weights(
     *,
     checkpoint_dir: str | Path | None = None,
     **options: Any,
-) -> Path:
+) -> Path | str:
     """Axolotl's `merge_fsdp_weights`, called either way Axolotl's scripts call it:
 
         merge_fsdp_weights(load_cfg("cfg.yml"), output_path="out", save_tokenizer=True)
@@ -91,7 +91,7 @@ def merge_fsdp_weights(
     folder of `checkpoint_dir` and its parents holding a config.json is the run's (Axolotl
     saves the model's config in output_dir). The other keywords are the options of
     `shardforge merge-sharded-fsdp-weights` (`shardforge.merge.api.merge_fsdp_weights`).
-    Returns the output path."""
+    Returns the output path (an ``s3://`` output's URI as a str)."""
     from shardforge.merge.api import merge_fsdp_weights as merge
 
     if checkpoint_dir is None and isinstance(cfg, str | Path) and Path(cfg).is_dir():

@@ -13,12 +13,14 @@ and no checkpoint data is copied down. Disk: the small files only (plus what a s
 `sinks.object_store`); the area is removed when the block ends, however it ends.
 
 Messages name the URI, not the staging folder: a `ShardforgeError` leaving the block has the
-folder replaced by ``s3://`` in its lines.
+folder replaced by ``s3://`` in its lines, and so has every line the "shardforge" logger logs
+within the block (`_PublicNames`); `public_path` gives a result path the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -180,6 +182,13 @@ def public_name(text: str) -> str:
     return text
 
 
+def public_path(path: Path) -> Path | str:
+    """`path`, or the URI it stands for (``s3://bucket/prefix``, a str: as a Path its ``//``
+    would fold) when it lies in an active staging area."""
+    text = public_name(str(path))
+    return path if text == str(path) else text
+
+
 def remote_location(path: Path) -> tuple[RemoteURI, Mapping[str, Any] | None] | None:
     """The URI (and its storage options) of a mirrored local `path` (None: not mirrored)."""
     for area in _ACTIVE:
@@ -189,6 +198,21 @@ def remote_location(path: Path) -> tuple[RemoteURI, Mapping[str, Any] | None] | 
                 uri = RemoteURI.parse(text)
                 return (uri.child(rel) if rel != "." else uri), options
     return None
+
+
+class _PublicNames(logging.Filter):
+    """Rewrites a log line's staging folders as the URIs they stand for."""
+
+    def __init__(self, area: StagingArea) -> None:
+        super().__init__()
+        self.area = area
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        public = self.area.rewrite(message)
+        if public != message:
+            record.msg, record.args = public, None
+        return True
 
 
 def _rewritten(area: StagingArea, exc: ShardforgeError) -> None:
@@ -205,11 +229,15 @@ def staging() -> Iterator[StagingArea]:
         Path(parent).mkdir(parents=True, exist_ok=True)
     area = StagingArea(Path(tempfile.mkdtemp(prefix="shardforge-staging-", dir=parent)))
     _ACTIVE.append(area)
+    names = _PublicNames(area)
+    logger = logging.getLogger("shardforge")  # every module logs through this one logger
+    logger.addFilter(names)
     try:
         yield area
     except ShardforgeError as exc:
         _rewritten(area, exc)
         raise
     finally:
+        logger.removeFilter(names)
         _ACTIVE.remove(area)
         area.close()

@@ -16,6 +16,7 @@ from shardforge.config import coerce_cfg
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError
 from shardforge.io.copy import fact_session
+from shardforge.io.mirror import public_path
 from shardforge.io.publish import check_output_path
 from shardforge.layouts.catalog import list_checkpoints
 from shardforge.merge.locate import checkpoint_root, remote_paths
@@ -31,7 +32,7 @@ def merge_fsdp_weights(
     output_path: str | Path | None = None,
     save_tokenizer: bool = True,
     **options: Any,
-) -> Path:
+) -> Path | str:
     # every option conflict is refused here, before anything is read
     out = Path(output_path) if output_path is not None else None
     request = MergeRequest(output_path=out, save_tokenizer=save_tokenizer, **options)
@@ -39,7 +40,7 @@ def merge_fsdp_weights(
     # the run is scanned, and each .metadata and record parsed, once (head start included);
     # s3:// paths are staged as local ones for the merge (`merge.locate.remote_paths`)
     with fact_session(), remote_paths(config, request, output_path) as (config, request):
-        return _dispatch(config, request)
+        return public_path(_dispatch(config, request))  # an s3:// output: its URI
 
 
 def _dispatch(config: ShardforgeConfig, request: MergeRequest) -> Path:

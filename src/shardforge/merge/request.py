@@ -347,7 +347,7 @@ Args:
 {args}
 
 Returns:
-    The output path.
+    The output path (for an ``s3://`` output, its URI as a str).
 
 Raises:
     CheckpointError: the checkpoint cannot be found, read or trusted.
@@ -357,19 +357,19 @@ Raises:
 """
 
 
-def merge_keywords(merge: Callable[..., Path]) -> Callable[..., Path]:
+def merge_keywords(merge: Callable[..., Path | str]) -> Callable[..., Path | str]:
     """`merge(cfg, output_path=None, save_tokenizer=True, **options)` with MergeRequest's
     fields as its keywords: an unknown one is a TypeError naming it (and the option it
     resembles), and `help()` and IDEs show every option with its default and help text."""
 
     @functools.wraps(merge)
-    def checked(cfg: Any, *args: Any, **options: Any) -> Path:
+    def checked(cfg: Any, *args: Any, **options: Any) -> Path | str:
         check_keywords(MergeRequest, options, merge.__name__)
         return merge(cfg, *args, **options)
 
     positional = ("output_path", "save_tokenizer")
     cfg = inspect.Parameter("cfg", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="Any")
-    checked.__signature__ = signature(MergeRequest, [cfg], positional, "Path")  # type: ignore[attr-defined]
+    checked.__signature__ = signature(MergeRequest, [cfg], positional, "Path | str")  # type: ignore[attr-defined]
     checked.__doc__ = MERGE_DOC.format(args=docstring_args(MergeRequest, indent="    "))
     return checked
 

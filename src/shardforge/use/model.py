@@ -178,9 +178,10 @@ def _load(cfg: ShardforgeConfig, picked: Picked) -> tuple[Any, Any]:
         return _from_pretrained(cfg, picked.path), tokenizer_of(cfg, picked.path)
     # SIGTERM too ends in the block's cleanup: no merged copy is left behind
     with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="shardforge-merged-") as tmp:
-        merged = merge_fsdp_weights(
+        merged = Path(tmp) / "model"  # a local output: the path it returns
+        merge_fsdp_weights(
             cfg,
-            Path(tmp) / "model",
+            merged,
             checkpoint=picked.path,
             step=picked.step,
             merge_lora=cfg.adapter is not None,
