@@ -59,6 +59,7 @@ def test_output_dir_in_s3_and_messages_name_the_uri(
     stand_ins: None,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     bucket = s3_server.bucket("src-run")
     uri = upload(s3_server, bucket, checkpoints.root / "hf", "runs/hf")
@@ -73,6 +74,11 @@ def test_output_dir_in_s3_and_messages_name_the_uri(
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith(f"checkpoint: {uri}/checkpoint-") for line in lines), lines
     assert not [line for line in lines if "shardforge-staging" in line]
+    capsys.readouterr()
+    merge_fsdp_weights(cfg, tmp_path / "dry", dry_run=True)  # the plan, on stdout
+    plan = capsys.readouterr().out
+    assert f"\n  {uri}/checkpoint-7/" in plan, plan
+    assert "shardforge-staging" not in plan
     local = merge_fsdp_weights(
         {**cfg, "output_dir": str(checkpoints.root / "hf")}, tmp_path / "local"
     )

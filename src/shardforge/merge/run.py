@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError
-from shardforge.io.mirror import remote_target
+from shardforge.io.mirror import public_name, remote_target
 from shardforge.io.publish import (
     check_free_space,
     check_output_file,
@@ -108,7 +108,8 @@ def _run_prepared(
     out = _checked(config, request, prep, removal)
     output, sink = deliverable(prep, request, config)
     if request.dry_run:
-        sys.stdout.write(describe_plan(prep.sources, sink, output, out, removal, prep.casts) + "\n")
+        plan = describe_plan(prep.sources, sink, output, out, removal, prep.casts)
+        sys.stdout.write(public_name(plan) + "\n")  # s3:// inputs as their URIs
         return out
     used = early is not None and isinstance(sink, HfDirectorySink)
     used = used and early is not None and early.accept(prep.plan, prep.by_name)
