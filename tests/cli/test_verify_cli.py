@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from helpers.keep import make_keep_checkpoint
+from helpers.s3 import S3Server
 from shardforge.cli.main import cli
 from shardforge.merge.api import merge_fsdp_weights
 from shardforge.sinks.manifest import MANIFEST
@@ -152,3 +153,36 @@ def test_python_module_entry_point(merged: tuple[Path, Path], tmp_path: Path) ->
     (out / "config.json").write_text("{}")
     bad = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert bad.returncode == 1 and bad.stderr.startswith(f"error: {out / 'config.json'}: ")
+
+
+@pytest.mark.slow
+def test_a_model_and_its_checkpoint_in_object_storage(
+    merged: tuple[Path, Path], s3_server: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """s3:// URIs are read through s3fs (credentials from the AWS variables) and named in
+    every line."""
+    out, ckpt = merged
+    bucket = s3_server.bucket("verify")
+    fs = s3_server.fs()
+    fs.put(str(out), f"{bucket}/merged", recursive=True)
+    fs.put(str(ckpt), f"{bucket}/ckpt", recursive=True)
+    for name, value in s3_server.env({}).items():
+        monkeypatch.setenv(name, value)
+    model, checkpoint = f"s3://{bucket}/merged", f"s3://{bucket}/ckpt"
+    result = run(model, "--checkpoint", checkpoint)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"ok: {model}: 5 files, ")
+    assert f"ok: {checkpoint}: " in result.stdout
+    shard = sorted(p.name for p in out.glob("*.safetensors"))[0]
+    original = (out / shard).read_bytes()
+    changed = bytearray(original)
+    changed[-1] ^= 0x01
+    fs.pipe(f"{bucket}/merged/{shard}", bytes(changed))
+    line = one_error(run(model))
+    assert line == f"error: {model}/{shard}: SHA-256 differs from the manifest (the file changed)"
+    fs.pipe(f"{bucket}/merged/{shard}", original)
+    fs.pipe(f"{bucket}/merged/extra.txt", b"x")
+    assert one_error(run(model)).startswith(f"error: {model}/extra.txt: not written by the merge")
+    assert one_error(run(f"s3://{bucket}/nothing")).endswith(
+        "not a directory; give a merged model directory"
+    )

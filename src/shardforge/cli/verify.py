@@ -4,23 +4,30 @@ manifest its merge wrote (`shardforge-manifest.json`, `sinks.manifest`), and wit
 
 This reader shares nothing with the writer: each file is hashed here with `hashlib` as it is
 read; each source record is opened with Python's `zipfile` (not shardforge's zip locator), its
-stored CRC-32s compared with the manifest's and its members' bytes with them (`testzip`). The
-first problem is one `error:` line naming the file; exit 1.
+stored CRC-32s compared with the manifest's and its members' bytes with them (`testzip`). Files
+are read through fsspec: a local path through its local file system, an ``s3://`` URI through
+s3fs's own buffered files (not the merge's ranged reads or uploads; credentials and endpoint
+from the AWS variables). The first problem is one `error:` line naming the file; exit 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
+import os
 import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 
 from shardforge.cli._common import fire_entry, shardforge_command
-from shardforge.errors import MergeError
+from shardforge.errors import MergeError, ShardforgeError
+from shardforge.io.remote import RemoteURI, filesystem, is_remote, storage_error
 from shardforge.sinks.manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, canonical
 
 EPILOG = """\b
@@ -29,25 +36,68 @@ Examples:
   shardforge verify outputs/merged
   # and the checkpoint it was merged from (sizes, records' CRC-32s, their bytes)
   shardforge verify outputs/merged --checkpoint outputs/run/checkpoint-500/pytorch_model_fsdp_0
+  # a model merged to object storage (credentials from the AWS variables)
+  shardforge verify s3://models/run-7 --checkpoint s3://ckpts/run-7/checkpoint-500/model
   python -m shardforge.cli.verify outputs/merged
 """
 
 BLOCK = 8 << 20  # bytes hashed at a time
 
 
-def _fail(path: Path, problem: str, details: list[str] | None = None) -> MergeError:
-    return MergeError(f"{path}: {problem}", details or [])
+@dataclass(frozen=True)
+class Location:
+    """A file or folder to check, local or in object storage."""
+
+    fs: Any  # an fsspec file system
+    path: str  # its path there
+    shown: str  # how messages name it
+
+    @classmethod
+    def of(cls, text: str | Path) -> Location:
+        if is_remote(str(text)):
+            uri = RemoteURI.parse(str(text))
+            fs = filesystem()
+            fs.invalidate_cache(uri.path)  # listings as the store has them now
+            return cls(fs, uri.path, str(uri))
+        import fsspec
+
+        return cls(fsspec.filesystem("file"), os.path.abspath(text), str(text))
+
+    def child(self, name: str) -> Location:
+        return Location(self.fs, f"{self.path}/{name}", f"{self.shown}/{name}")
+
+    def is_dir(self) -> bool:
+        return bool(self.fs.isdir(self.path))
+
+    def is_file(self) -> bool:
+        return bool(self.fs.isfile(self.path))
+
+    def size(self) -> int:
+        return int(self.fs.size(self.path))
+
+    def open(self) -> Any:
+        return self.fs.open(self.path, "rb")
+
+    def names(self) -> list[str]:
+        """Every file below this folder, by its path relative to it."""
+        prefix = self.path.rstrip("/") + "/"
+        return sorted(p[len(prefix) :] for p in self.fs.find(self.path) if p.startswith(prefix))
 
 
-def read_manifest(directory: Path) -> dict[str, Any]:
+def _fail(where: Location, problem: str, details: list[str] | None = None) -> MergeError:
+    return MergeError(f"{where.shown}: {problem}", details or [])
+
+
+def read_manifest(directory: Location) -> dict[str, Any]:
     """The manifest of `directory`, checked to be one and unchanged since it was written."""
-    path = directory / MANIFEST
+    path = directory.child(MANIFEST)
     if not directory.is_dir():
         raise _fail(directory, "not a directory; give a merged model directory")
     if not path.is_file():
         raise _fail(path, "missing; was this directory written by a shardforge merge?")
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        with path.open() as f:
+            doc = json.loads(f.read().decode("utf-8"))
     except (OSError, ValueError) as exc:
         raise _fail(path, f"not readable as JSON ({type(exc).__name__})") from None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
@@ -61,23 +111,23 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return doc
 
 
-def sha256_of(path: Path) -> str:
+def sha256_of(path: Location) -> str:
     sha = hashlib.sha256()
-    with path.open("rb") as f:
+    with path.open() as f:
         while block := f.read(BLOCK):
             sha.update(block)
     return sha.hexdigest()
 
 
-def check_files(directory: Path, files: dict[str, Any]) -> int:
+def check_files(directory: Location, files: dict[str, Any]) -> int:
     """Every listed file present with its size and SHA-256, and no other file; the bytes
     checked."""
     total = 0
     for name in sorted(files):
-        want, path = files[name], directory / name
+        want, path = files[name], directory.child(name)
         if not path.is_file():
             raise _fail(path, f"missing (listed in {MANIFEST})")
-        size = path.stat().st_size
+        size = path.size()
         if size != want.get("size"):
             raise _fail(path, f"{size:,} bytes, {want.get('size'):,} when it was written")
         got = sha256_of(path)
@@ -86,9 +136,9 @@ def check_files(directory: Path, files: dict[str, Any]) -> int:
             raise _fail(path, "SHA-256 differs from the manifest (the file changed)", detail)
         total += size
     listed = {*files, MANIFEST}
-    for path in sorted(p for p in directory.rglob("*") if not p.is_dir()):
-        if path.relative_to(directory).as_posix() not in listed:
-            raise _fail(path, f"not written by the merge (not in {MANIFEST})")
+    for name in directory.names():
+        if name not in listed:
+            raise _fail(directory.child(name), f"not written by the merge (not in {MANIFEST})")
     return total
 
 
@@ -121,7 +171,7 @@ class _Window(io.RawIOBase):
         return got
 
 
-def _check_record(f: Any, path: Path, record: dict[str, Any]) -> None:
+def _check_record(f: Any, path: Location, record: dict[str, Any]) -> None:
     at = f"record at byte {record['offset']}"
     try:
         with zipfile.ZipFile(_Window(f, record["offset"], record["length"])) as z:
@@ -136,31 +186,33 @@ def _check_record(f: Any, path: Path, record: dict[str, Any]) -> None:
         raise _fail(path, f"{at}: the bytes of {bad} do not match their CRC-32 (changed)")
 
 
-def check_source(source: dict[str, Any], root: Path) -> int:
+def check_source(source: dict[str, Any], root: Location) -> int:
     """The checkpoint at `root` against one source entry of the manifest: every file present
     with its size, records and SHA-256; the number of records checked."""
     records = 0
+    folder = root.is_dir()
     for entry in source.get("files", []):
-        path = root / entry["path"] if root.is_dir() else root
+        path = root.child(entry["path"]) if folder else root
         if not path.is_file():
             raise _fail(path, "missing from the checkpoint the output was merged from")
-        size = path.stat().st_size
+        size = path.size()
         if size != entry["size"]:
             raise _fail(path, f"{size:,} bytes, {entry['size']:,} when it was merged")
         if "sha256" in entry and sha256_of(path) != entry["sha256"]:
             raise _fail(path, "SHA-256 differs from when it was merged (the file changed)")
-        with path.open("rb") as f:
+        with path.open() as f:
             for record in entry.get("records", []):
                 _check_record(f, path, record)
                 records += 1
     return records
 
 
-def _source_for(doc: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
+def _source_for(doc: dict[str, Any], checkpoint: Location) -> dict[str, Any]:
     """The manifest's source entry `checkpoint` stands for: the one whose location it is, or
     the only one (a checkpoint moved since)."""
     sources = doc["source"]
-    found = [s for s in sources if Path(s.get("location", "")) == checkpoint.absolute()]
+    here = checkpoint.shown if is_remote(checkpoint.shown) else checkpoint.path
+    found = [s for s in sources if str(s.get("location", "")).rstrip("/") == here.rstrip("/")]
     if found:
         return dict(found[0])
     if len(sources) == 1:
@@ -169,18 +221,33 @@ def _source_for(doc: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
     raise _fail(checkpoint, f"not one of the {len(sources)} checkpoints merged", where)
 
 
+@contextlib.contextmanager
+def _requests(where: str | Path) -> Iterator[None]:
+    """A failed request to the store of an s3:// `where`: one line saying what to do."""
+    try:
+        yield
+    except ShardforgeError:
+        raise
+    except Exception as exc:
+        if not is_remote(str(where)):
+            raise
+        raise storage_error(exc, str(where)) from None
+
+
 def do_verify(directory: str | Path, checkpoint: str | Path | None = None) -> str:
     """What `shardforge verify` prints once every check passed (else a MergeError)."""
-    out = Path(directory)
-    doc = read_manifest(out)
-    total = check_files(out, doc["files"])
-    lines = [f"ok: {out}: {len(doc['files'])} files, {total:,} bytes as written ({MANIFEST})"]
+    with _requests(directory):  # an unreachable store or a refused request: one line
+        out = Location.of(directory)
+        doc = read_manifest(out)
+        total = check_files(out, doc["files"])
+    lines = [f"ok: {out.shown}: {len(doc['files'])} files, {total:,} bytes as written ({MANIFEST})"]
     if checkpoint is not None:
-        ckpt = Path(checkpoint)
-        source = _source_for(doc, ckpt)
-        records = check_source(source, ckpt)
+        with _requests(checkpoint):
+            ckpt = Location.of(checkpoint)
+            source = _source_for(doc, ckpt)
+            records = check_source(source, ckpt)
         files = len(source.get("files", []))
-        lines.append(f"ok: {ckpt}: {files} files, {records} records as merged")
+        lines.append(f"ok: {ckpt.shown}: {files} files, {records} records as merged")
     return "\n".join(lines) + "\n"
 
 
@@ -189,11 +256,10 @@ def do_verify(directory: str | Path, checkpoint: str | Path | None = None) -> st
     epilog=EPILOG,
     overrides=False,
     params=[
-        click.Argument(["directory"], metavar="DIR", type=click.Path()),
+        click.Argument(["directory"], metavar="DIR"),
         click.Option(
             ["--checkpoint"],
             metavar="PATH",
-            type=click.Path(),
             help="Also check this checkpoint (the one merged, possibly moved since) against "
             "the identity the manifest records: files, sizes, records' CRC-32s and bytes.",
         ),
