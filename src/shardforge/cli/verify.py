@@ -27,7 +27,7 @@ import click
 
 from shardforge.cli._common import fire_entry, shardforge_command
 from shardforge.errors import MergeError, ShardforgeError
-from shardforge.io.remote import RemoteURI, filesystem, is_remote, storage_error
+from shardforge.io.remote import RemoteURI, filesystem, is_remote, secrets, storage_error
 from shardforge.sinks.manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, canonical
 
 EPILOG = """\b
@@ -231,7 +231,7 @@ def _requests(where: str | Path) -> Iterator[None]:
     except Exception as exc:
         if not is_remote(str(where)):
             raise
-        raise storage_error(exc, str(where)) from None
+        raise storage_error(exc, str(where), secrets(None)) from None  # no key in the line
 
 
 def do_verify(directory: str | Path, checkpoint: str | Path | None = None) -> str:
