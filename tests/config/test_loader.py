@@ -126,3 +126,24 @@ def test_parse_override_args() -> None:
     ) == {"learning_rate": 2e-5, "fsdp.offload_params": True, "bf16": True, "max_steps": 3}
     with pytest.raises(ConfigError, match="expected an override like --key value"):
         parse_override_args(["stray"])
+
+
+def test_object_storage_is_refused_where_a_local_path_is_read(tmp_path: Path) -> None:
+    """Only output_dir (and the merge's --checkpoint / --output_path) may name object storage:
+    elsewhere `s3://` became a local folder named `s3:` (preprocess wrote its data there)."""
+    text = (
+        "base_model: s3://models/base\ndataset_prepared_path: s3://data/prepared\n"
+        "lora_model_dir: s3://runs/adapter\noutput_dir: s3://runs/run-1\n"
+        "datasets:\n  - path: s3://data/train.jsonl\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_cfg(write(tmp_path, text))
+    problems = info.value.problems
+    assert sorted(p.split(":")[0] for p in problems) == [
+        "base_model",
+        "dataset_prepared_path",
+        "datasets[0].path",
+        "lora_model_dir",
+    ], problems
+    assert all("(copy it down first)" in p and "give a local" in p for p in problems)
+    assert load_cfg(write(tmp_path, "base_model: m\noutput_dir: s3://runs/run-1\n")).output_dir

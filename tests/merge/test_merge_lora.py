@@ -481,3 +481,17 @@ def test_output_containing_an_input_refused(cases: dict[str, Case], tmp_path: Pa
     with pytest.raises(MergeError, match="contains the input"):
         merge_lora(_cfg(case, tmp_path), tmp_path, adapter, overwrite=True)
     assert (adapter / "adapter_config.json").is_file()
+
+
+def test_object_storage_adapter_or_output_is_refused_before_reading(tmp_path: Path) -> None:
+    """merge-lora reads and writes local files: an s3:// adapter (the run's output_dir) or
+    output is one error naming both, instead of a local folder named `s3:`."""
+    cfg = {"base_model": str(tmp_path / "base"), "output_dir": "s3://runs/lora-1"}
+    with pytest.raises(MergeError) as err:
+        merge_lora(cfg)
+    assert err.value.message.startswith(
+        "adapter s3://runs/lora-1 and output s3://runs/lora-1: merge-lora reads the adapter"
+    )
+    with pytest.raises(MergeError, match=r"^output s3://models/m: .*--merge_lora"):
+        merge_lora({**cfg, "output_dir": str(tmp_path)}, "s3://models/m")
+    assert not list(tmp_path.iterdir()) and not Path("s3:").exists()

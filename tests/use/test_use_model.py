@@ -129,3 +129,17 @@ def test_loaded_as_training_computes_remote_code_only_when_allowed(tmp_path: Pat
         "use_safetensors": True,
         "attn_implementation": "eager",
     }
+
+
+def test_weights_in_object_storage_are_one_error_saying_what_to_do(tmp_path: Path) -> None:
+    """The model is loaded from local files: an s3:// run (output_dir) or option is one error
+    naming the URI, with the merge that brings the model down."""
+    cfg = _cfg(tmp_path, output_dir="s3://runs/run-1")
+    with pytest.raises(CheckpointError) as err:
+        _pick(cfg)
+    assert err.value.message.startswith("s3://runs/run-1 (the config's output_dir): ")
+    assert "shardforge merge-sharded-fsdp-weights CFG --output_path DIR" in err.value.message
+    for option in ("model_dir", "lora_model_dir", "checkpoint"):  # refused as parsed
+        with pytest.raises(ShardforgeError, match=rf"^--{option} s3://runs/m: the model is "):
+            _pick(_cfg(tmp_path), **{option: "s3://runs/m"})
+    assert _pick(cfg, model_dir=BASE).path == BASE  # a local model with an s3:// run: fine

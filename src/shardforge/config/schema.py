@@ -96,6 +96,17 @@ class FsdpConfig(ConfigView):
 DatasetType = Literal["completion", "chat_template", "alpaca", "input_output"]
 
 
+def local_path(value: str | None, expected: str) -> str | None:
+    """`value`, unless it names object storage (read as a local path, ``s3://`` would become a
+    folder named ``s3:``)."""
+    if value is not None and value.startswith("s3:/"):
+        raise ValueError(
+            f"{value}: object storage is supported for output_dir and the merge's "
+            f"--checkpoint/--output_path; give {expected} (copy it down first)"
+        )
+    return value
+
+
 class DatasetConfig(ConfigView):
     """One entry of `datasets:`: a local data file and how to turn its rows into tokens."""
 
@@ -139,6 +150,11 @@ class DatasetConfig(ConfigView):
         description="Split to read, with an optional slice as in `datasets`: train, "
         "train[:20%], train[10:200], train[50%:]. A local file is the split `train`.",
     )
+
+    @field_validator("path")
+    @classmethod
+    def _local_file(cls, value: str) -> str:
+        return local_path(value, "a local data file") or value
 
     @model_validator(mode="before")
     @classmethod
@@ -477,6 +493,16 @@ class ShardforgeConfig(ConfigView):
         if value is None:
             return None
         return {k: "***" if k in STORAGE_SECRET_KEYS and v else v for k, v in value.items()}
+
+    @field_validator(
+        "base_model", "base_model_config", "tokenizer_config", "dataset_prepared_path",
+        "lora_model_dir",
+    )  # fmt: skip
+    @classmethod
+    def _local_path(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """These keys are read (or written) as local paths (the model's: or hub ids)."""
+        hub = info.field_name in ("base_model", "base_model_config", "tokenizer_config")
+        return local_path(value, "a local path or hub id" if hub else "a local path")
 
     @field_validator("val_set_size", "eval_steps")
     @classmethod

@@ -318,6 +318,26 @@ def default_output_path(cfg: ShardforgeConfig) -> Path:
     return Path(cfg.output_dir) / MERGED_DIRNAME
 
 
+def _local_paths(
+    config: ShardforgeConfig, output_path: str | Path | None, lora_model_dir: str | Path | None
+) -> None:
+    """merge-lora reads and writes local files: an s3:// adapter or output (given, or from an
+    s3:// output_dir) is refused, all at once, before anything is read."""
+    adapter = lora_model_dir or config.lora_model_dir or config.output_dir
+    output = output_path if output_path is not None else config.output_dir
+    remote = [
+        f"{what} {value}"
+        for what, value in (("adapter", adapter), ("output", output))
+        if str(value).startswith("s3:/")
+    ]
+    if remote:
+        raise MergeError(
+            f"{' and '.join(remote)}: merge-lora reads the adapter and writes the model as local "
+            "files; copy them down/up, or merge the training checkpoint with "
+            "merge-sharded-fsdp-weights --merge_lora, which reads and writes s3://"
+        )
+
+
 def merge_lora(
     cfg: Any,
     output_path: str | Path | None = None,
@@ -362,6 +382,7 @@ def merge_lora(
             failed verification.
     """
     config = coerce_cfg(cfg, command="merge-lora")
+    _local_paths(config, output_path, lora_model_dir)
     out = Path(output_path if output_path is not None else default_output_path(config))
     out = out.absolute()
     check_output_path(out, overwrite, [])  # fail fast, before reading anything

@@ -160,6 +160,17 @@ def parse_path(value: Any, flag: str) -> Path | None:
     return None if value is None else Path(value).absolute()
 
 
+def parse_local_path(value: Any, flag: str) -> Path | None:
+    """`parse_path` of an option read as local files only (a Path would fold ``s3://``)."""
+    if value is not None and str(value).startswith("s3:/"):
+        raise MergeError(
+            f"{flag} {value}: the model is loaded from local files; merge it from the store "
+            "first (shardforge merge-sharded-fsdp-weights CFG --output_path DIR), then pass "
+            "--model_dir DIR"
+        )
+    return parse_path(value, flag)
+
+
 def parse_steps(value: Any, flag: str) -> tuple[int, ...]:
     """`100,200,300` (the command line), a list or tuple of ints, one int, or None."""
     if value is None:

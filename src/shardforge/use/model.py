@@ -105,8 +105,21 @@ def _checkpoint(root: Path, step: int | None, how: str, named: bool = True) -> P
     return Picked("checkpoint", root, how, step, f"{found.model_dir}{where}")
 
 
+def _local(where: str, what: str) -> None:
+    """Refuse an object-storage run (the options refuse theirs as they are parsed)."""
+    if where.startswith("s3:/"):
+        raise CheckpointError(
+            f"{where} ({what}): the model is loaded from local files; merge it from the store "
+            "first (shardforge merge-sharded-fsdp-weights CFG --output_path DIR), then pass "
+            "--model_dir DIR"
+        )
+
+
 def pick(cfg: ShardforgeConfig, request: ModelRequest) -> Picked:
     """The weights `request` names, else the run's own (see the module's doc)."""
+    named = (request.model_dir, request.lora_model_dir, request.checkpoint)  # local (parsed)
+    if all(p is None for p in named):
+        _local(cfg.output_dir, "the config's output_dir")
     if request.model_dir is not None:
         return _model_dir(request.model_dir, "--model_dir")
     if request.lora_model_dir is not None:

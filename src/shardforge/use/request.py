@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shardforge.errors import ShardforgeError
-from shardforge.merge.options import flag, optional, parse_fields, parse_path
+from shardforge.merge.options import flag, optional, parse_fields, parse_local_path
 
 # the most tokens generated when --max_new_tokens is not given
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -37,7 +37,7 @@ class ModelRequest:
         "merge-lora).",
         metavar="DIR",
         doc="Safetensors weights only.",
-        parse=parse_path,
+        parse=parse_local_path,
     )
     lora_model_dir: Path | None = optional(
         "A PEFT adapter directory, applied to the config's base_model with peft (default "
@@ -45,7 +45,7 @@ class ModelRequest:
         "holds the adapter).",
         metavar="DIR",
         doc="`PeftModel.from_pretrained`: unfused, as training ran it.",
-        parse=parse_path,
+        parse=parse_local_path,
     )
     checkpoint: Path | None = optional(
         "A sharded checkpoint (or a run folder) to merge on the fly into a temporary "
@@ -53,7 +53,7 @@ class ModelRequest:
         "run's latest, when output_dir holds no final model).",
         metavar="PATH",
         doc="See [Which model](inference.md#which-model).",
-        parse=parse_path,
+        parse=parse_local_path,
     )
     step: int | None = optional(
         "Merge the checkpoint of this step on the fly instead of the latest.",
