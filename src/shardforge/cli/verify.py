@@ -56,8 +56,8 @@ class Location:
     def of(cls, text: str | Path) -> Location:
         if is_remote(str(text)):
             uri = RemoteURI.parse(str(text))
-            fs = filesystem()
-            fs.invalidate_cache(uri.path)  # listings as the store has them now
+            # a client of its own: no listing or session cached by an earlier use
+            fs = filesystem({"skip_instance_cache": True})
             return cls(fs, uri.path, str(uri))
         import fsspec
 
