@@ -17,7 +17,7 @@ from shardforge.errors import MergeError
 from shardforge.formats.base import ReferenceReader, StoredTensor
 from shardforge.formats.dcp_safetensors.names import list_shards
 from shardforge.formats.dcp_safetensors.sharded import SAVED_OFFSETS, SHARDING_INFO
-from shardforge.formats.reference import short_reason, verify_failed
+from shardforge.formats.reference import safetensors_file, short_reason, verify_failed
 
 
 @dataclass
@@ -55,7 +55,7 @@ class ShardsReference(ReferenceReader):
     def _place(self, path: Path, out: dict[str, torch.Tensor], covered: dict[str, int]) -> None:
         from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as f:
+        with safetensors_file(path, out) as local, safe_open(str(local), framework="pt") as f:
             present = set(f.keys()) & set(out)
             if not present:
                 return

@@ -11,7 +11,7 @@ import torch
 
 from shardforge.errors import MergeError
 from shardforge.formats.base import ReferenceReader, StoredTensor
-from shardforge.formats.reference import short_reason, verify_failed
+from shardforge.formats.reference import safetensors_file, short_reason, verify_failed
 
 
 @dataclass
@@ -29,7 +29,11 @@ class SafetensorsReference(ReferenceReader):
 
         out: dict[str, torch.Tensor] = {}
         try:
-            with safe_open(str(self.path), framework="pt") as f:
+            keys = [s.key for s in wanted]
+            with (
+                safetensors_file(self.path, keys) as local,
+                safe_open(str(local), framework="pt") as f,
+            ):
                 present = set(f.keys())
                 for s in wanted:
                     if s.key not in present:
