@@ -174,3 +174,24 @@ def test_every_format_merges_from_s3_as_from_disk(
     )
     assert tree_bytes(remote) == tree_bytes(local)
     assert s3_server.ranged_gets(bucket) > gets
+
+
+def test_a_whole_copy_is_downloaded_once_per_staging_area(
+    checkpoints: Built, s3_server: S3Server, stand_ins: None
+) -> None:
+    """`--verify` maps a rank file (`torch.load(mmap=True)` needs a real file): a stand-in's
+    object is downloaded whole once per merge, not once per verification batch, and goes
+    with the staging area."""
+    folder = layout_folder(checkpoints.root, "rankfiles")
+    bucket = s3_server.bucket("whole-copy")
+    uri = upload(s3_server, bucket, folder, "actor")
+    name = sorted(p.name for p in folder.iterdir() if p.suffix == ".pt")[0]
+    with mirror.staging() as area:
+        local = area.mirror(uri, s3_server.storage_options)
+        copy = mirror.whole_copy(local / name)
+        assert copy != local / name and copy.read_bytes() == (folder / name).read_bytes()
+        first = copy.stat()
+        assert mirror.whole_copy(local / name) == copy
+        assert (copy.stat().st_ino, copy.stat().st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
+        assert mirror.whole_copy(folder / name) == folder / name  # a local file: itself
+    assert not copy.exists()

@@ -67,23 +67,18 @@ def check_zip_crcs(path: Path, root: Path, windows: Sequence[tuple[int, int]]) -
 
 def torch_load(path: Path) -> object:
     """``torch.load(path, weights_only=True, mmap=True)`` for verification (torch's own
-    allow-list, the file mapped, not read; a file in object storage is read through fsspec);
-    a failure is a `MergeError` naming the file."""
+    allow-list, the file mapped, not read; a file in object storage is downloaded whole once
+    per merge into the staging area by s3fs, `io.mirror.whole_copy`); a failure is a
+    `MergeError` naming the file."""
     import torch
     import torch.distributed.tensor
 
-    from shardforge.io.mirror import remote_location
+    from shardforge.io.mirror import whole_copy
 
-    remote = remote_location(path)
+    local = whole_copy(path)  # in object storage: downloaded once, then mapped as any file
     try:
         with torch_quiet():
-            if remote is None:
-                return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
-            from shardforge.io.remote import filesystem
-
-            uri, options = remote  # in object storage: read through fsspec (no mmap)
-            with filesystem(options).open(uri.path, "rb") as f:
-                return torch.load(f, weights_only=True, map_location="cpu")
+            return torch.load(local, weights_only=True, mmap=True, map_location="cpu")
     except Exception as exc:
         raise MergeError(
             f"verification failed: torch.load(weights_only=True) cannot read {path} "

@@ -215,6 +215,27 @@ class _PublicNames(logging.Filter):
         return True
 
 
+def whole_copy(path: Path) -> Path:
+    """`path`; for a file of a mirrored prefix, a whole local copy of its object instead: in
+    the staging area, downloaded once per area by s3fs (not by the merge's ranged reads), for a
+    reader that needs a real file (`--verify`'s ``torch.load(mmap=True)`` of a rank file)."""
+    for area in _ACTIVE:
+        for text, (local, options) in area.mirrors.items():
+            if path == local or path.is_relative_to(local):
+                rel = path.relative_to(local).as_posix()
+                uri = RemoteURI.parse(text)
+                uri = uri.child(rel) if rel != "." else uri
+                copy = area.root / "whole" / uri.bucket / uri.key
+                if not copy.is_file():
+                    copy.parent.mkdir(parents=True, exist_ok=True)
+                    part = copy.with_name(copy.name + ".part")
+                    with storage_errors(uri, options):
+                        filesystem(options).get_file(uri.path, str(part))
+                    part.replace(copy)
+                return copy
+    return path
+
+
 def _rewritten(area: StagingArea, exc: ShardforgeError) -> None:
     exc.message = area.rewrite(exc.message)
     exc.details = [area.rewrite(d) for d in exc.details]
