@@ -98,7 +98,7 @@ def merge_on_rank0_then_on_both(rank: int, world: int, store: str, cfg: str, roo
         lambda: merge_fsdp_weights(cfg, out / "on-ranks", quiet=True, group=dist.group.WORLD)
     )
     (out / f"on-ranks.{rank}.result").write_text(both)
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # at once, as a caller does: the merge finished together
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ import torch.distributed as dist
 
 from shardforge.errors import ShardforgeError
 
+_CALLS = [0]  # calls of `finish_together` in this process
+
 
 def finish_together(timeout_s: float = 300.0) -> None:
     """Return once every rank got here, without a gloo collective in flight: each rank
@@ -22,9 +24,12 @@ def finish_together(timeout_s: float = 300.0) -> None:
         return
     store = get_store()
     world = dist.get_world_size()
-    store.add("shardforge/finished", 1)
+    # every rank calls this in the same order: the n-th call of each meets on the n-th key
+    _CALLS[0] += 1
+    key = f"shardforge/finished/{_CALLS[0]}"
+    store.add(key, 1)
     deadline = time.monotonic() + timeout_s
-    while store.add("shardforge/finished", 0) < world:
+    while store.add(key, 0) < world:
         if time.monotonic() > deadline:
             raise ShardforgeError("a rank did not reach the end of the job in time")
         time.sleep(0.01)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError, ShardforgeError
 from shardforge.io.copy import ReadCache
+from shardforge.io.dist import finish_together
 from shardforge.io.publish import atomic_directory, check_free_space, check_output_path
 from shardforge.keymap.converted import written_together
 from shardforge.merge.distributed import (
@@ -147,7 +148,11 @@ def merge_on_ranks(config: ShardforgeConfig, request: MergeRequest) -> Path:
                 write_manifest(directory, hashes, output.sources.values())
     except (ShardforgeError, OSError) as exc:
         published = exc
-    raise_failures(gather_status(published))
+    statuses = gather_status(published)
+    # every rank out of that last collective before any returns: a caller that destroys its
+    # group at once (as most do) must not abort a peer still inside it (gloo)
+    finish_together()
+    raise_failures(statuses)
     if rank == 0:
         log.info("wrote %s (%.1f MB) on %d ranks", out, prep.plan.total_bytes / 1e6, world)
     return out
