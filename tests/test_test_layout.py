@@ -59,7 +59,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "formats/safetensors/reference.py": "tests/formats/test_contract.py: the reference per row",
     "formats/state.py": "tests/merge/test_remove.py: optimizer and training state refused",
     "formats/registry.py": "tests/formats/test_contract.py: every row of the registry",
-    "io/dist.py": "tests/merge/test_distributed.py: ranks ending a job together (gloo)",
     "io/fs.py": "tests/io/test_publish.py: fsync and preallocation under the atomic outputs",
     "sinks/uploads.py": "tests/sinks/test_object_store.py: the requests of the object-store sink",
     "layouts/layout.py": "tests/layouts/test_catalog.py: each row, through the catalog",

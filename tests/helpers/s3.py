@@ -233,7 +233,11 @@ def start_server(folder: Path, volume_size_mb: int = 256) -> S3Server:
         f"-s3.config={_identities(folder / 's3-identities.json')}",
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
-        "-volume.max=0",
+        # as many volumes as tests need (each bucket grows 7): the default (0) derives the
+        # limit from free disk / volume size, and a worker's 20-odd buckets ran out of it on a
+        # fuller disk ("No writable volumes and no free volumes left"); volumes are not
+        # preallocated, so an empty one takes no space
+        "-volume.max=1000",
         f"-master.volumeSizeLimitMB={volume_size_mb}",
         "-volume.preStopSeconds=0",
         *(f"-{name}={port}" for name, port in ports.items()),
