@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from shardforge.config import coerce_cfg
-from shardforge.config.schema import ShardforgeConfig
+from shardforge.config.schema import ShardforgeConfig, names_object_storage
 from shardforge.errors import CheckpointError, MergeError, printable, shown
 from shardforge.formats.safetensors.reader import (
     open_safetensors_dir,
@@ -328,7 +328,7 @@ def _local_paths(
     remote = [
         f"{what} {value}"
         for what, value in (("adapter", adapter), ("output", output))
-        if str(value).startswith("s3:/")
+        if names_object_storage(value)
     ]
     if remote:
         raise MergeError(

@@ -162,7 +162,9 @@ def parse_path(value: Any, flag: str) -> Path | None:
 
 def parse_local_path(value: Any, flag: str) -> Path | None:
     """`parse_path` of an option read as local files only (a Path would fold ``s3://``)."""
-    if value is not None and str(value).startswith("s3:/"):
+    from shardforge.config.schema import names_object_storage
+
+    if names_object_storage(value):
         raise MergeError(
             f"{flag} {value}: the model is loaded from local files; merge it from the store "
             "first (shardforge merge-sharded-fsdp-weights CFG --output_path DIR), then pass "

@@ -24,7 +24,7 @@ import torch
 
 from shardforge.config.chat_templates import resolve_chat_template
 from shardforge.config.peft import ADAPTER_CONFIG
-from shardforge.config.schema import ShardforgeConfig
+from shardforge.config.schema import ShardforgeConfig, names_object_storage
 from shardforge.errors import CheckpointError, ShardforgeError
 from shardforge.io.publish import sigterm_as_interrupt
 from shardforge.layouts.catalog import FULL_WEIGHTS, LAST, resolve_checkpoint
@@ -107,7 +107,7 @@ def _checkpoint(root: Path, step: int | None, how: str, named: bool = True) -> P
 
 def _local(where: str, what: str) -> None:
     """Refuse an object-storage run (the options refuse theirs as they are parsed)."""
-    if where.startswith("s3:/"):
+    if names_object_storage(where):
         raise CheckpointError(
             f"{where} ({what}): the model is loaded from local files; merge it from the store "
             "first (shardforge merge-sharded-fsdp-weights CFG --output_path DIR), then pass "
