@@ -18,7 +18,6 @@ import io
 import json
 import os
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,8 @@ from typing import Any
 import click
 
 from shardforge.cli._common import fire_entry, shardforge_command
-from shardforge.errors import MergeError, ShardforgeError
-from shardforge.io.remote import RemoteURI, filesystem, is_remote, secrets, storage_error
+from shardforge.errors import MergeError
+from shardforge.io.remote import RemoteURI, filesystem, is_remote, storage_errors
 from shardforge.sinks.manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, canonical
 
 EPILOG = """\b
@@ -221,17 +220,9 @@ def _source_for(doc: dict[str, Any], checkpoint: Location) -> dict[str, Any]:
     raise _fail(checkpoint, f"not one of the {len(sources)} checkpoints merged", where)
 
 
-@contextlib.contextmanager
-def _requests(where: str | Path) -> Iterator[None]:
+def _requests(where: str | Path) -> contextlib.AbstractContextManager[None]:
     """A failed request to the store of an s3:// `where`: one line saying what to do."""
-    try:
-        yield
-    except ShardforgeError:
-        raise
-    except Exception as exc:
-        if not is_remote(str(where)):
-            raise
-        raise storage_error(exc, str(where), secrets(None)) from None  # no key in the line
+    return storage_errors(where) if is_remote(str(where)) else contextlib.nullcontext()
 
 
 def do_verify(directory: str | Path, checkpoint: str | Path | None = None) -> str:

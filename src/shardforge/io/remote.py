@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardforge.errors import CheckpointError, StorageError
+from shardforge.errors import CheckpointError, ShardforgeError, StorageError
 
 SCHEME = "s3://"
 # a large read is split into ranged GETs of this size, `PARALLEL` at a time, each streamed
@@ -170,9 +170,7 @@ def storage_errors(
     """Turn a failed request inside the block into one `StorageError` line naming `where`."""
     try:
         yield
-    except StorageError:
-        raise
-    except CheckpointError:
+    except ShardforgeError:  # already one line (a store error, a bad checkpoint, a check)
         raise
     except Exception as exc:
         raise storage_error(exc, str(where), secrets(storage_options)) from None
