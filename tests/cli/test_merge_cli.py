@@ -199,20 +199,53 @@ def test_architecture_mismatch(env: Path, pristine: Path) -> None:
     assert_refused(env, result, before, "shape mismatches", "model.embed_tokens.weight")
 
 
+def _training_run(out: Path) -> None:
+    """A folder as training leaves it: two checkpoints with optimizer state, metrics, notes."""
+    for step in (10, 20):
+        ck = out / f"checkpoint-{step}"
+        (ck / "pytorch_model_fsdp_0").mkdir(parents=True)
+        (ck / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(os.urandom(256))
+        (ck / "optimizer_0").mkdir()
+        (ck / "optimizer_0" / "__0_0.distcp").write_bytes(os.urandom(256))
+        (ck / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (out / "metrics.jsonl").write_text('{"loss": 1.5}\n')
+    (out / "notes.md").write_text("mine: what I tried")
+    (out / "config.json").write_text("{}")  # a model's file among them does not make it one
+
+
 def test_existing_output(env: Path) -> None:
-    (env / "out").mkdir()
-    (env / "out" / "keep.txt").write_text("mine")
-    before = tree_hash(env / "run")
-    result = invoke(env, "--output_path", str(env / "out"))
+    out = env / "out"
+    _training_run(out)
+    before, run = tree_hash(out), tree_hash(env / "run")
+    result = invoke(env, "--output_path", str(out))
     assert result.exit_code != 0
     assert "--overwrite" in one_line_error(result.stderr)
-    assert (env / "out" / "keep.txt").read_text() == "mine"
-    assert tree_hash(env / "run") == before
-    # --overwrite replaces it, only after success
-    result = invoke(env, "--output_path", str(env / "out"), "--overwrite")
+    # --overwrite replaces a model only: a training run's folder is refused, naming what it holds
+    result = invoke(env, "--output_path", str(out), "--overwrite")
+    assert result.exit_code != 0
+    error = one_line_error(result.stderr)
+    line = error.splitlines()[0]
+    assert "holds more than a model" in line and "--overwrite_non_model" in line, error
+    assert "checkpoint-10/, checkpoint-20/, metrics.jsonl, ... (4 entries)" in line, error
+    assert "not written by a merge: notes.md" in error
+    assert tree_hash(out) == before and tree_hash(env / "run") == run
+    assert sorted(p.name for p in env.iterdir()) == ["cfg.yml", "out", "run"]  # no temporary
+    result = invoke(env, "--output_path", str(out), "--overwrite_non_model")
+    assert "--overwrite_non_model goes with --overwrite" in one_line_error(result.stderr)
+    assert tree_hash(out) == before
+    # the explicit option replaces all of it, only after success
+    result = invoke(env, "--output_path", str(out), "--overwrite", "--overwrite_non_model")
     assert result.exit_code == 0, result.output
-    assert not (env / "out" / "keep.txt").exists()
-    assert (env / "out" / "model.safetensors").is_file()
+    assert not (out / "notes.md").exists() and not (out / "checkpoint-10").exists()
+    assert (out / "model.safetensors").is_file()
+    merged = tree_hash(out)
+    # a folder that holds a previous model (a stale shard of it too) is replaced by --overwrite
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"a previous merge's shard")
+    (out / "model.safetensors").write_bytes(b"a previous merge's weights")
+    result = invoke(env, "--output_path", str(out), "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert tree_hash(out) == merged
+    assert tree_hash(env / "run") == run
 
 
 def test_output_inside_the_checkpoint_is_refused(env: Path) -> None:

@@ -174,9 +174,15 @@ def test_existing_output(env: Path) -> None:
     assert result.exit_code != 0
     assert "--overwrite" in one_line_error(result.stderr)
     assert (env / "out" / "keep.txt").read_text() == "mine"
+    # --overwrite replaces a model only; --overwrite_non_model anything
     result = invoke(env, "--output_path", str(env / "out"), "--overwrite")
+    assert "holds more than a model (keep.txt)" in one_line_error(result.stderr)
+    assert (env / "out" / "keep.txt").read_text() == "mine"
+    result = invoke(env, "--output_path", str(env / "out"), "--overwrite", "--overwrite_non_model")
     assert result.exit_code == 0, result.output
     assert not (env / "out" / "keep.txt").exists()
+    result = invoke(env, "--output_path", str(env / "out"), "--overwrite")  # a model: replaced
+    assert result.exit_code == 0, result.output
 
 
 def test_a_mistyped_option_is_an_option_error(env: Path) -> None:

@@ -6,7 +6,9 @@ replaces anything (`renameat2(RENAME_NOREPLACE)`; a plain `rename` of a director
 non-empty one; a file is published with `link`, which fails on any existing name), so of two
 merges to one path exactly one publishes, and a file written into the output directory while
 the merge ran is kept. With `overwrite` an existing directory is swapped atomically
-(`RENAME_EXCHANGE`) and the previous one removed.
+(`RENAME_EXCHANGE`) and the previous one removed; a merge's output (`model_only`) replaces a
+directory only while it holds a model and nothing else (`io.model_files`), checked before
+anything is read and again at the rename.
 
 The temporary name records its owner (boot, pid, process start time):
 `.NAME.tmp-BOOT-PID-START-XXXX`. One left by a merge that was killed (`kill -9`) is removed by
@@ -35,6 +37,7 @@ from types import FrameType
 
 from shardforge.errors import MergeError
 from shardforge.io.fs import fsync_dir, fsync_file, fsync_tree
+from shardforge.io.model_files import check_model_folder
 
 log = logging.getLogger("shardforge")
 
@@ -164,8 +167,11 @@ def _newest_stale_dir(out: Path) -> Path | None:
 # checks before anything is read
 
 
-def check_output_path(out: Path, overwrite: bool, inputs: list[Path]) -> None:
-    """Refuse an output that exists (unless overwrite) or overlaps the checkpoint."""
+def check_output_path(
+    out: Path, overwrite: bool, inputs: list[Path], non_model: bool = False
+) -> None:
+    """Refuse an output that exists (unless overwrite) or overlaps the checkpoint; with
+    overwrite, one that holds more than a model (unless `non_model`: `io.model_files`)."""
     for src in inputs:
         s, o = src.resolve(), out.resolve()
         if o == s or o.is_relative_to(s) or s.is_relative_to(o):
@@ -175,10 +181,14 @@ def check_output_path(out: Path, overwrite: bool, inputs: list[Path]) -> None:
     if out.exists():
         if not out.is_dir():
             raise MergeError(f"{out}: exists and is not a directory; choose another output path")
-        if any(out.iterdir()) and not overwrite:
-            raise MergeError(
-                f"{out}: output directory exists and is not empty; pass --overwrite to replace it"
-            )
+        if any(out.iterdir()):
+            if not overwrite:
+                raise MergeError(
+                    f"{out}: output directory exists and is not empty; pass --overwrite to "
+                    "replace it"
+                )
+            if not non_model:
+                check_model_folder(out)
 
 
 def check_output_file(out: Path, overwrite: bool, inputs: list[Path]) -> None:
@@ -232,10 +242,13 @@ def _appeared(out: Path) -> MergeError:
     )
 
 
-def _publish_dir(tmp: Path, out: Path, overwrite: bool) -> None:
+def _publish_dir(tmp: Path, out: Path, overwrite: bool, model_only: bool = False) -> None:
     """Rename `tmp` to `out`; without `overwrite` only if `out` is absent or an empty
-    directory, decided atomically at the rename."""
+    directory, decided atomically at the rename; with `model_only` a directory that holds
+    more than a model is refused (what appeared there while the merge ran counts)."""
     if overwrite and out.is_dir() and not out.is_symlink():
+        if model_only:
+            check_model_folder(out)
         if _renameat2(tmp, out, RENAME_EXCHANGE):
             shutil.rmtree(tmp, ignore_errors=True)  # now the previous output
             return
@@ -344,18 +357,21 @@ def _output_errors(out: Path, tmp: Path | None = None) -> Iterator[None]:
 
 
 @contextmanager
-def atomic_directory(out: Path, overwrite: bool = False, resume: bool = False) -> Iterator[Path]:
+def atomic_directory(
+    out: Path, overwrite: bool = False, resume: bool = False, model_only: bool = False
+) -> Iterator[Path]:
     """Yield a temporary directory beside `out`; on success it becomes `out` (replacing a
-    previous one only with `overwrite`), on any exception it is removed and `out` is left as
-    it was. With `resume`, the directory a killed merge to `out` left is yielded (with what it
-    wrote) when there is one."""
+    previous one only with `overwrite`, and with `model_only` only one that holds a model and
+    nothing else), on any exception it is removed and `out` is left as it was. With `resume`,
+    the directory a killed merge to `out` left is yielded (with what it wrote) when there is
+    one."""
     with _output_errors(out):
         tmp = _fresh_temp_sibling(out, resume=resume)
     try:
         with _output_errors(out, tmp):
             yield tmp
             fsync_tree(tmp)  # every file (index, config, tokenizer too) before it is visible
-            _publish_dir(tmp, out, overwrite)
+            _publish_dir(tmp, out, overwrite, model_only)
             fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

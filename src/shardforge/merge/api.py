@@ -81,7 +81,7 @@ def _merge_steps(config: ShardforgeConfig, request: MergeRequest) -> Path:
     ]
     for r in requests:
         assert r.output_path is not None
-        check_output_path(r.output_path, r.overwrite, [])
+        check_output_path(r.output_path, r.overwrite, [], r.overwrite_non_model)
     if not request.dry_run:
         out.mkdir(parents=True, exist_ok=True)
     log.info("merging %d steps to %s: %s", len(wanted), out, ", ".join(map(str, wanted)))

@@ -168,7 +168,9 @@ def remote_paths(
             from shardforge.sinks.object_store import check_target
 
             changes["output_path"] = out = area.output(str(output_path), options)
-            check_target(area.targets[out], request.overwrite, request.resume)
+            check_target(
+                area.targets[out], request.overwrite, request.resume, request.overwrite_non_model
+            )
         if remote_input and request.checkpoint is not None:
             changes["checkpoint"] = area.mirror(str(root), options)
         elif remote_input:

@@ -348,6 +348,7 @@ def merge_lora(
     max_shard_size: int | str | None = None,
     verify: bool = False,
     overwrite: bool = False,
+    overwrite_non_model: bool = False,
     quiet: bool = False,
     save_tokenizer: bool = True,
 ) -> Path:
@@ -369,7 +370,9 @@ def merge_lora(
         max_shard_size: largest safetensors file (``"5GB"``, bytes); default as save_pretrained.
         verify: re-read the output and compare every tensor with the base model and the
             adapter read by the ``safetensors`` library, fused again.
-        overwrite: replace an existing output directory.
+        overwrite: replace an existing output directory that holds a model and nothing else.
+        overwrite_non_model: with ``overwrite``, replace it even if it holds more (all of it
+            is deleted).
         quiet: no progress bar.
         save_tokenizer: also write the tokenizer (with the config's chat template).
 
@@ -385,7 +388,7 @@ def merge_lora(
     _local_paths(config, output_path, lora_model_dir)
     out = Path(output_path if output_path is not None else default_output_path(config))
     out = out.absolute()
-    check_output_path(out, overwrite, [])  # fail fast, before reading anything
+    check_output_path(out, overwrite, [], overwrite_non_model)  # before reading anything
     prep = prepare_lora(config, lora_model_dir, dtype, max_shard_size, keep_dtype)
     _check_inputs(out, [prep.adapter.directory, prep.base_dir])
     check_free_space(out, prep.plan.total_bytes)
@@ -406,7 +409,8 @@ def merge_lora(
         companions,
     )
     with sigterm_as_interrupt():
-        HfDirectorySink().write(output, out, WriteOptions(overwrite, verify, quiet))
+        options = WriteOptions(overwrite, verify, quiet, overwrite_non_model=overwrite_non_model)
+        HfDirectorySink().write(output, out, options)
     log.info("wrote %s (%.1f MB)", out, prep.plan.total_bytes / 1e6)
     return out
 

@@ -66,7 +66,7 @@ def _prepared(config: ShardforgeConfig, request: MergeRequest, out: Path) -> Pre
     prep: Prepared | None = None
     try:
         if rank == 0:
-            check_output_path(out, request.overwrite, [])
+            check_output_path(out, request.overwrite, [], request.overwrite_non_model)
         prep = prepare(config, request)
         if prep.adapter_config is not None:
             raise MergeError(
@@ -74,7 +74,8 @@ def _prepared(config: ShardforgeConfig, request: MergeRequest, out: Path) -> Pre
                 "adapter directory on one rank, or pass --merge_lora"
             )
         if rank == 0:
-            check_output_path(out, request.overwrite, [c.model_dir for c in prep.sources.inputs])
+            inputs = [c.model_dir for c in prep.sources.inputs]
+            check_output_path(out, request.overwrite, inputs, request.overwrite_non_model)
             check_free_space(out, prep.plan.total_bytes)
     except (ShardforgeError, OSError) as exc:
         error = exc
@@ -137,7 +138,10 @@ def merge_on_ranks(config: ShardforgeConfig, request: MergeRequest) -> Path:
         log.info("distributed merge on %d ranks: %s bytes each", world, each)
     published: BaseException | None = None
     try:
-        with atomic_directory(out, request.overwrite) if rank == 0 else _no_directory() as tmp:
+        publish = atomic_directory(
+            out, request.overwrite, model_only=not request.overwrite_non_model
+        )
+        with publish if rank == 0 else _no_directory() as tmp:
             directory = Path(broadcast(str(tmp) if rank == 0 else None))
             _write_share(prep, directory, request)
             hashes = _hashes(prep, directory)

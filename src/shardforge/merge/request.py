@@ -117,7 +117,17 @@ class MergeRequest:
         "merge read (never optimizer or trainer state; refused where they share the files).",
         doc="See [merge.md](merge.md#removing-the-shards).",
     )
-    overwrite: bool = flag("Replace an existing output (only once the new one is complete).")
+    overwrite: bool = flag(
+        "Replace an existing output (only once the new one is complete) that holds a model "
+        "and nothing else.",
+        doc="A folder or s3:// prefix holding anything a merge does not write (checkpoints, "
+        "optimizer state, trainer_state.json, other files) is refused, naming what it holds. "
+        "See [merge.md](merge.md#nothing-lost).",
+    )
+    overwrite_non_model: bool = flag(
+        "With --overwrite: replace the output even if it holds more than a model (everything "
+        "in the folder or under the prefix is deleted).",
+    )
     resume: bool = flag(
         "Continue an interrupted merge to the same output: what it finished (files of its "
         "hidden directory, or parts uploaded to s3://) is re-checked and kept, the rest written.",
@@ -236,6 +246,8 @@ class MergeRequest:
             problems.append(f"--max_shard_size does not apply to --format {self.output_format}")
         if self.resume and (self.single_file or self.engine != "stream"):
             problems.append("--resume continues a --format hf merge of the stream engine")
+        if self.overwrite_non_model and not self.overwrite:
+            problems.append("--overwrite_non_model goes with --overwrite (it widens it)")
         if self.average_last is not None and self.average_last < 1:
             problems.append(f"--average_last {self.average_last}: expected a count of at least 1")
         return problems
@@ -410,10 +422,13 @@ class LoraMergeRequest:
         "by the safetensors library and fused again."
     )
     overwrite: bool = field(default=False, metadata=_as_merge("overwrite"))
+    overwrite_non_model: bool = field(default=False, metadata=_as_merge("overwrite_non_model"))
     save_tokenizer: bool = flag("Write the tokenizer (default: on).", default=True)
     quiet: bool = field(default=False, metadata=_as_merge("quiet"))
 
     def __post_init__(self) -> None:
         problems = parse_fields(self)
+        if self.overwrite_non_model and not self.overwrite:
+            problems.append("--overwrite_non_model goes with --overwrite (it widens it)")
         if problems:
             raise one_error(problems, "conflicting merge-lora options")

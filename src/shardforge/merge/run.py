@@ -43,10 +43,9 @@ def default_output(model_dir: Path) -> Path:
 
 def run_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
     """`merge_fsdp_weights` of a checked request."""
-    check = check_output_file if request.single_file else check_output_path
     out = request.output_path
     if out is not None:
-        check(out, request.overwrite, [])  # fail fast, before reading anything
+        _check_output(out, request, [])  # fail fast, before reading anything
     removal = None
     if request.remove_checkpoint_dir:  # refused here, before the merge reads or writes
         root = checkpoint_root(config, request)
@@ -57,6 +56,15 @@ def run_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
     # early copy is used only if it is exactly what the merge would write, else removed
     with sigterm_as_interrupt(), _early_copy(config, request, located) as early:
         return _run_prepared(config, request, located, removal, early)
+
+
+def _check_output(out: Path, request: MergeRequest, inputs: list[Path]) -> None:
+    """The output path's checks: a file (`--format safetensors/torch`) or a directory, which
+    `--overwrite` replaces only while it holds a model (`io.model_files`)."""
+    if request.single_file:
+        check_output_file(out, request.overwrite, inputs)
+    else:
+        check_output_path(out, request.overwrite, inputs, request.overwrite_non_model)
 
 
 def _early_copy(
@@ -83,9 +91,8 @@ def _checked(
     config: ShardforgeConfig, request: MergeRequest, prep: Prepared, removal: RemovalPlan | None
 ) -> Path:
     """The output path, once every check that needs the prepared merge has passed."""
-    check = check_output_file if request.single_file else check_output_path
     out = request.output_path or default_output(prep.sources.checkpoint.model_dir)
-    check(out, request.overwrite, [c.model_dir for c in prep.sources.inputs])
+    _check_output(out, request, [c.model_dir for c in prep.sources.inputs])
     if request.engine != "stream" and not prep.plain_dcp:
         raise MergeError("--engine transformers reads plain DCP checkpoints only")
     if removal is not None and removal.model_dir != prep.sources.checkpoint.model_dir.absolute():
@@ -115,7 +122,13 @@ def _run_prepared(
     used = used and early is not None and early.accept(prep.plan, prep.by_name)
     if not used and remote_target(out) is None:  # (an early copy has its space already)
         check_free_space(out, prep.plan.total_bytes)
-    options = WriteOptions(request.overwrite, request.verifies, request.quiet, request.resume)
+    options = WriteOptions(
+        request.overwrite,
+        request.verifies,
+        request.quiet,
+        request.resume,
+        request.overwrite_non_model,
+    )
     if used:
         assert early is not None and isinstance(sink, HfDirectorySink)
         sink.write(output, out, options, prefill=early.take)

@@ -65,6 +65,12 @@ class WriteOptions:
     verify: bool = False
     quiet: bool = False
     resume: bool = False  # continue an interrupted write to the same output
+    overwrite_non_model: bool = False  # overwrite also an output holding more than a model
+
+    @property
+    def model_only(self) -> bool:
+        """Whether an output replaced must hold a model and nothing else (`io.model_files`)."""
+        return not self.overwrite_non_model
 
 
 def human(n: float) -> str:

@@ -67,7 +67,7 @@ class TransformersSink(Sink):
     def write(self, output: Output, out: Path, options: WriteOptions) -> None:
         assert output.companions is not None
         dtypes = {t.spec.name: t.spec.dtype for _, t in output.plan.tensors()}
-        with atomic_directory(out, options.overwrite) as tmp:
+        with atomic_directory(out, options.overwrite, model_only=options.model_only) as tmp:
             merge_with_transformers(
                 output.companions.config,
                 self.model_dir,

@@ -85,7 +85,7 @@ class HfDirectorySink(Sink):
         self, output: Output, out: Path, options: WriteOptions, prefill: Prefill | None = None
     ) -> None:
         """`prefill`: an accepted early copy that holds part of the weights already."""
-        with atomic_directory(out, options.overwrite, options.resume) as tmp:
+        with atomic_directory(out, options.overwrite, options.resume, options.model_only) as tmp:
             journal = LocalJournal(tmp, resume_fingerprint(output), options.resume)
             with progress(output.plan.total_bytes, "merging", options.quiet) as update:
                 if prefill is not None:
@@ -123,7 +123,7 @@ class AdapterDirectorySink(Sink):
     def write(self, output: Output, out: Path, options: WriteOptions) -> None:
         assert output.adapter_config is not None
         hashes = new_hashes()
-        with atomic_directory(out, options.overwrite) as tmp:
+        with atomic_directory(out, options.overwrite, model_only=options.model_only) as tmp:
             with progress(output.plan.total_bytes, "merging", options.quiet) as update:
                 write_plan(output.plan, output.sources, tmp, update, hashes=hashes)
             if options.verify:

@@ -11,8 +11,14 @@ Publish rule: nothing under the prefix changes before every part of every file i
 Then (with --overwrite, the previous index removed first) the weight files are completed, the
 config and tokenizer put, objects of a previous model that the new one lacks removed, and the
 index - the single weights file when unsharded - written last: a reader of the prefix never
-finds an index before every shard is complete. Any failure aborts the uploads and removes what
-this merge had completed; the journal beside the prefix goes too.
+finds an index before every shard is complete. --overwrite replaces a model only: a prefix
+holding anything a merge does not write is refused (`io.model_files`) unless
+--overwrite_non_model, before anything is read and again before publishing.
+
+Cleanup: any failure, SIGTERM or Ctrl-C removes every object this merge may have made (each is
+recorded before the request that makes it, and such a request is waited for when a signal
+interrupts it: `uploads.Store.call`), aborts the uploads and then removes this merge's journal
+(its own key: never another merge's), each request tried again (`uploads.Cleanup`).
 
 Resume (--resume): the journal of the interrupted merge must name the same plan and inputs;
 its completed files are kept when their size and ETag still match, its uploaded parts when
@@ -26,6 +32,7 @@ uploaded, which are not uploaded again) and kept in the journal for a resumed me
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -41,6 +48,7 @@ from shardforge.io.copy import ReadCache, pwrite_all
 from shardforge.io.digest import FileHash, hash_of, hashing
 from shardforge.io.fs import punch_hole
 from shardforge.io.mirror import RemoteTarget
+from shardforge.io.model_files import refuse_non_model
 from shardforge.io.remote import storage_errors
 from shardforge.sinks.base import Output, Progress, Sink, WriteOptions, human
 from shardforge.sinks.hf_dir import HfDirectorySink, resume_fingerprint, write_companions
@@ -50,6 +58,7 @@ from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, Pl
 from shardforge.sinks.progress import progress
 from shardforge.sinks.safetensors_files import Hashes, write_index
 from shardforge.sinks.uploads import (
+    Cleanup,
     FileRange,
     FileUpload,
     Journal,
@@ -67,29 +76,38 @@ log = logging.getLogger("shardforge")
 UPLOADS = 8
 
 
-def check_target(target: RemoteTarget, overwrite: bool, resume: bool) -> None:
+def check_target(
+    target: RemoteTarget, overwrite: bool, resume: bool, non_model: bool = False
+) -> None:
     """Before anything is read: the bucket answers, no live merge writes there, and the prefix
-    is empty unless --overwrite (or --resume of an interrupted merge's journal)."""
+    is empty unless --overwrite (or --resume of an interrupted merge's journal); with
+    --overwrite it holds a model and nothing else unless `non_model` (`io.model_files`)."""
     store = Store(target)
     if not target.uri.key:
         raise MergeError(f"{target.uri}: name a prefix inside the bucket (s3://BUCKET/PREFIX)")
     store.head_bucket()
-    left = Journal.load(store)
-    if left is not None and owner_alive(left.get("owner") or {}):
-        raise MergeError(
-            f"{target.uri}: another merge (pid {left['owner'].get('pid')}) is writing there; "
-            "wait for it or choose another --output_path"
-        )
-    if left is not None and not resume:
-        abort_left(store, left)
+    left = Journal.found(store)
+    for _, data in left:
+        who = data.get("owner") or {}
+        if owner_alive(who):
+            raise MergeError(
+                f"{target.uri}: another merge (pid {who.get('pid')}) is writing there; "
+                "wait for it or choose another --output_path"
+            )
+    if left and not resume:
+        for key, data in left:
+            abort_left(store, key, data).report(target.uri)
         log.info("removed the uploads of an interrupted merge to %s", target.uri)
-        left = None
-    if overwrite or left is not None:
+        left = []
+    if left:
         return
-    if next(iter(store.objects()), None) is not None:
+    names = [o["Key"][len(target.uri.key) + 1 :] for o in store.objects()]
+    if names and not overwrite:
         raise MergeError(
             f"{target.uri}: output prefix holds objects; pass --overwrite to replace them"
         )
+    if not non_model:
+        refuse_non_model(target.uri, names)
 
 
 class ObjectStoreSink(Sink):
@@ -110,7 +128,7 @@ class ObjectStoreSink(Sink):
         local.mkdir(parents=True, exist_ok=True)
         journal = self._journal(output, options.resume)
         hashes = new_hashes()  # each file's, as its staging file is filled (`sinks.manifest`)
-        done: list[str] = []
+        done: list[str] = []  # what this merge made, or may have (recorded before the request)
         try:
             with (
                 progress(output.plan.total_bytes, "uploading", options.quiet) as update,
@@ -125,8 +143,8 @@ class ObjectStoreSink(Sink):
             self._manifest(output, local, hashes)
             self._publish(output, local, journal, options, done)
         except BaseException:
-            journal.abort_all()
-            self._remove(done)
+            cleanup = self._remove(done)  # first: the journal is the record of a kill meanwhile
+            journal.abort_all(cleanup).report(self.target.uri)
             raise
         finally:
             shutil.rmtree(local, ignore_errors=True)
@@ -168,15 +186,20 @@ class ObjectStoreSink(Sink):
     # ----------------------------------------------------------------------------- upload
 
     def _journal(self, output: Output, resume: bool) -> Journal:
+        """This merge's journal: a new one under its own key, or with --resume the newest
+        journal beside the prefix of the same plan and inputs, taken over (`check_target` has
+        refused a live merge's)."""
         fp = resume_fingerprint(output)
-        left = Journal.load(self.store) if resume else None
-        journal = Journal(self.store, fp)
-        if left is not None:
-            if left.get("fingerprint") != fp:
-                raise MergeError(
-                    f"{self.target.uri}: --resume: the interrupted merge there planned other "
-                    "files or read other inputs; merge without --resume to start over"
-                )
+        found = Journal.found(self.store) if resume else []
+        same = [(key, data) for key, data in found if data.get("fingerprint") == fp]
+        if found and not same:
+            raise MergeError(
+                f"{self.target.uri}: --resume: the interrupted merge there planned other "
+                "files or read other inputs; merge without --resume to start over"
+            )
+        journal = Journal(self.store, fp, same[-1][0] if same else "")
+        if same:
+            left = same[-1][1]
             for name, e in dict(left.get("files") or {}).items():
                 journal.files[name] = FileUpload(
                     str(e["upload_id"]),
@@ -284,6 +307,8 @@ class ObjectStoreSink(Sink):
                 f"{self.target.uri}: objects appeared under the prefix while the merge ran; "
                 "nothing was published - choose another --output_path, or pass --overwrite"
             )
+        if before and options.model_only:  # what appeared meanwhile counts too
+            refuse_non_model(self.target.uri, before)
         for name in (SAFE_WEIGHTS_INDEX_NAME, MANIFEST_NAME):
             if name in before:  # the previous model is unpublished first
                 self.store.delete(self.store.key(name))
@@ -294,31 +319,33 @@ class ObjectStoreSink(Sink):
         extra = sorted(p.name for p in local.iterdir() if p.is_file())
         for name in extra:
             if name not in (last, MANIFEST_NAME):
-                self.store.put(name, (local / name).read_bytes())
                 done.append(name)
+                self.store.put(name, (local / name).read_bytes())
         if options.verify and plan.index is not None:
             self._verified(output, options.quiet)
         new = {pf.name for pf in plan.files} | set(extra)
         for name in sorted(before - new):
             self.store.delete(self.store.key(name))
         if last == SAFE_WEIGHTS_INDEX_NAME:
-            self.store.put(last, (local / last).read_bytes())
             done.append(last)
+            self.store.put(last, (local / last).read_bytes())
         else:
             self._complete(last, journal, done)
             if options.verify:  # unsharded: the weights file itself is what publishes
                 self._verified(output, options.quiet)
         if MANIFEST_NAME in extra:
-            self.store.put(MANIFEST_NAME, (local / MANIFEST_NAME).read_bytes())
             done.append(MANIFEST_NAME)
+            self.store.put(MANIFEST_NAME, (local / MANIFEST_NAME).read_bytes())
         journal.delete()
 
     def _complete(self, name: str, journal: Journal, done: list[str]) -> None:
+        """Complete `name`'s upload, recorded in `done` before the request (the cleanup then
+        deletes it whenever the request is interrupted)."""
         up = journal.files[name]
+        done.append(name)
         if up.completed is None:
             up.completed = self.store.complete(name, up.upload_id, up.etags)
             journal.save()
-        done.append(name)
 
     def _verified(self, output: Output, quiet: bool) -> None:
         with progress(output.plan.total_bytes, "verifying", quiet) as update:
@@ -328,11 +355,13 @@ class ObjectStoreSink(Sink):
     def _name(self, key: str) -> str:
         return key[len(self.target.uri.key) + 1 :]
 
-    def _remove(self, done: list[str]) -> None:
-        """Remove what this merge completed or put (best effort: a failure is on its way)."""
-        with contextlib.suppress(Exception):  # a failure is on its way already
-            for name in done:
-                self.store.delete(self.store.key(name))
+    def _remove(self, done: list[str]) -> Cleanup:
+        """Remove what this merge completed or put, or was doing so (`uploads.Cleanup`: a
+        failure is on its way, nothing is raised)."""
+        cleanup = Cleanup()
+        for name in dict.fromkeys(done):
+            cleanup(f"delete {name}", functools.partial(self.store.delete, self.store.key(name)))
+        return cleanup
 
 
 class _Parts:

@@ -4,20 +4,33 @@ lets an interrupted merge resume, and the prefix's objects.
 Every request goes through `Store`, which turns a failure into one `StorageError` line naming
 the URI (never a secret). Parts are cut from each planned file at multiples of a part size
 chosen from the throughput measured so far (`PartSizer`); the journal
-(``<parent>/.<name>.shardforge-merge.json``, beside the output prefix, never inside it) records
-each file's upload id and part size, so `--resume` finds the parts a killed merge uploaded.
+(``<parent>/.<name>.shardforge-merge-<id>.json``, beside the output prefix, never inside it; one
+key per merge, so that no merge overwrites or removes another's) records each file's upload id
+and part size, so `--resume` finds the parts a killed merge uploaded.
+
+Cleanup after a failure or a signal (`Cleanup`) tries each request again (`CLEANUP_TRIES`, within
+`CLEANUP_S`) and goes on after one that fails: a stale connection or a short outage leaves
+neither a journal nor an open upload behind. A request that makes an object (completing an
+upload, a PUT) is waited for when a signal interrupts it (`IN_FLIGHT_S`), so that the cleanup
+never deletes an object a moment before the store makes it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import io
 import json
+import logging
 import math
 import os
+import re
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +47,18 @@ MAX_PART = 128 << 20
 PART_SECONDS = 2.0
 # a part's body is sent in pieces of this size
 PIECE = 256 << 10
+# cleanup: tries of each request, and the time after which a failed one is not tried again
+CLEANUP_TRIES = 4
+CLEANUP_S = 30.0
+# how long an interrupted request that makes an object is waited for (`Store.call`)
+IN_FLIGHT_S = 60.0
+# the requests that make an object under the prefix
+_MAKERS = frozenset({"complete_multipart_upload", "put_object"})
+JOURNAL_SUFFIX = ".shardforge-merge"
+# what follows `.<name>.shardforge-merge` in a journal's key (the id; none: an older shardforge)
+_JOURNAL_TAIL = re.compile(r"^(?:-[0-9a-f]{1,64})?\.json$")
+
+log = logging.getLogger("shardforge")
 
 
 class PartSizer:
@@ -94,6 +119,8 @@ class Store:
 
     def call(self, method: str, where: object = None, **kwargs: Any) -> Any:
         with storage_errors(where or self.uri, self.target.storage_options):
+            if method in _MAKERS:
+                return _finished(self.target.fs, method, kwargs)
             return self.target.fs.call_s3(method, **kwargs)
 
     def key(self, name: str) -> str:
@@ -104,13 +131,28 @@ class Store:
         where = self.uri.child(name)
         return self.call(method, where, Bucket=self.uri.bucket, Key=where.key, **kwargs)
 
-    def journal_key(self) -> str:
+    def journal_prefix(self) -> str:
+        """What the key of every journal of a merge to this prefix starts with."""
         parent, _, name = self.uri.key.rpartition("/")
-        return (
-            f"{parent}/.{name}.shardforge-merge.json"
-            if parent
-            else f".{name}.shardforge-merge.json"
-        )
+        return f"{parent}/.{name}{JOURNAL_SUFFIX}" if parent else f".{name}{JOURNAL_SUFFIX}"
+
+    def new_journal_key(self) -> str:
+        """The journal key of a new merge: beside the prefix, its own (`uuid4`)."""
+        return f"{self.journal_prefix()}-{uuid.uuid4().hex[:16]}.json"
+
+    def journals(self) -> list[dict[str, Any]]:
+        """The journals beside the prefix (``Key``, ``LastModified``), oldest first."""
+        start = self.journal_prefix()
+        found: list[dict[str, Any]] = []
+        token: dict[str, Any] = {}
+        while True:
+            page = self.call("list_objects_v2", Bucket=self.uri.bucket, Prefix=start, **token)
+            found += [
+                o for o in page.get("Contents", []) if _JOURNAL_TAIL.match(o["Key"][len(start) :])
+            ]
+            if not page.get("IsTruncated"):
+                return sorted(found, key=lambda o: (o["LastModified"], o["Key"]))
+            token = {"ContinuationToken": page["NextContinuationToken"]}
 
     def objects(self) -> Iterator[dict[str, Any]]:
         """Every object under the prefix (``Key``, ``Size``, ``ETag``)."""
@@ -181,6 +223,67 @@ class Store:
         self.on_object("abort_multipart_upload", name, UploadId=upload_id)
 
 
+def _finished(fs: Any, method: str, kwargs: Mapping[str, Any]) -> Any:
+    """`fs.call_s3(method, **kwargs)`; a signal (SIGTERM, Ctrl-C) that interrupts the wait waits
+    for the request's answer (at most `IN_FLIGHT_S`) before it goes on: the object the request
+    may make exists before the cleanup that follows deletes it."""
+    future = asyncio.run_coroutine_threadsafe(fs._call_s3(method, **kwargs), fs.loop)
+    try:
+        return future.result()
+    except Exception:
+        raise
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            future.result(timeout=IN_FLIGHT_S)
+        raise
+
+
+class Cleanup:
+    """The requests of a cleanup after a failure: each tried `CLEANUP_TRIES` times (while
+    `CLEANUP_S` have not passed), a failed one recorded and the next made; a missing object or
+    upload counts as done."""
+
+    def __init__(self, seconds: float | None = None) -> None:
+        self.deadline = time.monotonic() + (CLEANUP_S if seconds is None else seconds)
+        self.failed: list[str] = []
+
+    def __call__(self, what: str, request: Callable[[], object]) -> None:
+        last = ""
+        for attempt in range(CLEANUP_TRIES):
+            try:
+                request()
+                return
+            except StorageError as exc:
+                if _gone(exc):
+                    return
+                last = exc.message
+            except Exception as exc:  # not a store error: nothing to retry
+                self.failed.append(f"{what}: {type(exc).__name__}")
+                return
+            if attempt + 1 == CLEANUP_TRIES or time.monotonic() >= self.deadline:
+                break
+            log.info("cleanup: %s failed (%s); trying again", what, last)
+            time.sleep(min(0.5 * 2**attempt, max(0.0, self.deadline - time.monotonic())))
+        self.failed.append(f"{what}: {last}")
+
+    def report(self, where: object) -> None:
+        """One notice listing what the cleanup could not do (a later merge removes it)."""
+        if self.failed:
+            log.warning(
+                "%s: the cleanup left %d request(s) undone (a later merge to it removes what "
+                "is left): %s",
+                where,
+                len(self.failed),
+                "; ".join(self.failed[:5]),
+            )
+
+
+def _gone(exc: StorageError) -> bool:
+    """A request on something that no longer exists (an upload aborted or completed, an object
+    deleted): what a cleanup wanted."""
+    return "not found" in exc.message or "NoSuchUpload" in exc.message
+
+
 class FileRange:
     """Bytes [start, stop) of the open local file `fd` as a seekable, read-only stream: a
     part's body, read by the client in pieces (its checksum, its signature, the request)
@@ -230,12 +333,17 @@ class FileUpload:
 
 @dataclass
 class Journal:
-    """What an interrupted merge left to resume: its owner, plan and uploads (module doc)."""
+    """What an interrupted merge left to resume: its owner, plan and uploads (module doc),
+    under `key`: this merge's own (`Store.new_journal_key`), or the one it resumes."""
 
     store: Store
     fingerprint: str
+    key: str = ""
     files: dict[str, FileUpload] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.store.new_journal_key()
 
     def save(self) -> None:
         with self._lock:
@@ -253,46 +361,50 @@ class Journal:
                 },
             }
         body = json.dumps(data, indent=1).encode()
-        self.store.call(
-            "put_object",
-            Bucket=self.store.uri.bucket,
-            Key=self.store.journal_key(),
-            Body=body,
-        )
+        self.store.call("put_object", Bucket=self.store.uri.bucket, Key=self.key, Body=body)
 
     def delete(self) -> None:
-        self.store.delete(self.store.journal_key())
+        self.store.delete(self.key)
 
     @staticmethod
-    def load(store: Store) -> dict[str, Any] | None:
-        """The journal left beside the prefix (None: none)."""
-        try:
-            with storage_errors(store.uri, store.target.storage_options):
-                body = store.target.fs.cat_file(f"{store.uri.bucket}/{store.journal_key()}")
-        except StorageError as exc:
-            if "not found" in exc.message:
-                return None
-            raise
-        try:
-            data = json.loads(body)
-        except ValueError:
-            return None
-        return data if isinstance(data, dict) else None
+    def found(store: Store) -> list[tuple[str, dict[str, Any]]]:
+        """The journals left beside the prefix, oldest first: (key, contents); one that is not
+        a JSON object reads as empty (its uploads unknown)."""
+        left = []
+        for obj in store.journals():
+            try:
+                with storage_errors(store.uri, store.target.storage_options):
+                    body = store.target.fs.cat_file(f"{store.uri.bucket}/{obj['Key']}")
+            except StorageError as exc:
+                if "not found" in exc.message:  # removed meanwhile (its merge finished)
+                    continue
+                raise
+            try:
+                data = json.loads(body)
+            except ValueError:
+                data = {}
+            left.append((str(obj["Key"]), data if isinstance(data, dict) else {}))
+        return left
 
-    def abort_all(self) -> None:
-        """Abort every upload not completed; remove the journal (best effort, stopped at the
-        first failed request: called while a failure is already on its way)."""
-        with contextlib.suppress(Exception):  # the store is down: a later merge cleans up
-            for name, f in self.files.items():
-                if f.completed is None:
-                    self.store.abort(name, f.upload_id)
-            self.delete()
+    def abort_all(self, cleanup: Cleanup | None = None) -> Cleanup:
+        """Abort every upload not completed, then remove the journal: each request tried again
+        and the next made after a failure (`Cleanup`; called while a failure is on its way,
+        so nothing is raised: what failed is in the result's `failed`)."""
+        cleanup = cleanup or Cleanup()
+        for name, f in list(self.files.items()):
+            if f.completed is None:
+                cleanup(f"abort {name}", functools.partial(self.store.abort, name, f.upload_id))
+        cleanup("delete the journal", self.delete)
+        return cleanup
 
 
-def abort_left(store: Store, data: Mapping[str, Any]) -> None:
-    """Abort the uploads a journal lists and remove it (a stale merge's leftovers)."""
+def abort_left(store: Store, key: str, data: Mapping[str, Any]) -> Cleanup:
+    """Abort the uploads the journal `key` lists and remove it (a stale merge's leftovers; its
+    completed files stay: they may be a published model)."""
+    cleanup = Cleanup()
     for name, entry in dict(data.get("files") or {}).items():
         if isinstance(entry, dict) and entry.get("completed") is None:
-            with contextlib.suppress(Exception):  # a failure is on its way already
-                store.abort(str(name), str(entry.get("upload_id")))
-    store.delete(store.journal_key())
+            abort = functools.partial(store.abort, str(name), str(entry.get("upload_id")))
+            cleanup(f"abort {name}", abort)
+    cleanup("delete the journal", functools.partial(store.delete, key))
+    return cleanup
