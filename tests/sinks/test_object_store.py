@@ -2,11 +2,14 @@
 give the bytes of a local merge for a DCP and a rank-file checkpoint, verified there; a merge
 killed mid-upload leaves nothing under the prefix and `--resume` uploads only what is left;
 wrong credentials, a missing bucket, an existing prefix and an outage are one-line errors with
-nothing published."""
+nothing published; --overwrite replaces a model only; a signal in the publish window leaves no
+object; a refused merge's cleanup leaves another merge's journal."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +26,7 @@ from shardforge.errors import MergeError, StorageError
 from shardforge.io import mirror
 from shardforge.io.remote import RemoteURI, filesystem
 from shardforge.merge.api import merge_fsdp_weights
+from shardforge.sinks.object_store import ObjectStoreSink
 from shardforge.sinks.uploads import FileRange, Store
 from test_inspection import Built, build_checkpoints
 
@@ -43,9 +47,10 @@ def stored(server: S3Server, prefix: str, into: Path) -> dict[str, bytes]:
 
 
 def keys(server: S3Server, prefix: str) -> list[str]:
+    """The objects under `prefix` (not the empty folder SeaweedFS keeps once they are gone)."""
     fs = server.fs()
     fs.invalidate_cache()
-    return sorted(fs.find(prefix))
+    return sorted(k for k, info in fs.find(prefix, detail=True).items() if info["type"] == "file")
 
 
 def journals(server: S3Server, bucket: str, name: str) -> list[str]:
@@ -207,3 +212,133 @@ def test_a_part_is_sent_from_the_staging_file_not_held(s3_server: S3Server, tmp_
     store.complete("w.bin", upload_id, {1: etag})
     assert s3_server.fs().cat_file(f"{bucket}/m/w.bin") == data[1 << 20 :]
     assert peak < 8 << 20, peak
+
+
+def _merge_cmd(tmp_path: Path, folder: Path, uri: str, *more: str) -> list[str]:
+    return [
+        sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(tmp_path / "cfg.yml"),
+        "--output_path", uri, "--checkpoint", str(folder), "--max_shard_size", "150KB", "--quiet",
+        *more,
+    ]  # fmt: skip
+
+
+def test_overwrite_replaces_a_model_prefix_only(
+    checkpoints: Built, s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A prefix holding a training run (two checkpoints with optimizer state, metrics, notes)
+    is refused by --overwrite, naming what it holds, and left as it was; one holding a
+    previous model is replaced; --overwrite_non_model replaces anything."""
+    folder = layout_folder(checkpoints.root, "rankfiles")
+    bucket = s3_server.bucket("out-overwrite-run")
+    config = cfg(checkpoints, s3_server)
+    want = tree_bytes(merge_fsdp_weights(config, tmp_path / "local", checkpoint=folder))
+    fs = s3_server.fs()
+    for step in (10, 20):
+        fs.pipe(f"{bucket}/run/checkpoint-{step}/optimizer_0/__0_0.distcp", os.urandom(512))
+        fs.pipe(f"{bucket}/run/checkpoint-{step}/trainer_state.json", b'{"global_step": 1}')
+    fs.pipe(f"{bucket}/run/metrics.jsonl", b'{"loss": 1.5}\n')
+    fs.pipe(f"{bucket}/run/notes.md", b"mine")
+    fs.pipe(f"{bucket}/run/config.json", b"{}")
+    before = stored(s3_server, f"{bucket}/run", tmp_path / "before")
+    uri = f"s3://{bucket}/run"
+    with pytest.raises(MergeError, match="pass --overwrite"):
+        merge_fsdp_weights(config, uri, checkpoint=folder)
+    with pytest.raises(MergeError) as err:
+        merge_fsdp_weights(config, uri, checkpoint=folder, overwrite=True)
+    assert err.value.message.startswith(
+        f"{uri}: holds more than a model (checkpoint-10/, checkpoint-20/, metrics.jsonl, ... "
+        "(4 entries)); "
+    ), err.value.message
+    assert "--overwrite_non_model" in err.value.message
+    assert stored(s3_server, f"{bucket}/run", tmp_path / "after") == before
+    assert journals(s3_server, bucket, "run") == []
+    merge_fsdp_weights(config, uri, checkpoint=folder, overwrite=True, overwrite_non_model=True)
+    assert stored(s3_server, f"{bucket}/run", tmp_path / "replaced") == want
+    # a previous model (and a stale shard of another one) is what --overwrite replaces
+    fs.pipe(f"{bucket}/run/model-00001-of-00003.safetensors", b"a previous merge's shard")
+    merge_fsdp_weights(config, uri, checkpoint=folder, overwrite=True)
+    assert stored(s3_server, f"{bucket}/run", tmp_path / "again") == want
+
+
+@pytest.mark.parametrize(
+    ("signum", "frozen_at"),
+    [(signal.SIGTERM, "Store.complete"), (signal.SIGINT, "Store.put")],
+    ids=["sigterm-at-complete", "sigint-at-put"],
+)
+def test_a_signal_in_the_publish_window_leaves_no_object(
+    signum: int, frozen_at: str, checkpoints: Built, s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The merge frozen the moment its first shard (or config) object exists under the prefix,
+    before it has taken note of it, then signalled: the cleanup removes that object too, the
+    prefix and its journal are left empty, and a rerun publishes."""
+    folder = layout_folder(checkpoints.root, "dcp")
+    bucket = s3_server.bucket(f"out-window-{signum}")
+    config = cfg(checkpoints, s3_server)
+    want = tree_bytes(
+        merge_fsdp_weights(config, tmp_path / "local", checkpoint=folder, max_shard_size="150KB")
+    )
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump({**config, "storage_options": None}))
+    # paused right after the request returned: the object exists, the merge has not recorded it
+    gate = Gate(tmp_path / "gate", f"shardforge.sinks.uploads:{frozen_at}", r"model")
+    cmd = _merge_cmd(tmp_path, folder, f"s3://{bucket}/model")
+    proc = subprocess.Popen(cmd, env=gate.env(s3_server.env()), stderr=subprocess.PIPE, text=True)
+    try:
+        gate.wait(proc)
+        assert keys(s3_server, f"{bucket}/model")  # the first object is there
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        gate.open()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "error: interrupted" in stderr, stderr
+    assert keys(s3_server, f"{bucket}/model") == []
+    assert journals(s3_server, bucket, "model") == []
+    merge_fsdp_weights(config, f"s3://{bucket}/model", checkpoint=folder, max_shard_size="150KB")
+    assert stored(s3_server, f"{bucket}/model", tmp_path / "rerun") == want
+
+
+def test_a_refused_merge_leaves_the_other_merges_journal(
+    checkpoints: Built, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two merges to one prefix: B passes its checks, then A starts and completes its first
+    shard; B is refused at publishing. B's cleanup removes B's journal only: A, killed then,
+    is resumed from its own and publishes the model."""
+    folder = layout_folder(checkpoints.root, "dcp")
+    bucket = s3_server.bucket("out-two-merges")
+    uri = f"s3://{bucket}/model"
+    config = cfg(checkpoints, s3_server)
+    want = tree_bytes(
+        merge_fsdp_weights(config, tmp_path / "local", checkpoint=folder, max_shard_size="150KB")
+    )
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump({**config, "storage_options": None}))
+    gate = Gate(tmp_path / "gate", "shardforge.sinks.uploads:Store.complete", r"model")
+    cmd = _merge_cmd(tmp_path, folder, uri)
+    started: list[subprocess.Popen[str]] = []
+    real_journal = ObjectStoreSink._journal
+
+    def a_starts_now(sink: ObjectStoreSink, *args: Any) -> Any:  # B has passed its checks
+        a = subprocess.Popen(cmd, env=gate.env(s3_server.env()), stderr=subprocess.PIPE, text=True)
+        started.append(a)
+        gate.wait(a)  # A completed its first shard and waits
+        return real_journal(sink, *args)
+
+    monkeypatch.setattr(ObjectStoreSink, "_journal", a_starts_now)
+    try:
+        with pytest.raises(MergeError, match="objects appeared under the prefix"):
+            merge_fsdp_weights(config, uri, checkpoint=folder, max_shard_size="150KB")
+        monkeypatch.undo()
+        (a,) = started
+        left = journals(s3_server, bucket, "model")
+        assert len(left) == 1, left
+        assert json.loads(s3_server.fs().cat_file(left[0]))["owner"]["pid"] == a.pid  # A's
+        a.send_signal(signal.SIGKILL)
+        a.wait(timeout=60)
+    finally:
+        gate.open()
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+    merge_fsdp_weights(config, uri, checkpoint=folder, max_shard_size="150KB", resume=True)
+    assert stored(s3_server, f"{bucket}/model", tmp_path / "resumed") == want
+    assert journals(s3_server, bucket, "model") == []

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from shardforge.errors import MergeError
+from shardforge.errors import MergeError, StorageError
 from shardforge.formats.base import Destination
 from shardforge.formats.sources import TensorSource
 from shardforge.io.copy import ReadCache, pwrite_all
@@ -205,6 +205,7 @@ class ObjectStoreSink(Sink):
                     str(e["upload_id"]),
                     int(e["part_size"]),
                     completed=e.get("completed"),
+                    completing=bool(e.get("completing")),
                     sha256=e.get("sha256"),
                 )
             log.info("resuming the interrupted merge to %s", self.target.uri)
@@ -226,21 +227,31 @@ class ObjectStoreSink(Sink):
 
     def _kept(self, pf: PlannedFile, up: FileUpload) -> dict[int, str] | None:
         """What an interrupted merge left of `pf`: None when the file is complete (size and
-        ETag checked), else the parts whose size is the planned one."""
-        if up.completed is not None:
-            key = self.store.key(pf.name)
-            head = self.store.call("head_object", Bucket=self.target.uri.bucket, Key=key)
-            if int(head["ContentLength"]) == pf.size and str(head["ETag"]) == up.completed:
-                return None
+        ETag checked), else the parts whose size is the planned one; a new upload (no parts)
+        where its upload is gone (a completion the interrupted merge did not record)."""
+        if up.completed is not None and self._unchanged(pf, up.completed):
+            return None
+        parts = self.store.parts(pf.name, up.upload_id) if up.completed is None else None
+        if parts is None:
             up.completed = None
             up.upload_id = self.store.create(pf.name)
             return {}
         ranges = part_ranges(pf.size, up.part_size)
         return {
             n: etag
-            for n, (size, etag) in self.store.parts(pf.name, up.upload_id).items()
+            for n, (size, etag) in parts.items()
             if n <= len(ranges) and size == ranges[n - 1][1] - ranges[n - 1][0]
         }
+
+    def _unchanged(self, pf: PlannedFile, etag: str) -> bool:
+        """Whether the object of `pf` is the one completed with `etag` (size checked too)."""
+        try:
+            head = self.store.on_object("head_object", pf.name)
+        except StorageError as exc:
+            if "not found" in exc.message:  # removed since
+                return False
+            raise
+        return int(head["ContentLength"]) == pf.size and str(head["ETag"]) == etag
 
     def _upload_file(
         self,
@@ -259,7 +270,10 @@ class ObjectStoreSink(Sink):
             journal.save()
             kept: dict[int, str] | None = {}
         else:
+            started = up.upload_id
             kept = self._kept(pf, up)
+            if up.upload_id != started:
+                journal.save()
         if kept is None:  # completed by the interrupted merge, and unchanged
             update(pf.size)
             if hashes is not None and up.sha256 is not None:
@@ -300,7 +314,8 @@ class ObjectStoreSink(Sink):
     ) -> None:
         """Make the output visible in the order of the module docstring."""
         plan = output.plan
-        ours = {n for n, f in journal.files.items() if f.completed is not None}
+        # what the interrupted merge this one resumes completed, or may have
+        ours = {n for n, f in journal.files.items() if f.completed is not None or f.completing}
         before = {self._name(o["Key"]) for o in self.store.objects()} - ours
         if before and not options.overwrite:
             raise MergeError(
@@ -344,6 +359,8 @@ class ObjectStoreSink(Sink):
         up = journal.files[name]
         done.append(name)
         if up.completed is None:
+            up.completing = True  # a resumed merge finds it (`_kept`) if a kill comes now
+            journal.save()
             up.completed = self.store.complete(name, up.upload_id, up.etags)
             journal.save()
 

@@ -197,15 +197,16 @@ class Store:
         )
         return str(out["ETag"])
 
-    def parts(self, name: str, upload_id: str) -> dict[int, tuple[int, str]]:
-        """The parts uploaded so far: number -> (size, ETag); none when the upload is gone."""
+    def parts(self, name: str, upload_id: str) -> dict[int, tuple[int, str]] | None:
+        """The parts uploaded so far: number -> (size, ETag); None when the upload is gone
+        (aborted, or completed)."""
         found: dict[int, tuple[int, str]] = {}
         marker: dict[str, Any] = {}
         while True:
             try:
                 page = self.on_object("list_parts", name, UploadId=upload_id, **marker)
             except StorageError:  # the upload was aborted or completed meanwhile
-                return {}
+                return None
             for p in page.get("Parts", []):
                 found[int(p["PartNumber"])] = (int(p["Size"]), str(p["ETag"]))
             if not page.get("IsTruncated"):
@@ -328,6 +329,7 @@ class FileUpload:
     part_size: int
     etags: dict[int, str] = field(default_factory=dict)
     completed: str | None = None  # the object's ETag once completed
+    completing: bool = False  # its completion was asked for (recorded before the request)
     sha256: str | None = None  # the file's, as its staging file was filled (`sinks.manifest`)
 
 
@@ -355,6 +357,7 @@ class Journal:
                         "upload_id": f.upload_id,
                         "part_size": f.part_size,
                         "completed": f.completed,
+                        "completing": f.completing,
                         "sha256": f.sha256,
                     }
                     for n, f in self.files.items()
