@@ -264,7 +264,7 @@ class Cleanup:
             if attempt + 1 == CLEANUP_TRIES or time.monotonic() >= self.deadline:
                 break
             log.info("cleanup: %s failed (%s); trying again", what, last)
-            time.sleep(min(0.5 * 2**attempt, max(0.0, self.deadline - time.monotonic())))
+            time.sleep(min(0.5 * 2**attempt, 4.0, max(0.0, self.deadline - time.monotonic())))
         self.failed.append(f"{what}: {last}")
 
     def report(self, where: object) -> None:
