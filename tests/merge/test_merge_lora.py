@@ -478,8 +478,12 @@ def test_missing_base_model(cases: dict[str, Case], tmp_path: Path) -> None:
 def test_output_containing_an_input_refused(cases: dict[str, Case], tmp_path: Path) -> None:
     case = cases["llama"]
     adapter = _copy_adapter(case, tmp_path)
-    with pytest.raises(MergeError, match="contains the input"):
+    with pytest.raises(MergeError, match="holds more than a model"):
         merge_lora(_cfg(case, tmp_path), tmp_path, adapter, overwrite=True)
+    with pytest.raises(MergeError, match="contains the input"):
+        merge_lora(
+            _cfg(case, tmp_path), tmp_path, adapter, overwrite=True, overwrite_non_model=True
+        )
     assert (adapter / "adapter_config.json").is_file()
 
 

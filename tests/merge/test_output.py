@@ -56,7 +56,9 @@ def test_output_checks(tmp_path: Path) -> None:
     (tmp_path / "full" / "f").write_text("x")
     with pytest.raises(MergeError, match="--overwrite"):
         check_output_path(tmp_path / "full", False, [])
-    check_output_path(tmp_path / "full", True, [])
+    with pytest.raises(MergeError, match=r"holds more than a model \(f\)"):
+        check_output_path(tmp_path / "full", True, [])
+    check_output_path(tmp_path / "full", True, [], non_model=True)
     (tmp_path / "empty").mkdir()
     check_output_path(tmp_path / "empty", False, [])
     with pytest.raises(MergeError, match="not a directory"):
