@@ -88,8 +88,8 @@ def check_target(
     store.head_bucket()
     left = Journal.found(store)
     for _, data in left:
-        who = data.get("owner") or {}
-        if owner_alive(who):
+        who = data.get("owner")
+        if isinstance(who, dict) and owner_alive(who):
             raise MergeError(
                 f"{target.uri}: another merge (pid {who.get('pid')}) is writing there; "
                 "wait for it or choose another --output_path"
@@ -99,15 +99,15 @@ def check_target(
             abort_left(store, key, data).report(target.uri)
         log.info("removed the uploads of an interrupted merge to %s", target.uri)
         left = []
-    if left:
+    if left or (overwrite and non_model):
         return
-    names = [o["Key"][len(target.uri.key) + 1 :] for o in store.objects()]
-    if names and not overwrite:
-        raise MergeError(
-            f"{target.uri}: output prefix holds objects; pass --overwrite to replace them"
-        )
-    if not non_model:
-        refuse_non_model(target.uri, names)
+    if not overwrite:
+        if next(iter(store.objects()), None) is not None:
+            raise MergeError(
+                f"{target.uri}: output prefix holds objects; pass --overwrite to replace them"
+            )
+        return
+    refuse_non_model(target.uri, [o["Key"][len(target.uri.key) + 1 :] for o in store.objects()])
 
 
 class ObjectStoreSink(Sink):
