@@ -31,6 +31,7 @@ ISOLATING_ATTENTION = (
     "flex_attention",
     "flash_attention_2",
     "flash_attention_3",
+    "varlen_attention",  # train/attention.py
 )
 # transformers' mask builders that detect packed sequences from position ids
 MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
