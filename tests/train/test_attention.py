@@ -120,7 +120,7 @@ def _split(packed: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _hooked(model: torch.nn.Module, path: Any) -> torch.nn.Module:
-    model.get_decoder().register_forward_pre_hook(PackedInputs(path), with_kwargs=True)  # type: ignore[operator]
+    model.get_decoder().register_forward_pre_hook(PackedInputs(path), with_kwargs=True)
     return model
 
 
@@ -175,12 +175,12 @@ def test_packed_varlen_attention_equals_the_samples_alone_with_gradients() -> No
         for p, s in zip(_split(packed), samples, strict=True)
     )
     loss.backward()
-    want = 0.0
+    want = torch.zeros(())
     for got, sample in zip(_split(packed), samples, strict=True):
         alone = alone_model(input_ids=sample[None]).logits[0]
         torch.testing.assert_close(got, alone, **TOL)
         want = want + F.cross_entropy(alone[:-1], sample[1:], reduction="sum")
-    want.backward()  # type: ignore[union-attr]
+    want.backward()
     grads = dict(alone_model.named_parameters())
     for name, param in varlen.named_parameters():
         torch.testing.assert_close(param.grad, grads[name].grad, **TOL, msg=name)
@@ -239,7 +239,7 @@ def test_sdpa_with_packing_on_cpu_keeps_the_dense_mask_with_a_notice(
     assert any(
         "notice: sample_packing with attn_implementation sdpa" in r.message for r in caplog.records
     )
-    assert not model.get_decoder()._forward_pre_hooks  # type: ignore[operator]
+    assert not model.get_decoder()._forward_pre_hooks
     unpacked = validate_cfg({**base_cfg, "sample_packing": False})
     assert use_packed_attention(build_meta_model(unpacked), unpacked, CPU) is None
 
@@ -251,5 +251,5 @@ def test_flex_and_varlen_runs_hook_the_decoder(base_cfg: dict[str, Any]) -> None
         cfg = validate_cfg({**base_cfg, "attn_implementation": impl})
         model = build_meta_model(cfg)
         assert use_packed_attention(model, cfg, CPU) == Choice(impl, path)
-        hooks = list(model.get_decoder()._forward_pre_hooks.values())  # type: ignore[operator]
+        hooks = list(model.get_decoder()._forward_pre_hooks.values())
         assert [type(h) for h in hooks] == [PackedInputs] and hooks[0].path == path
