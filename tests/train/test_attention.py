@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from helpers.tiny import make_config
 from shardforge.config import validate_cfg
+from shardforge.errors import ConfigError
 from shardforge.train import attention
 from shardforge.train.attention import (
     VARLEN,
@@ -253,3 +254,56 @@ def test_flex_and_varlen_runs_hook_the_decoder(base_cfg: dict[str, Any]) -> None
         assert use_packed_attention(model, cfg, CPU) == Choice(impl, path)
         hooks = list(model.get_decoder()._forward_pre_hooks.values())
         assert [type(h) for h in hooks] == [PackedInputs] and hooks[0].path == path
+
+
+def test_sdpa_with_packing_on_a_gpu_switches_to_varlen(
+    base_cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The decision for a GPU in bf16 (the device is only a label here: nothing runs on it)."""
+    from shardforge.train.model import build_meta_model
+
+    monkeypatch.setattr(attention, "varlen_missing", lambda device: None)
+    cfg = validate_cfg({**base_cfg, "attn_implementation": "sdpa", "bf16": True})
+    model = build_meta_model(cfg)
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        choice = use_packed_attention(model, cfg, CUDA)
+    assert choice is not None and choice.impl == VARLEN and choice.path == "varlen"
+    assert model.config._attn_implementation == VARLEN
+    assert any("packed batches run varlen_attention" in r.message for r in caplog.records)
+    fp32 = validate_cfg({**base_cfg, "attn_implementation": VARLEN, "bf16": False})
+    with pytest.raises(ConfigError, match="bf16"):
+        use_packed_attention(build_meta_model(fp32), fp32, CUDA)
+
+
+def test_the_trainers_sharded_model_gets_the_packed_inputs(
+    base_cfg: dict[str, Any], flex_uncompiled: None
+) -> None:
+    """Through the trainer's own model (build_meta_model, use_packed_attention, FSDP2, the base
+    weights) and `model_inputs`: flex_attention (forward) and varlen_attention give the
+    logits of sdpa's dense mask."""
+    import torch.distributed as dist
+
+    from shardforge.train.data import load_tokenizer, model_inputs
+    from shardforge.train.eval import build_datasets
+    from shardforge.train.model import build_meta_model, materialize_and_load, shard_model
+    from shardforge.train.runtime import device_mesh, init_distributed
+
+    rt = init_distributed()
+    try:
+        logits = {}
+        for impl in ("eager", "flex_attention", VARLEN):
+            cfg = validate_cfg({**base_cfg, "sequence_len": 128, "attn_implementation": impl})
+            if impl == "eager":
+                seqs = build_datasets(cfg, load_tokenizer(cfg)).train
+                batch = seqs.select(list(range(3)))
+            model = build_meta_model(cfg)
+            use_packed_attention(model, cfg, CPU)
+            shard_model(model, cfg, device_mesh(rt, (1,)))
+            materialize_and_load(model, cfg, CPU, rt.rank)
+            with torch.no_grad():
+                logits[impl] = model(**model_inputs(batch, CPU)).logits
+    finally:
+        dist.destroy_process_group()
+    assert batch.position_ids is not None and int((batch.position_ids == 0).sum()) >= 6
+    torch.testing.assert_close(logits["flex_attention"], logits["eager"], **TOL)
+    torch.testing.assert_close(logits[VARLEN], logits["eager"], **TOL)

@@ -37,7 +37,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -87,15 +87,23 @@ def document_causal(doc: torch.Tensor) -> Callable[..., torch.Tensor]:
 
 
 def document_block_mask(doc: torch.Tensor, compile_mask: bool | None = None) -> Any:
-    """The BlockMask of `document_causal` for a [B, T] batch of document ids (compiled on a GPU:
-    `create_block_mask` then never holds a [T, T] tensor)."""
+    """The BlockMask of `document_causal` for a [B, T] batch of document ids (by a compiled
+    `create_block_mask` on a GPU: it then never holds a [T, T] tensor)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     batch, length = doc.shape
     compiled = doc.device.type == "cuda" if compile_mask is None else compile_mask
-    return create_block_mask(
-        document_causal(doc), batch, None, length, length, device=doc.device, _compile=compiled
-    )
+    build = _compiled_create_block_mask() if compiled else create_block_mask
+    return build(document_causal(doc), batch, None, length, length, device=doc.device)
+
+
+@functools.cache
+def _compiled_create_block_mask() -> Callable[..., Any]:
+    """torch.compile(create_block_mask), made once (torchtitan's way; each batch's mask_mod is
+    the same code over another tensor: no recompile)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return cast(Callable[..., Any], torch.compile(create_block_mask))
 
 
 # -- which path ------------------------------------------------------------------------------------
@@ -237,28 +245,18 @@ def use_packed_attention(
 ) -> Choice | None:
     """With sample_packing (or eval_sample_packing): choose the path once, switch the model's
     attention where sdpa would build a dense mask, hook its decoder, say so once. None: no
-    packed batches in this run."""
-    if not (cfg.sample_packing or cfg.eval_sample_packing):
-        return None
+    packed batches in this run. varlen_attention that cannot run here is a ConfigError."""
     from shardforge.train.model import compute_dtypes
 
     config = getattr(model, "config", None)
     requested = getattr(config, "_attn_implementation", None)
     dtype = compute_dtypes(cfg)[0] or torch.float32
-    choice = choose(
-        requested,
-        device,
-        dtype,
-        plain_attention(config),
-        device.type == "cuda" and flash_attn_installed(),
-    )
-    if choice.impl == VARLEN and (why := varlen_missing(device)) and device.type == "cuda":
-        raise ConfigError("attn_implementation", [f"varlen_attention cannot run here: {why}"])
-    if choice.impl == VARLEN and device.type == "cuda" and dtype not in HALF:
-        raise ConfigError(
-            "attn_implementation",
-            ["varlen_attention runs in bf16 or fp16 on a GPU; set bf16: true (or fp16: true)"],
-        )
+    if requested == VARLEN:
+        check_varlen(config, device, dtype)
+    if not (cfg.sample_packing or cfg.eval_sample_packing):
+        return None
+    flash = device.type == "cuda" and flash_attn_installed()
+    choice = choose(requested, device, dtype, plain_attention(config), flash)
     if choice.impl != requested:
         model.set_attn_implementation(choice.impl)  # type: ignore[operator]
     if choice.path != "dense":
@@ -269,14 +267,34 @@ def use_packed_attention(
     return choice
 
 
+def check_varlen(config: Any, device: torch.device, dtype: torch.dtype) -> None:
+    """varlen_attention runs here (a GPU with torch's varlen_attn, in bf16/fp16; on CPU sample
+    by sample), for this model (no logit soft-capping); else a ConfigError."""
+    problems = []
+    if device.type == "cuda" and (why := varlen_missing(device)):
+        problems.append(f"varlen_attention cannot run here: {why}")
+    if device.type == "cuda" and dtype not in HALF:
+        problems.append("varlen_attention runs in bf16 or fp16 on a GPU; set bf16: true")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        problems.append("varlen_attention has no logit soft-capping (this model uses it)")
+    if problems:
+        raise ConfigError("attn_implementation", problems)
+
+
 # -- attn_implementation: varlen_attention ------------------------------------------------------------
 
 
-@functools.cache
 def _varlen_params() -> frozenset[str]:
-    from torch.nn.attention.varlen import varlen_attn
-
+    """The keyword names of this torch's varlen_attn (read once, at import: a compiled block
+    then makes no call to inspect)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
     return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+VARLEN_PARAMS = _varlen_params()
 
 
 def _kernel(
@@ -291,7 +309,7 @@ def _kernel(
     """torch's varlen_attn over [total, heads, dim] (GPU)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = _varlen_params()
+    params = VARLEN_PARAMS
     extra: dict[str, Any] = {"scale": scale}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
