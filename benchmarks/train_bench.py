@@ -21,6 +21,8 @@ A variant is `+`-joined options: `eager`/`compile` (config `torch_compile`), the
 mask, see docs/train.md), `dense` (sdpa kept on transformers' dense mask: the baseline), `flex`
 (flex_attention with the document BlockMask) or `varlen` (varlen_attention), `chunked`
 (config `chunked_cross_entropy: true`; without it false) and `ac` (gradient_checkpointing).
+`--set KEY=VALUE` adds a config key to every variant (`optimizer=adamw_torch_fused`,
+`fsdp.offload_params=true`, ...).
 A variant this stack cannot run is reported as skipped with the reason (a config key this
 shardforge does not have yet, flex_attention's missing backward on CPU, no varlen_attn).
 
@@ -51,6 +53,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import yaml
 
 # the test helpers (tiny tokenizer, texts) live in tests/helpers/, outside the package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -269,10 +273,17 @@ def config_for(
         "max_steps": args.warmup + args.steps,
         "learning_rate": 1e-5,
         "logging_steps": 1,
-        "attn_implementation": ATTENTION[variant.attention],
-        "gradient_checkpointing": variant.ac,
         "bf16": "auto",
     }
+    for item in args.set:  # --set KEY=VALUE (YAML value; dotted keys nest)
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        node = cfg
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    cfg["attn_implementation"] = ATTENTION[variant.attention]  # the variant's own keys last
+    cfg["gradient_checkpointing"] = variant.ac
     known = fields()
     if "torch_compile" in known:
         cfg["torch_compile"] = variant.compile
@@ -399,6 +410,7 @@ def child(variant: Variant, args: argparse.Namespace, workdir: Path) -> dict[str
     result = workdir / f"result-{variant.name}.json"
     script = [str(Path(__file__).resolve()), "--worker", variant.name, "--result", str(result)]
     script += [f"--{k}={v}" for k, v in _passed(args).items()]
+    script += [f"--set={item}" for item in args.set]
     launch = [sys.executable]
     if args.nproc > 1:
         launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
@@ -468,6 +480,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "peak_tflops": args.peak_tflops,
         "mfu_formula": MFU_FORMULA,
+        "config": args.set,
         "variants": rows,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -511,6 +524,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="measured steps per variant")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     p.add_argument("--peak_tflops", type=float, default=PEAK_TFLOPS)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another config key for every variant, e.g. optimizer=adamw_torch_fused or "
+        "fsdp.offload_params=true (repeatable)",
+    )
     p.add_argument("--nproc", type=int, default=1, help="ranks (torchrun) per variant")
     p.add_argument("--in_process", action="store_true", help="run the variants in this process")
     p.add_argument("--workdir", default=".bench/train_bench")

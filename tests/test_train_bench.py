@@ -48,10 +48,12 @@ def test_a_tiny_run_on_cpu_writes_every_figure(bench: ModuleType, tmp_path: Path
     argv = ["--preset", "tiny", "--sequence_len", "64", "--micro_batch_size", "2"]
     argv += ["--warmup", "1", "--steps", "1", "--in_process", "--workdir", str(tmp_path)]
     argv += ["--variants", "eager+dense,eager+varlen,eager+flex", "--json", str(out)]
+    argv += ["--set", "fsdp.reshard_after_forward=false"]  # a config key for every variant
     assert bench.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["preset"] == "tiny" and report["world_size"] == 1 and report["device"] == "cpu"
     assert "6*N + 12*L*H*T" in report["mfu_formula"] and report["peak_tflops"] == 989.0
+    assert report["config"] == ["fsdp.reshard_after_forward=false"]
     rows = {row["name"]: row for row in report["variants"]}
     assert list(rows) == ["eager+dense", "eager+varlen", "eager+flex"]
     assert rows["eager+flex"]["status"] == "skipped" and "CPU" in rows["eager+flex"]["reason"]
