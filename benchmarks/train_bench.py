@@ -326,7 +326,7 @@ def run_variant(variant: Variant, cfg_data: dict[str, Any], warmup: int) -> dict
     loop.materialize_and_load = random_weights
     choose = attention.choose
     if variant.attention == "dense":  # the baseline: sdpa on transformers' dense mask
-        attention.choose = lambda impl, *a, **k: attention.Choice(impl or "sdpa", "dense")
+        attention.choose = lambda impl, *a, **k: attention.Choice(impl or "sdpa", "transformers")
     rt = init_distributed()
     try:
         meter = MemoryMeter(rt.device)

@@ -200,14 +200,14 @@ def test_the_packed_path_of_each_attention() -> None:
     assert choose("flex_attention", CPU, fp32) == Choice("flex_attention", "block_mask")
     assert choose("flash_attention_2", CUDA, bf16) == Choice("flash_attention_2", "varlen")
     assert choose(VARLEN, CPU, fp32) == Choice(VARLEN, "varlen")
-    assert choose("eager", CUDA, bf16) == Choice("eager", "dense")
+    assert choose("eager", CUDA, bf16) == Choice("eager", "transformers")
     # a sliding-window or soft-capped model: only transformers' own masks are exact
-    assert choose("flex_attention", CUDA, bf16, plain=False).path == "dense"
-    assert choose("sdpa", CUDA, bf16, plain=False) == Choice("sdpa", "dense")
+    assert choose("flex_attention", CUDA, bf16, plain=False).path == "transformers"
+    assert choose("sdpa", CUDA, bf16, plain=False) == Choice("sdpa", "transformers")
     # sdpa: the dense mask only where nothing else runs, with a notice
     cpu = choose("sdpa", CPU, fp32)
-    assert cpu.impl == "sdpa" and cpu.path == "dense" and "dense" in cpu.notice
-    assert choose(None, CPU, fp32).path == "dense"
+    assert cpu.impl == "sdpa" and cpu.path == "transformers" and "dense" in cpu.notice
+    assert choose(None, CPU, fp32).path == "transformers"
     on_gpu = choose("sdpa", CUDA, bf16)
     if attention.varlen_missing(CUDA) is None:
         assert on_gpu.impl == VARLEN and on_gpu.path == "varlen" and on_gpu.notice
@@ -235,7 +235,7 @@ def test_sdpa_with_packing_on_cpu_keeps_the_dense_mask_with_a_notice(
     model = build_meta_model(cfg)
     with caplog.at_level(logging.INFO, logger="shardforge"):
         choice = use_packed_attention(model, cfg, CPU)
-    assert choice is not None and choice.path == "dense"
+    assert choice is not None and choice.path == "transformers"
     assert model.config._attn_implementation == "sdpa"
     assert any(
         "notice: sample_packing with attn_implementation sdpa" in r.message for r in caplog.records

@@ -21,9 +21,9 @@ what it needs from the position ids:
   `max_length_q/k` = sequence_len (an upper bound: a constant, so a compiled block does not
   recompile per batch). transformers infers them from position ids only at batch size 1: with
   micro_batch_size > 1 its flash path would otherwise attend across the samples of a window;
-- sdpa: on a GPU the packed batch runs varlen_attention (else flash_attention_2 when the
-  package is installed, else flex_attention); only where none of them can run (CPU) does it keep
-  transformers' dense mask, with a one-time notice;
+- sdpa: on a GPU the packed batch runs varlen_attention (bf16/fp16; else flash_attention_2
+  when the package is installed, bf16/fp16; else flex_attention); only where none of them can
+  run (CPU) does it keep transformers' dense mask; either way with a one-time notice;
 - eager, and models with sliding-window layers or logit soft-capping: transformers' own masks.
 
 `varlen_attention` on CPU (tests, debugging) runs sdpa sample by sample: exact, slow.
@@ -52,7 +52,7 @@ VARLEN = "varlen_attention"  # shardforge's attn_implementation name for torch's
 FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 HALF = (torch.bfloat16, torch.float16)
 
-Path = Literal["block_mask", "varlen", "dense"]
+Route = Literal["block_mask", "varlen", "transformers"]  # transformers: its own masks
 
 
 # -- what a packed batch is -----------------------------------------------------------------------
@@ -116,7 +116,7 @@ class Choice:
     each packed batch gets, `notice` what to tell the user once (empty: nothing)."""
 
     impl: str
-    path: Path
+    path: Route
     notice: str = ""
 
 
@@ -151,9 +151,9 @@ def choose(
     if impl in FLASH or impl == VARLEN:
         return Choice(impl, "varlen")
     if impl == "flex_attention":
-        return Choice(impl, "block_mask" if plain else "dense")
+        return Choice(impl, "block_mask" if plain else "transformers")
     if impl != "sdpa" or not plain:
-        return Choice(impl, "dense")
+        return Choice(impl, "transformers")
     half = dtype in HALF
     if half and varlen_missing(device) is None:
         return Choice(VARLEN, "varlen", _switched(VARLEN, "torch's variable-length attention"))
@@ -163,7 +163,7 @@ def choose(
         return Choice("flex_attention", "block_mask", _switched("flex_attention", "a BlockMask"))
     return Choice(
         impl,
-        "dense",
+        "transformers",
         "sample_packing with attn_implementation sdpa on "
         f"{device.type}: transformers builds a dense [batch, 1, sequence_len, sequence_len] "
         "mask for every batch (no kernel without a dense mask runs here: "
@@ -198,7 +198,7 @@ class PackedInputs:
     """A forward pre-hook on the model's decoder: a call with position ids and no attention
     mask (a packed batch) gets its attention inputs, built once per batch, here."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Route) -> None:
         self.path = path
 
     def inputs(self, position_ids: torch.Tensor) -> dict[str, Any]:
@@ -259,7 +259,7 @@ def use_packed_attention(
     choice = choose(requested, device, dtype, plain_attention(config), flash)
     if choice.impl != requested:
         model.set_attn_implementation(choice.impl)  # type: ignore[operator]
-    if choice.path != "dense":
+    if choice.path != "transformers":
         decoder(model).register_forward_pre_hook(PackedInputs(choice.path), with_kwargs=True)
     if choice.notice:
         log.warning("notice: %s", choice.notice)
