@@ -241,11 +241,12 @@ def decoder(model: nn.Module) -> nn.Module:
 
 
 def use_packed_attention(
-    model: nn.Module, cfg: ShardforgeConfig, device: torch.device
+    model: nn.Module, cfg: ShardforgeConfig, device: torch.device, announce: bool = True
 ) -> Choice | None:
     """With sample_packing (or eval_sample_packing): choose the path once, switch the model's
-    attention where sdpa would build a dense mask, hook its decoder, say so once. None: no
-    packed batches in this run. varlen_attention that cannot run here is a ConfigError."""
+    attention where sdpa would build a dense mask, hook its decoder, say so once (`announce`:
+    rank 0). None: no packed batches in this run. varlen_attention that cannot run here is a
+    ConfigError."""
     from shardforge.train.model import compute_dtypes
 
     config = getattr(model, "config", None)
@@ -261,9 +262,10 @@ def use_packed_attention(
         model.set_attn_implementation(choice.impl)  # type: ignore[operator]
     if choice.path != "transformers":
         decoder(model).register_forward_pre_hook(PackedInputs(choice.path), with_kwargs=True)
-    if choice.notice:
+    if announce and choice.notice:
         log.warning("notice: %s", choice.notice)
-    log.info("packed attention: %s (%s)", choice.impl, choice.path)
+    if announce:
+        log.info("packed attention: %s (%s)", choice.impl, choice.path)
     return choice
 
 
