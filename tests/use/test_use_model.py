@@ -129,6 +129,10 @@ def test_loaded_as_training_computes_remote_code_only_when_allowed(tmp_path: Pat
         "use_safetensors": True,
         "attn_implementation": "eager",
     }
+    # training's varlen_attention has no KV cache: the model generates with sdpa
+    assert "attn_implementation" not in _model_kwargs(
+        _cfg(tmp_path, attn_implementation="varlen_attention")
+    )
 
 
 def test_weights_in_object_storage_are_one_error_saying_what_to_do(tmp_path: Path) -> None:

@@ -245,17 +245,25 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "expert_parallel_token_capacity": _u(_EXPERT_PARALLEL),
     "experts_implementation": _u("alternative MoE experts implementations"),
     "export": _g("settings of `axolotl export` (GGUF conversion); not part of training"),
-    "fa_varlen_kwargs_in_collator": _g(_SPEED),
+    "fa_varlen_kwargs_in_collator": _g(
+        "packed batches always get cu_seqlens, once per batch outside the model (speed only)"
+    ),
     "fix_untrained_tokens": _u("re-initialising untrained token embeddings"),
     "flash_attention": _i(
-        "true means attn_implementation: flash_attention_2", ours="attn_implementation"
+        "true means attn_implementation: flash_attention_2 (packed batches: varlen with "
+        "cu_seqlens at any micro_batch_size)",
+        ours="attn_implementation",
     ),
     "flash_attn_cross_entropy": _u("flash-attn fused kernels"),
     "flash_attn_d512": _u("large-head attention kernels"),
     "flash_attn_fuse_mlp": _u("flash-attn fused kernels"),
     "flash_attn_rms_norm": _u("flash-attn fused kernels"),
     "flash_optimum": _u("BetterTransformer (optimum)"),
-    "flex_attention": _u("flex attention"),
+    "flex_attention": _i(
+        "true means attn_implementation: flex_attention (packed batches: a BlockMask from the "
+        "document ids, docs/train.md)",
+        ours="attn_implementation",
+    ),
     "flex_attn_compile_kwargs": _g("compile settings of flex attention; speed only"),
     "float16": _u("loading weights in half precision without mixed precision"),
     "float32": _u("forcing float32 model loading"),
@@ -515,7 +523,11 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "rpo_alpha": _u(_RL),
     "s2_attention": _u("shifted sparse attention"),
     "sage_attention": _u("SageAttention"),
-    "sample_packing": _i(),
+    "sample_packing": _i(
+        "packed batches reach the attention without a dense mask where it can run: a flex "
+        "BlockMask, varlen cu_seqlens (flash_attention_2, varlen_attention; sdpa switches to "
+        "one on a GPU); docs/train.md"
+    ),
     "sample_packing_bin_size": _u(_MULTIPACK),
     "sample_packing_eff_est": _g("step-count estimate; shardforge counts the packed sequences"),
     "sample_packing_group_size": _u(_MULTIPACK),

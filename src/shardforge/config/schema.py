@@ -216,9 +216,11 @@ class ShardforgeConfig(ConfigView):
     )
     attn_implementation: str | None = Field(
         None,
-        description="Attention kernel passed to transformers: eager, sdpa, flash_attention_2, "
-        "... (null: the transformers default). Axolotl's flash_attention / sdp_attention / "
-        "eager_attention flags set it.",
+        description="Attention kernel passed to transformers: eager, sdpa, flex_attention, "
+        "flash_attention_2, ..., or varlen_attention (shardforge's: torch's variable-length "
+        "attention, GPU, bf16/fp16) (null: the transformers default). With sample_packing, "
+        "sdpa switches to one without a dense mask where one runs (docs/train.md). Axolotl's "
+        "flash_attention / sdp_attention / eager_attention / flex_attention flags set it.",
     )
     special_tokens: dict[str, str] | None = Field(
         None,
@@ -265,7 +267,7 @@ class ShardforgeConfig(ConfigView):
         description="Pack several whole samples into each sequence_len window instead of "
         "padding each; each sample attends only to itself (position ids restart per sample; "
         "needs an attn_implementation that honours them: eager, sdpa, flex_attention, "
-        "flash_attention_2/3).",
+        "flash_attention_2/3, varlen_attention).",
     )
     dataset_prepared_path: str | None = Field(
         None,

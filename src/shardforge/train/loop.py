@@ -32,6 +32,7 @@ from shardforge.errors import ShardforgeError
 from shardforge.io.dist import finish_together
 from shardforge.io.mirror import public_name
 from shardforge.train import checkpointing as ckpt
+from shardforge.train.attention import use_packed_attention
 from shardforge.train.data import GlobalOrder, load_tokenizer
 from shardforge.train.diagnostics import StepMemory, report_sharding
 from shardforge.train.eval import Evaluator
@@ -326,6 +327,7 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         model = build_meta_model(cfg, self.model_config)
         check_packing(cfg, model)  # sample_packing needs attention that keeps samples apart
+        use_packed_attention(model, cfg, rt.device, rt.is_main)  # packed: no dense mask
         weights = prepare_lora(model, cfg, rt.is_main) if cfg.adapter else None
         shard_model(model, cfg, device_mesh(rt, self.mesh))
         materialize_and_load(model, cfg, rt.device, rt.rank, weights)

@@ -8,9 +8,10 @@
 A packed window holds whole samples (a sample longer than `sequence_len` is first cut into
 `sequence_len` pieces, each a sample of its own) and its padding. Its position ids restart at 0
 at the start of every sample; the model is called with those position ids and no attention
-mask, from which transformers' mask builders (`masking_utils.find_packed_sequence_indices`)
-make a block-diagonal causal mask for eager, sdpa and flex attention, and its flash-attention
-path runs variable-length attention: a token attends only to earlier tokens of its own sample.
+mask. `attention.py` gives the attention the samples' boundaries from them (flex's BlockMask,
+cu_seqlens for varlen kernels), else transformers' mask builders
+(`masking_utils.find_packed_sequence_indices`) make a dense block-diagonal causal mask (eager,
+sdpa on CPU): a token attends only to earlier tokens of its own sample.
 The label of a sample's first token is -100, so no sample's first token is predicted from the
 previous sample's last token. A window then computes what its samples compute one by one.
 """
@@ -31,6 +32,7 @@ ISOLATING_ATTENTION = (
     "flex_attention",
     "flash_attention_2",
     "flash_attention_3",
+    "varlen_attention",  # train/attention.py
 )
 # transformers' mask builders that detect packed sequences from position ids
 MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")

@@ -188,8 +188,11 @@ def check_attention(cfg: ShardforgeConfig) -> list[Problem]:
 
 
 def attention_implementations() -> list[str]:
-    """The attn_implementation values this transformers accepts."""
+    """The attn_implementation values this transformers accepts (with shardforge's own:
+    varlen_attention, registered by train.attention)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import shardforge.train.attention  # noqa: F401
 
     return ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
 

@@ -147,7 +147,8 @@ def _model_kwargs(cfg: ShardforgeConfig) -> dict[str, Any]:
         "trust_remote_code": cfg.trust_remote_code,
         "use_safetensors": True,
     }
-    if cfg.attn_implementation is not None:
+    # varlen_attention (training's packed batches) has no KV cache: sdpa generates
+    if cfg.attn_implementation not in (None, "varlen_attention"):
         out["attn_implementation"] = cfg.attn_implementation
     return out
 
