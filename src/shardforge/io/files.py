@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from shardforge.errors import CheckpointError
+from shardforge.errors import CheckpointError, MergeError
 from shardforge.io.remote import remote_of
 
 # the JSON files a command reads from a checkpoint, a run or a model folder (trainer_state.json,
@@ -63,6 +63,18 @@ def open_regular(path: str | Path, root: str | Path | None = None) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def check_resolvable(path: Path, what: str = "output path") -> None:
+    """Refuse `path` when its symlinks cannot be resolved (a loop of directory links): one
+    line before anything is read or written, not a RuntimeError from `Path.resolve` later."""
+    try:
+        path.resolve()
+    except (RuntimeError, OSError) as exc:
+        reason = "a loop of symbolic links" if isinstance(exc, RuntimeError) else str(exc)
+        raise MergeError(
+            f"{path}: the {what} cannot be resolved ({reason}); choose another {what}"
+        ) from None
 
 
 def read_json(path: str | Path, root: str | Path | None = None, limit: int = MAX_JSON_BYTES) -> Any:
