@@ -207,12 +207,14 @@ def test_staging_fetches_only_the_small_files_a_command_reads(
     monkeypatch.setattr(mirror, "FETCH_LIMITS", {**mirror.FETCH_LIMITS, "json": 4096})
     run = tmp_path / "run"
     (run / "checkpoint-2" / "model").mkdir(parents=True)
+    (run / "additional_chat_templates").mkdir()
     read = {
         "checkpoint-2/model/.metadata": b"\x80\x04N.",
         "checkpoint-2/trainer_state.json": b'{"global_step": 2}',
         "config.json": b'{"model_type": "llama"}',
         "tokenizer.json": b"{}" + b" " * 6000,  # a tokenizer's cap, not a JSON file's
         "tokenizer.model": b"\x0a\x02ab",
+        "additional_chat_templates/tool_use.jinja": b"{{ messages }}",
         "latest_checkpointed_iteration.txt": b"2",
     }
     unread = {

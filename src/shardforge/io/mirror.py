@@ -61,13 +61,9 @@ TOKENIZER_FILES = frozenset(
         "vocab.json",
         "vocab.txt",
         "merges.txt",
-        "tokenizer.model",
-        "spiece.model",
-        "sentencepiece.bpe.model",
-        "chat_template.jinja",
         "chat_template.json",
     }
-)
+)  # and every *.model (sentencepiece), *.jinja (chat templates) and *.tiktoken file
 FETCH_LIMITS = {
     "metadata": 1 << 30,  # a DCP .metadata: the allow-list unpickler's cap for it
     "json": 16 << 20,  # trainer_state.json, config.json, an index (`io.files.MAX_JSON_BYTES`)
@@ -180,7 +176,7 @@ def fetched(name: str, size: int) -> bool:
     reads (by name, `FETCH_LIMITS`) or a data file of at most `DOWNLOAD_LIMIT`."""
     if name.endswith(DATA_SUFFIXES):
         return size <= DOWNLOAD_LIMIT
-    if name in TOKENIZER_FILES or name.endswith(".tiktoken"):
+    if name in TOKENIZER_FILES or name.endswith((".tiktoken", ".jinja", ".model")):
         kind = "tokenizer"
     elif name.endswith(".metadata"):
         kind = "metadata"
