@@ -24,21 +24,50 @@ from __future__ import annotations
 import collections
 import io
 import pickle
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardforge.errors import CheckpointError
-from shardforge.io.dtypes import DtypeName, is_dtype, lookup_dtype
+from shardforge.io.dtypes import is_dtype, lookup_dtype
+from shardforge.io.pickle_data import (
+    MAX_NESTING,
+    Problem,
+    Record,
+    check_nesting,
+    ints,
+    ordered_dict,
+    record_class,
+    refused,
+    sanitize,
+    size_text,
+    torch_size,
+)
+
+__all__ = [  # the engine, and the values and helpers of `io.pickle_data` the formats use
+    "MAX_NESTING",
+    "Opaque",
+    "Problem",
+    "Profile",
+    "Record",
+    "SafeUnpickler",
+    "describe",
+    "ints",
+    "ordered_dict",
+    "record_class",
+    "refused",
+    "sanitize",
+    "size_text",
+    "torch_size",
+    "unpickle",
+]
 
 # limits shared by every profile
 MAX_MARKS = 10_000  # open MARKs (nested tuples, lists, dicts under construction)
 MAX_STACK = 10_000  # items on the stack at one level (pickle writes batches of 1,000)
-MAX_NESTING = 100  # containers inside containers in the result (real pickles: under 20)
 _CHECK_EVERY = 256  # opcodes between checks of the stack size
 MAX_INT_BYTES = 256  # a LONG4 integer (a pickle's own integers take at most 9)
 MAX_KEY_INT = 1 << 60  # dictionary keys: larger integers could be chosen to collide
-MAX_NAME = 80  # characters of a name from the pickle shown in a message
 # memory bounded by the input: real pickles memoize about one object per 10 bytes (a DCP
 # .metadata 9.6, torch.save's state dicts 10 to 16) and build about 12 bytes of containers and
 # records per byte (a DCP .metadata, as `_COST` estimates them); a hostile one can memoize one
@@ -51,85 +80,6 @@ MIN_MEMORY = 1 << 20  # bytes of containers every pickle may build, however smal
 _COST = {"list": 56, "dict": 64, "set": 216, "tuple": 40, "record": 112}
 _ITEM = {"list": 8, "dict": 48, "set": 32, "tuple": 8}
 _GAP = object()  # a memo slot the pickle skipped
-
-
-def sanitize(text: object, limit: int = MAX_NAME) -> str:
-    """`text` as printable ASCII (anything else shown as ``?``), at most `limit` characters."""
-    s = text if isinstance(text, str) else type(text).__name__
-    s = s[: limit + 1]
-    clean = "".join(c if " " <= c <= "~" else "?" for c in s)
-    return clean if len(clean) <= limit else clean[: limit - 3] + "..."
-
-
-def size_text(n: int) -> str:
-    """A byte count for a message: "1 GiB", "256 MiB", "12 bytes"."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} bytes"
-
-
-class Problem(Exception):
-    """The pickle broke a rule or is damaged; the message says how (the file is added)."""
-
-
-def refused(what: str) -> Problem:
-    return Problem(f"refused to load: the pickle {what} (the file may be malicious)")
-
-
-class Record:
-    """An object of an allow-listed class as plain data: the state the pickle gave it.
-
-    The state lives in a dict of its own and is read as attributes (``rec.fqn``); class
-    attributes and methods always win over it, names starting with ``__`` are never looked up
-    there, and a missing one is an AttributeError (read optional ones with ``getattr``).
-    """
-
-    __slots__ = ("_state",)
-    FIELDS: ClassVar[tuple[str, ...]] = ()  # names for a tuple state (TensorProperties)
-
-    def __init__(self) -> None:
-        self._state: dict[str, Any] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        if not name.startswith("__"):
-            try:
-                return object.__getattribute__(self, "_state")[name]
-            except (KeyError, AttributeError):
-                pass
-        raise AttributeError(name)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self._state.get(name, default)
-
-    def set_state(self, state: Any) -> None:
-        """What BUILD does: merge a dict state, a (dict, slots) pair or a `FIELDS` tuple."""
-        if isinstance(state, tuple) and self.FIELDS and len(state) == len(self.FIELDS):
-            parts: tuple[Any, ...] = (dict(zip(self.FIELDS, state, strict=True)),)
-        elif isinstance(state, tuple) and len(state) == 2:
-            parts = state
-        else:
-            parts = (state,)
-        for part in parts:
-            if part is None:
-                continue
-            if not isinstance(part, dict):
-                raise Problem(f"gives a {sanitize(part)} as the state of {type(self).__name__}")
-            for key, value in part.items():
-                if not isinstance(key, str):
-                    raise Problem(f"gives {type(self).__name__} an attribute named by a non-string")
-                self._state[key] = value
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(sorted(self._state)[:8])})"
-
-
-def record_class(
-    name: str, module: str, doc: str = "", fields: tuple[str, ...] = ()
-) -> type[Record]:
-    """A `Record` subclass for one allow-listed class of a profile defined in `module`."""
-    namespace = {"__slots__": (), "__doc__": doc, "__module__": module, "FIELDS": fields}
-    return type(name, (Record,), namespace)
 
 
 # our objects' ids -> (the object, the first global name it stands for), for messages
@@ -493,57 +443,6 @@ _BY_BYTE: dict[bytes, Callable[[Any], None]] = {
 _BY_BYTE[b""] = _end
 
 
-_LEAVES = frozenset({str, int, float, bool, bytes, type(None), DtypeName})
-
-
-def _children(obj: Any) -> Iterable[Any] | None:
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return obj
-    if isinstance(obj, dict):
-        return obj.values()  # keys are scalars or records (checked when set)
-    if isinstance(obj, Record):
-        return obj._state.values()
-    return None
-
-
-def _check_nesting(root: Any) -> None:
-    """Refuse a result nested more than `MAX_NESTING` containers deep (iteratively: the
-    pickle may share and even cycle its containers through the memo)."""
-    top = _children(root)
-    if top is None:
-        return
-    heights: dict[int, int] = {}  # container id -> containers below it, itself included
-    path: list[tuple[Any, Iterable[Any], list[int]]] = [(root, iter(top), [0])]
-    on_path = {id(root)}
-    leaves = _LEAVES
-    while path:
-        obj, it, best = path[-1]
-        for child in it:
-            if type(child) in leaves:
-                continue
-            known = heights.get(id(child))
-            if known is not None:
-                if known > best[0]:
-                    best[0] = known
-                    if len(path) + known > MAX_NESTING:
-                        raise refused(f"nests containers more than {MAX_NESTING} deep")
-                continue
-            kids = _children(child)
-            if kids is None or id(child) in on_path:
-                continue  # not a container; or a cycle, no deeper than the path already is
-            if len(path) >= MAX_NESTING:
-                raise refused(f"nests containers more than {MAX_NESTING} deep")
-            on_path.add(id(child))
-            path.append((child, iter(kids), [0]))
-            break
-        else:
-            path.pop()
-            on_path.discard(id(obj))
-            heights[id(obj)] = height = best[0] + 1
-            if path and height > path[-1][2][0]:
-                path[-1][2][0] = height
-
-
 def unpickle(data: bytes, source: str, profile: Profile) -> Any:
     """`data` unpickled under `profile`; a one-line CheckpointError naming `source` otherwise."""
     if len(data) > profile.max_bytes:
@@ -553,7 +452,7 @@ def unpickle(data: bytes, source: str, profile: Profile) -> Any:
         )
     try:
         obj = SafeUnpickler(data, profile).load()
-        _check_nesting(obj)
+        check_nesting(obj)
         return obj
     except Problem as exc:
         text = str(exc)
@@ -569,24 +468,3 @@ def unpickle(data: bytes, source: str, profile: Profile) -> Any:
             f"{source}: not a readable pickle of {profile.what}; the file is damaged "
             f"({type(exc).__name__}: {sanitize(str(exc))})"
         ) from None
-
-
-def ints(value: Any, what: str) -> tuple[int, ...]:
-    """`value` as a tuple of int64 values (a shape, offset or stride)."""
-    if type(value) not in (tuple, list) or not set(map(type, value)) <= {int}:
-        raise Problem(f"has a {what} that is not a tuple of integers (damaged)")
-    if value and not (min(value) >= -(1 << 63) and max(value) < 1 << 63):
-        raise Problem(f"has a {what} out of range (damaged)")
-    return tuple(value)
-
-
-def torch_size(value: Any = ()) -> tuple[int, ...]:
-    """What ``torch.Size(value)`` becomes: a checked tuple of integers."""
-    return ints(value, "torch.Size")
-
-
-def ordered_dict(*args: Any) -> collections.OrderedDict[Any, Any]:
-    """What ``collections.OrderedDict()`` becomes: an empty one, filled by SETITEMS."""
-    if args:  # pickle fills it with SETITEMS; arguments would be hashed unchecked
-        raise Problem("passes arguments to OrderedDict (damaged)")
-    return collections.OrderedDict()
