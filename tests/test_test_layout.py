@@ -60,6 +60,7 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "formats/state.py": "tests/merge/test_remove.py: optimizer and training state refused",
     "formats/registry.py": "tests/formats/test_contract.py: every row of the registry",
     "io/fs.py": "tests/io/test_publish.py: fsync and preallocation under the atomic outputs",
+    "io/pickle_data.py": "tests/io/test_unpickler.py: the records and values the engine gives",
     "layouts/layout.py": "tests/layouts/test_catalog.py: each row, through the catalog",
     "keymap/lora.py": "tests/keymap/test_lora_names.py: test_lora.py is tests/train/'s name",
     "keymap/lora_settings.py": "tests/keymap/test_lora_names.py: the names and settings of one adapter",

@@ -12,7 +12,6 @@ through the allow-list unpickler, `formats.lightning_meta`).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -27,6 +26,7 @@ from shardforge.formats.lightning_meta import read_lightning_meta
 from shardforge.formats.rankfiles.names import parse_rank_name
 from shardforge.formats.registry import detect, looked_for
 from shardforge.io.copy import fact_session
+from shardforge.io.files import check_size, read_json
 from shardforge.io.mirror import mirrored
 from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import resolve_checkpoint, scan
@@ -291,9 +291,9 @@ def _recorded_json(directory: Path) -> dict[str, Any]:
         if not p.is_file():
             continue
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            log.warning("%s: not read (%s)", p, exc)
+            data = read_json(p)  # its size capped before it is read
+        except CheckpointError as exc:
+            log.warning("not read: %s", exc)
             continue
         if not isinstance(data, dict):
             continue
@@ -395,6 +395,8 @@ def _model_on_meta(source: str, trust_remote_code: bool) -> Any | None:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        local = Path(source)  # a local folder's (or file's) config, before transformers reads it
+        check_size(local if local.is_file() else local / "config.json")
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)

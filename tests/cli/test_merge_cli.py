@@ -248,6 +248,25 @@ def test_existing_output(env: Path) -> None:
     assert tree_hash(env / "run") == run
 
 
+@pytest.mark.parametrize("fmt", ["hf", "safetensors"])
+def test_an_output_path_under_a_symlink_loop_is_one_line(env: Path, fmt: str) -> None:
+    """Directory links that point at each other: one error line before the merge runs (not
+    `RuntimeError: Symlink loop` after it), nothing written, the run unchanged."""
+    (env / "a").symlink_to(env / "b")
+    (env / "b").symlink_to(env / "a")
+    before = tree_hash(env / "run")
+    out = env / "a" / ("merged" if fmt == "hf" else "model.safetensors")
+    result = invoke(env, "--output_path", str(out), "--format", fmt)
+    assert result.exit_code == 1, result.output
+    assert one_line_error(result.stderr) == (
+        f"error: {out}: the output path cannot be resolved (a loop of symbolic links); "
+        "choose another output path"
+    )
+    assert "checkpoint:" not in result.stderr  # refused before the checkpoint was looked for
+    assert tree_hash(env / "run") == before
+    assert sorted(p.name for p in env.iterdir()) == ["a", "b", "cfg.yml", "run"]
+
+
 def test_output_inside_the_checkpoint_is_refused(env: Path) -> None:
     before = tree_hash(env / "run")
     inside = _model_dir(env) / "merged"

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
 
 from shardforge.config import coerce_cfg, load_cfg, parse_override_args
+from shardforge.config.loader import MAX_CONFIG_BYTES
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
 
@@ -91,6 +93,26 @@ def test_yaml_syntax_error_names_line_and_column(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_cfg(p)
     assert f"{p}:4:1: invalid YAML" in str(info.value)
+
+
+def test_a_file_larger_than_a_config_is_refused_before_parsing(tmp_path: Path) -> None:
+    """The 1 GB one-line config is refused at once, unread; a valid one-line YAML just over
+    the cap too (parsing it would take PyYAML minutes)."""
+    huge = tmp_path / "huge.yml"
+    with huge.open("wb") as f:  # sparse: refused by its size
+        f.truncate(1 << 30)
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        load_cfg(huge)
+    assert time.monotonic() - start < 1.0
+    assert info.value.lines()[0] == (
+        f"error: {huge}: 1,073,741,824 bytes; a config file is at most 4 MiB (configs are "
+        "kilobytes); give the YAML config, not a data file"
+    )
+    line = "base_model: m\nnotes: [" + "1, " * (MAX_CONFIG_BYTES // 3) + "1]\n"
+    with pytest.raises(ConfigError, match="bytes; a config file is at most 4 MiB"):
+        load_cfg(write(tmp_path, line))
+    assert load_cfg(write(tmp_path, "base_model: m\n")).base_model == "m"
 
 
 def test_non_mapping_and_missing_file(tmp_path: Path) -> None:

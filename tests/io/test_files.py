@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from shardforge.errors import CheckpointError
-from shardforge.io.files import inside, open_regular, read_exact_into
+from shardforge.io.files import (
+    MAX_JSON_BYTES,
+    check_size,
+    inside,
+    open_regular,
+    read_exact_into,
+    read_json,
+)
 
 
 def _ckpt(tmp_path: Path) -> Path:
@@ -85,3 +92,39 @@ def test_short_reads_are_errors_never_zeros(tmp_path: Path) -> None:
             read_exact_into(fd, bytearray(17), 48, "f")
     finally:
         os.close(fd)
+
+
+def test_json_of_a_checkpoint_is_read_with_a_size_cap(tmp_path: Path) -> None:
+    """trainer_state.json, config.json, an index: refused unread beyond `MAX_JSON_BYTES`,
+    nested too deep or not JSON as one line naming the file; inside the folder only."""
+    d = _ckpt(tmp_path)
+    state = d / "trainer_state.json"
+    state.write_text('{"global_step": 40, "log_history": [{"loss": 1.5}]}')
+    assert read_json(state, d)["global_step"] == 40
+    with state.open("r+b") as f:  # sparse: refused by its size, before a byte is read
+        f.truncate(MAX_JSON_BYTES + 1)
+    start = time.monotonic()
+    with pytest.raises(CheckpointError) as info:
+        read_json(state, d)
+    assert time.monotonic() - start < 1.0
+    assert str(info.value) == (
+        f"{state}: 16,777,217 bytes, more than the 16,777,216 a trainer_state.json of a "
+        "checkpoint or model folder may have; refusing to read it (is it the right file?)"
+    )
+    config = d / "config.json"
+    with config.open("wb") as f:
+        f.truncate(MAX_JSON_BYTES + 1)
+    with pytest.raises(CheckpointError, match="16,777,217 bytes, more than the 16,777,216"):
+        check_size(config)  # before transformers parses it
+    check_size(d / "missing.json")  # nothing there: the reader says so
+    state.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(CheckpointError, match=r"not valid JSON \(RecursionError: nested too"):
+        read_json(state, d)
+    state.write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"trainer_state\.json: not valid JSON"):
+        read_json(state, d)
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text("{}")
+    (d / "linked.json").symlink_to(outside)
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        read_json(d / "linked.json", d)

@@ -195,3 +195,46 @@ def test_a_whole_copy_is_downloaded_once_per_staging_area(
         assert (copy.stat().st_ino, copy.stat().st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
         assert mirror.whole_copy(folder / name) == folder / name  # a local file: itself
     assert not copy.exists()
+
+
+def test_staging_fetches_only_the_small_files_a_command_reads(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run prefix that also holds an archive and a log: only `.metadata`, JSON, tokenizer
+    files and the like (each under the cap of its kind) are downloaded; the archive, the log,
+    a JSON file over its cap and a large data file are sparse stand-ins of their size, and
+    the archive's bytes are never fetched (the 400 MB training_data.tar, at test scale)."""
+    monkeypatch.setattr(mirror, "FETCH_LIMITS", {**mirror.FETCH_LIMITS, "json": 4096})
+    run = tmp_path / "run"
+    (run / "checkpoint-2" / "model").mkdir(parents=True)
+    (run / "additional_chat_templates").mkdir()
+    read = {
+        "checkpoint-2/model/.metadata": b"\x80\x04N.",
+        "checkpoint-2/trainer_state.json": b'{"global_step": 2}',
+        "config.json": b'{"model_type": "llama"}',
+        "tokenizer.json": b"{}" + b" " * 6000,  # a tokenizer's cap, not a JSON file's
+        "tokenizer.model": b"\x0a\x02ab",
+        "additional_chat_templates/tool_use.jinja": b"{{ messages }}",
+        "latest_checkpointed_iteration.txt": b"2",
+    }
+    unread = {
+        "training_data.tar": (mirror.DOWNLOAD_LIMIT + (3 << 20), b"ustar"),
+        "train.log": (200, b"step 1"),
+        "results.json": (5000, b"{"),  # over the (patched) JSON cap
+        "checkpoint-2/model/__0_0.distcp": (mirror.DOWNLOAD_LIMIT + 1, b"PK"),
+    }
+    for name, data in read.items():
+        (run / name).write_bytes(data)
+    for name, (size, head) in unread.items():
+        (run / name).write_bytes(head + b"x" * (size - len(head)))
+    bucket = s3_server.bucket("staging-fetch")
+    uri = upload(s3_server, bucket, run, "run")
+    with mirror.staging() as area:
+        local = area.mirror(uri, s3_server.storage_options)
+        for name, data in read.items():
+            assert (local / name).read_bytes() == data, name
+        for name, (size, _) in unread.items():
+            st = (local / name).stat()
+            assert (st.st_size, st.st_blocks) == (size, 0), name  # sparse: nothing fetched
+    assert mirror.fetched("training_data.tar", 10) is False  # never, however small
+    assert mirror.fetched(".metadata", 50 << 20) and not mirror.fetched(".metadata", (1 << 30) + 1)

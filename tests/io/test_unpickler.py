@@ -93,6 +93,47 @@ def test_input_and_memo_limits() -> None:
         unpickle(b"\x80\x04N\x94\x94\x94\x94..", "f", small)
 
 
+# a profile whose own caps are far away: only the budget by the input's size can refuse
+ROOMY = Profile("roomy", {}, max_bytes=1 << 30, max_memo=1 << 26)
+
+
+def memo_bomb(entries: int) -> bytes:
+    """None memoized and popped `entries` times: 3 bytes per memo entry (the 90 MB .metadata
+    of 30 million entries was this)."""
+    return b"\x80\x04" + b"N\x940" * entries + b"N."
+
+
+def test_the_memo_is_bounded_by_the_input_size() -> None:
+    data = memo_bomb(200_000)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError) as info:
+        unpickle(data, "bomb.pkl", ROOMY)
+    assert time.perf_counter() - start < 10  # refused at a quarter of the file, not its end
+    assert str(info.value).startswith(
+        f"bomb.pkl: refused to load: the pickle has a memo that exceeds {len(data) // 4} entries "
+        f"for a file of {len(data)} bytes"
+    ), str(info.value)
+    # a real pickle memoizes about one object per 10 bytes: far below the budget
+    real = pickle.dumps([f"name.{i}" for i in range(50_000)], protocol=4)
+    assert unpickle(real, "real.pkl", ROOMY)[-1] == "name.49999"
+    # a memo index far beyond what the file could fill is refused before anything is stored
+    with pytest.raises(CheckpointError, match="memo that exceeds 4096 entries for a file of 9"):
+        unpickle(b"\x80\x04Nr\x00\x00\x01\x00.", "f", ROOMY)
+
+
+def test_the_objects_built_are_bounded_by_the_input_size() -> None:
+    """Empty sets appended to a list (216 bytes each from 2 bytes of pickle) are refused once
+    they exceed 32 bytes per byte of the file; the same number of small lists is fine."""
+    data = b"\x80\x04]" + b"\x8fa" * 100_000 + b"."
+    with pytest.raises(CheckpointError) as info:
+        unpickle(data, "sets.pkl", ROOMY)
+    assert f"builds more than {len(data) * 32} bytes of objects from {len(data)} bytes" in str(
+        info.value
+    )
+    lists = pickle.dumps([[i] for i in range(300, 100_300)], protocol=4)
+    assert len(unpickle(lists, "lists.pkl", ROOMY)) == 100_000
+
+
 def test_a_bare_profile_refuses_the_corpus(tmp_path: Path) -> None:
     refuses_the_corpus(BARE, tmp_path)
 

@@ -142,6 +142,22 @@ def test_resume_continues_like_an_uninterrupted_run(
     assert state["world_size"] == nproc and state["step"] == 6
 
 
+def test_a_trainer_state_is_read_as_untrusted_input(tmp_path: Path) -> None:
+    """trainer_state.json nested 200,000 deep, or larger than any trainer state, is one
+    CheckpointError naming it (not a RecursionError, not a read of the whole file)."""
+    state = tmp_path / ckpt.STATE_FILE
+    state.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(CheckpointError, match=r"trainer_state\.json: not valid JSON"):
+        ckpt.TrainerState.read(tmp_path)
+    state.write_text("[]")
+    with pytest.raises(CheckpointError, match="not a shardforge v1 trainer state"):
+        ckpt.TrainerState.read(tmp_path)
+    with state.open("r+b") as f:
+        f.truncate(1 << 30)  # sparse
+    with pytest.raises(CheckpointError, match="1,073,741,824 bytes, more than the 16,777,216"):
+        ckpt.TrainerState.read(tmp_path)
+
+
 def test_complete_checkpoints_resolve_and_prune(tmp_path: Path) -> None:
     """Only `checkpoint-<digits>` with trainer_state.json and model/.metadata count."""
 

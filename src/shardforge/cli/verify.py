@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import os
 import zipfile
 from dataclasses import dataclass
@@ -24,10 +23,12 @@ from typing import Any
 
 import click
 
+from shardforge.cli import verify_manifest
 from shardforge.cli._common import fire_entry, shardforge_command
 from shardforge.errors import MergeError
+from shardforge.io.files import inside
 from shardforge.io.remote import RemoteURI, filesystem, is_remote, storage_errors
-from shardforge.sinks.manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, canonical
+from shardforge.sinks.manifest import MANIFEST
 
 EPILOG = """\b
 Examples:
@@ -77,6 +78,11 @@ class Location:
     def open(self) -> Any:
         return self.fs.open(self.path, "rb")
 
+    def holds(self, path: Location) -> bool:
+        """`path` (a child) lies inside this folder: on a local disk with symlinks resolved
+        (`io.files.inside`); in a store its name was checked (`verify_manifest`)."""
+        return is_remote(self.shown) or inside(Path(path.path), Path(self.path))
+
     def names(self) -> list[str]:
         """Every file below this folder, by its path relative to it."""
         prefix = self.path.rstrip("/") + "/"
@@ -88,26 +94,27 @@ def _fail(where: Location, problem: str, details: list[str] | None = None) -> Me
 
 
 def read_manifest(directory: Location) -> dict[str, Any]:
-    """The manifest of `directory`, checked to be one and unchanged since it was written."""
+    """The manifest of `directory`, read as untrusted input (`cli.verify_manifest`: size,
+    nesting, schema, paths) and checked to be unchanged since it was written."""
     path = directory.child(MANIFEST)
     if not directory.is_dir():
         raise _fail(directory, "not a directory; give a merged model directory")
     if not path.is_file():
         raise _fail(path, "missing; was this directory written by a shardforge merge?")
+    limit = verify_manifest.MAX_MANIFEST_BYTES
+    if (size := path.size()) > limit:
+        raise verify_manifest.too_large(path.shown, size)  # nothing read
     try:
         with path.open() as f:
-            doc = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError) as exc:
-        raise _fail(path, f"not readable as JSON ({type(exc).__name__})") from None
-    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
-        raise _fail(path, f"not a {MANIFEST_FORMAT} document")
-    if doc.get("version") != MANIFEST_VERSION:
-        raise _fail(path, f"version {doc.get('version')!r}; this shardforge reads version 1")
-    if doc.get("checksum") != hashlib.sha256(canonical(doc)).hexdigest():
-        raise _fail(path, "changed after it was written (its own checksum does not match)")
-    if not isinstance(doc.get("files"), dict) or not isinstance(doc.get("source"), list):
-        raise _fail(path, "has no files or source list")
-    return doc
+            data = f.read(limit + 1)  # no more, even if it grew meanwhile
+    except OSError as exc:
+        raise _fail(path, f"not readable ({type(exc).__name__})") from None
+    return verify_manifest.parse_manifest(data, path.shown)
+
+
+def _inside(folder: Location, path: Location) -> None:
+    if not folder.holds(path):
+        raise _fail(path, f"resolves outside {folder.shown} (a symlink); refusing to read it")
 
 
 def sha256_of(path: Location) -> str:
@@ -124,6 +131,7 @@ def check_files(directory: Location, files: dict[str, Any]) -> int:
     total = 0
     for name in sorted(files):
         want, path = files[name], directory.child(name)
+        _inside(directory, path)
         if not path.is_file():
             raise _fail(path, f"missing (listed in {MANIFEST})")
         size = path.size()
@@ -192,6 +200,7 @@ def check_source(source: dict[str, Any], root: Location) -> int:
     folder = root.is_dir()
     for entry in source.get("files", []):
         path = root.child(entry["path"]) if folder else root
+        _inside(root, path)
         if not path.is_file():
             raise _fail(path, "missing from the checkpoint the output was merged from")
         size = path.size()

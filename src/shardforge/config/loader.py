@@ -7,6 +7,7 @@ command validates its config once."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,9 @@ log = logging.getLogger("shardforge")
 MAX_YAML_NODES = 200_000
 # nesting of lists and mappings
 MAX_YAML_DEPTH = 200
+# bytes of a config file, checked before it is read: a config is kilobytes (the largest of
+# Axolotl's examples, inline chat templates and all, is under 20 KB)
+MAX_CONFIG_BYTES = 4 << 20
 
 
 class _BoundedLoader(yaml.SafeLoader):
@@ -89,13 +93,14 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Parse a YAML mapping; syntax errors name the file, line and column; a document that
-    expands to more than `MAX_YAML_NODES` values (an alias bomb) is refused."""
+    """Parse a YAML mapping; syntax errors name the file, line and column; a file larger than
+    `MAX_CONFIG_BYTES` (before a byte is read) and a document that expands to more than
+    `MAX_YAML_NODES` values (an alias bomb) are refused."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(str(p), ["config file not found; check the path"])
     try:
-        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_BoundedLoader)  # a SafeLoader
+        data = yaml.load(_config_text(p), Loader=_BoundedLoader)  # a SafeLoader
     except RecursionError:
         raise ConfigError(str(p), ["invalid YAML: nested too deeply"]) from None
     except yaml.YAMLError as exc:
@@ -112,6 +117,23 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             str(p), [f"expected a mapping of keys at the top, got {type(data).__name__}"]
         )
     return data
+
+
+def _config_text(p: Path) -> str:
+    """The text of the config file `p`, refused when it is larger than a config can be."""
+    with p.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(MAX_CONFIG_BYTES + 1) if size <= MAX_CONFIG_BYTES else b""
+    if size > MAX_CONFIG_BYTES or len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            str(p),
+            [
+                f"{max(size, len(data)):,} bytes; a config file is at most "
+                f"{MAX_CONFIG_BYTES >> 20} MiB (configs are kilobytes); give the YAML config, "
+                "not a data file"
+            ],
+        )
+    return data.decode("utf-8")
 
 
 def _parse_value(text: str) -> Any:

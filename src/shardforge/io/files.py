@@ -3,17 +3,26 @@
 `open_regular` never blocks (a FIFO put in place of a data file is opened non-blocking and
 refused, as are devices, sockets and directories) and, given the checkpoint's root, refuses a
 path that leaves it once symlinks are resolved (a checkpoint directory that is itself a symlink
-is fine: the root is resolved the same way).
+is fine: the root is resolved the same way). `read_json` reads a small JSON file of a
+checkpoint, run or model folder as untrusted input: its size capped before a byte is read,
+its nesting bounded, each failure one line naming the file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
-from shardforge.errors import CheckpointError
+from shardforge.errors import CheckpointError, MergeError
 from shardforge.io.remote import remote_of
+
+# the JSON files a command reads from a checkpoint, a run or a model folder (trainer_state.json,
+# config.json, fsdp_config.json, an index): a config is kilobytes, trainer_state.json's log grows
+# by about 200 bytes per logged step (a few MB for a long run), an index by ~100 bytes per tensor
+MAX_JSON_BYTES = 16 << 20
 
 
 def inside(path: Path, root: Path) -> bool:
@@ -54,6 +63,56 @@ def open_regular(path: str | Path, root: str | Path | None = None) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def check_resolvable(path: Path, what: str = "output path") -> None:
+    """Refuse `path` when its symlinks cannot be resolved (a loop of directory links): one
+    line before anything is read or written, not a RuntimeError from `Path.resolve` later."""
+    try:
+        path.resolve()
+    except (RuntimeError, OSError) as exc:
+        reason = "a loop of symbolic links" if isinstance(exc, RuntimeError) else str(exc)
+        raise MergeError(
+            f"{path}: the {what} cannot be resolved ({reason}); choose another {what}"
+        ) from None
+
+
+def read_json(path: str | Path, root: str | Path | None = None, limit: int = MAX_JSON_BYTES) -> Any:
+    """The JSON document in the regular file `path` (inside `root` when given), its size
+    checked before it is read; CheckpointError naming the file when it is larger than
+    `limit`, not UTF-8 JSON, or nested too deeply for the parser."""
+    p = Path(path)
+    fd = open_regular(p, root)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CheckpointError(
+                f"{p}: {size:,} bytes, more than the {limit:,} a {p.name} of a checkpoint or "
+                "model folder may have; refusing to read it (is it the right file?)"
+            )
+        data = bytearray(size)
+        read_exact_into(fd, data, 0, str(p))
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:120]
+        raise CheckpointError(f"{p}: not valid JSON ({type(exc).__name__}: {reason})") from None
+
+
+def check_size(path: str | Path, limit: int = MAX_JSON_BYTES) -> None:
+    """Refuse the file `path`, when it exists, if it is larger than `limit` (a file another
+    library parses whole: a model's config.json before transformers reads it)."""
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return  # not there: the reader says so
+    if size > limit:
+        raise CheckpointError(
+            f"{path}: {size:,} bytes, more than the {limit:,} a {Path(path).name} may have; "
+            "refusing to read it (is it the right file?)"
+        )
 
 
 def _kind(mode: int) -> str:

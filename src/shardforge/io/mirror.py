@@ -4,13 +4,20 @@
         local = area.mirror("s3://bucket/run", storage_options)   # a folder the layouts scan
         out = area.output("s3://bucket/merged", storage_options)  # a path the sink publishes to
 
-A mirror is a local folder with the prefix's tree: the small files (`.metadata`, JSON, the
-tokenizer, Lightning's `meta.pt`) downloaded whole, every large data file (`.distcp`,
-`.safetensors`, `.bin`, `.pt`) a sparse stand-in of its size that holds no byte on disk and
-whose reads the byte path sends to the store by ranged requests (`io.remote`). The layouts,
-formats and the merge then find, check and read a remote checkpoint exactly as a local one,
-and no checkpoint data is copied down. Disk: the small files only (plus what a sink stages,
-`sinks.object_store`); the area is removed when the block ends, however it ends.
+A mirror is a local folder with the prefix's tree. Only the small files a command reads are
+downloaded whole, chosen by name and size (`fetched`): a DCP `.metadata`, JSON files (trainer
+state, configs, indexes, adapter config), tokenizer files, verl's
+`latest_checkpointed_iteration.txt`, a model's code files, and data files of at most
+`DOWNLOAD_LIMIT` (Lightning's `meta.pt`, tiny shards), each up to the cap of its kind
+(`FETCH_LIMITS`). Every other object is a sparse stand-in of its size that holds no byte on disk
+and whose reads the byte path sends to the store by ranged requests (`io.remote`): the large
+data files (`.distcp`, `.safetensors`, `.bin`, `.pt`), which the merge reads by byte ranges,
+and whatever else a run's prefix holds (archives, logs, optimizer extras, a file above its
+cap), which no command reads whole: a 400 MB `training_data.tar` beside a checkpoint costs
+nothing. The layouts, formats and the merge then find, check and read a remote checkpoint
+exactly as a local one, and no checkpoint data is copied down. Disk: the small files only (plus
+what a sink stages, `sinks.object_store`); the area is removed when the block ends, however it
+ends.
 
 Messages name the URI, not the staging folder: a `ShardforgeError` leaving the block has the
 folder replaced by ``s3://`` in its lines, and so has every line the "shardforge" logger logs
@@ -43,6 +50,27 @@ from shardforge.io.remote import (
 DATA_SUFFIXES = (".distcp", ".safetensors", ".bin", ".pt", ".pth")
 # a data file at most this large is downloaded whole (fewer requests for tiny shards)
 DOWNLOAD_LIMIT = 1 << 20
+# the files a command reads whole, by name: the cap of each kind (a larger one is a stand-in,
+# refused by its reader's own cap); anything else is never downloaded
+TOKENIZER_FILES = frozenset(
+    {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "chat_template.json",
+    }
+)  # and every *.model (sentencepiece), *.jinja (chat templates) and *.tiktoken file
+FETCH_LIMITS = {
+    "metadata": 1 << 30,  # a DCP .metadata: the allow-list unpickler's cap for it
+    "json": 16 << 20,  # trainer_state.json, config.json, an index (`io.files.MAX_JSON_BYTES`)
+    "tokenizer": 64 << 20,  # the largest tokenizer.json files are tens of MB
+    "text": 1 << 20,  # latest_checkpointed_iteration.txt, a model's code (configuration_*.py)
+}
+LATEST_FILE = "latest_checkpointed_iteration.txt"  # verl's (layouts.layout.LATEST_FILE)
 # the folder under which each staging area is made (default: the system's temporary folder)
 STAGING_ENV = "SHARDFORGE_STAGING_DIR"
 _SCHEME_DIR = "s3"
@@ -114,7 +142,7 @@ class StagingArea:
             target = _inside(local, rel, uri)
             target.parent.mkdir(parents=True, exist_ok=True)
             size = int(info.get("size") or 0)
-            if target.name.endswith(DATA_SUFFIXES) and size > DOWNLOAD_LIMIT:
+            if not fetched(target.name, size):
                 self._stand_in(
                     target, RemoteObject(fs, RemoteURI.parse(f"s3://{path}"), size, options)
                 )
@@ -141,6 +169,24 @@ class StagingArea:
     def close(self) -> None:
         forget_stand_ins(self.stand_ins)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def fetched(name: str, size: int) -> bool:
+    """Whether staging downloads the object `name` of `size` bytes whole: a file a command
+    reads (by name, `FETCH_LIMITS`) or a data file of at most `DOWNLOAD_LIMIT`."""
+    if name.endswith(DATA_SUFFIXES):
+        return size <= DOWNLOAD_LIMIT
+    if name in TOKENIZER_FILES or name.endswith((".tiktoken", ".jinja", ".model")):
+        kind = "tokenizer"
+    elif name.endswith(".metadata"):
+        kind = "metadata"
+    elif name.endswith(".json"):
+        kind = "json"
+    elif name == LATEST_FILE or name.endswith(".py"):
+        kind = "text"
+    else:
+        return False
+    return size <= FETCH_LIMITS[kind]
 
 
 def _inside(local: Path, rel: str, uri: RemoteURI) -> Path:

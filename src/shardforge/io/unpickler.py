@@ -12,6 +12,10 @@ integers, None, booleans or records (hashing anything else could recurse or be m
 The input, memo, integers, open marks, items at one level and the result's nesting are bounded
 (the limits below and in `Profile`); a length field claiming more bytes than remain allocates
 nothing; extension codes and out-of-band buffers (BYTEARRAY8 allocates up front) are refused.
+Memory is bounded by the input's size, not only by the caps: the memo is a list (8 bytes an
+entry) of at most one entry per `BYTES_PER_MEMO` bytes of the pickle, and the containers and
+records it builds are charged as they are made (their approximate size in memory) against
+`MEMORY_PER_BYTE` times its size; either refused the moment it is exceeded, naming the cause.
 Every refusal is a one-line `CheckpointError` naming the file, names from the pickle sanitized.
 """
 
@@ -20,100 +24,62 @@ from __future__ import annotations
 import collections
 import io
 import pickle
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardforge.errors import CheckpointError
-from shardforge.io.dtypes import DtypeName, is_dtype, lookup_dtype
+from shardforge.io.dtypes import is_dtype, lookup_dtype
+from shardforge.io.pickle_data import (
+    MAX_NESTING,
+    Problem,
+    Record,
+    check_nesting,
+    ints,
+    ordered_dict,
+    record_class,
+    refused,
+    sanitize,
+    size_text,
+    torch_size,
+)
+
+__all__ = [  # the engine, and the values and helpers of `io.pickle_data` the formats use
+    "MAX_NESTING",
+    "Opaque",
+    "Problem",
+    "Profile",
+    "Record",
+    "SafeUnpickler",
+    "describe",
+    "ints",
+    "ordered_dict",
+    "record_class",
+    "refused",
+    "sanitize",
+    "size_text",
+    "torch_size",
+    "unpickle",
+]
 
 # limits shared by every profile
 MAX_MARKS = 10_000  # open MARKs (nested tuples, lists, dicts under construction)
 MAX_STACK = 10_000  # items on the stack at one level (pickle writes batches of 1,000)
-MAX_NESTING = 100  # containers inside containers in the result (real pickles: under 20)
 _CHECK_EVERY = 256  # opcodes between checks of the stack size
 MAX_INT_BYTES = 256  # a LONG4 integer (a pickle's own integers take at most 9)
 MAX_KEY_INT = 1 << 60  # dictionary keys: larger integers could be chosen to collide
-MAX_NAME = 80  # characters of a name from the pickle shown in a message
-
-
-def sanitize(text: object, limit: int = MAX_NAME) -> str:
-    """`text` as printable ASCII (anything else shown as ``?``), at most `limit` characters."""
-    s = text if isinstance(text, str) else type(text).__name__
-    s = s[: limit + 1]
-    clean = "".join(c if " " <= c <= "~" else "?" for c in s)
-    return clean if len(clean) <= limit else clean[: limit - 3] + "..."
-
-
-def size_text(n: int) -> str:
-    """A byte count for a message: "1 GiB", "256 MiB", "12 bytes"."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} bytes"
-
-
-class Problem(Exception):
-    """The pickle broke a rule or is damaged; the message says how (the file is added)."""
-
-
-def refused(what: str) -> Problem:
-    return Problem(f"refused to load: the pickle {what} (the file may be malicious)")
-
-
-class Record:
-    """An object of an allow-listed class as plain data: the state the pickle gave it.
-
-    The state lives in a dict of its own and is read as attributes (``rec.fqn``); class
-    attributes and methods always win over it, names starting with ``__`` are never looked up
-    there, and a missing one is an AttributeError (read optional ones with ``getattr``).
-    """
-
-    __slots__ = ("_state",)
-    FIELDS: ClassVar[tuple[str, ...]] = ()  # names for a tuple state (TensorProperties)
-
-    def __init__(self) -> None:
-        self._state: dict[str, Any] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        if not name.startswith("__"):
-            try:
-                return object.__getattribute__(self, "_state")[name]
-            except (KeyError, AttributeError):
-                pass
-        raise AttributeError(name)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self._state.get(name, default)
-
-    def set_state(self, state: Any) -> None:
-        """What BUILD does: merge a dict state, a (dict, slots) pair or a `FIELDS` tuple."""
-        if isinstance(state, tuple) and self.FIELDS and len(state) == len(self.FIELDS):
-            parts: tuple[Any, ...] = (dict(zip(self.FIELDS, state, strict=True)),)
-        elif isinstance(state, tuple) and len(state) == 2:
-            parts = state
-        else:
-            parts = (state,)
-        for part in parts:
-            if part is None:
-                continue
-            if not isinstance(part, dict):
-                raise Problem(f"gives a {sanitize(part)} as the state of {type(self).__name__}")
-            for key, value in part.items():
-                if not isinstance(key, str):
-                    raise Problem(f"gives {type(self).__name__} an attribute named by a non-string")
-                self._state[key] = value
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(sorted(self._state)[:8])})"
-
-
-def record_class(
-    name: str, module: str, doc: str = "", fields: tuple[str, ...] = ()
-) -> type[Record]:
-    """A `Record` subclass for one allow-listed class of a profile defined in `module`."""
-    namespace = {"__slots__": (), "__doc__": doc, "__module__": module, "FIELDS": fields}
-    return type(name, (Record,), namespace)
+# memory bounded by the input: real pickles memoize about one object per 10 bytes (a DCP
+# .metadata 9.6, torch.save's state dicts 10 to 16) and build about 12 bytes of containers and
+# records per byte (a DCP .metadata, as `_COST` estimates them); a hostile one can memoize one
+# per 2 bytes and build over 100 bytes per byte (an empty set per 2 bytes)
+BYTES_PER_MEMO = 4  # the memo holds at most one entry per this many bytes of the pickle
+MEMORY_PER_BYTE = 32  # containers built: at most this many bytes per byte of the pickle
+MIN_MEMO = 1 << 12  # entries every pickle may memoize, however small
+MIN_MEMORY = 1 << 20  # bytes of containers every pickle may build, however small
+# approximate bytes a container costs (CPython 3.11, 64-bit), and each item put in it
+_COST = {"list": 56, "dict": 64, "set": 216, "tuple": 40, "record": 112}
+_ITEM = {"list": 8, "dict": 48, "set": 32, "tuple": 8}
+_GAP = object()  # a memo slot the pickle skipped
 
 
 # our objects' ids -> (the object, the first global name it stands for), for messages
@@ -200,8 +166,21 @@ class SafeUnpickler(pickle._Unpickler):
         self._input = io.BytesIO(data)
         super().__init__(self._input, fix_imports=False)
         self.profile = profile
-        self.memo: dict[int, Any] = {}
+        self.memo: list[Any] = []
+        self._size = len(data)
+        self._memo_limit = min(profile.max_memo, max(MIN_MEMO, len(data) // BYTES_PER_MEMO))
+        self._budget = max(MIN_MEMORY, len(data) * MEMORY_PER_BYTE)
+        self._spent = 0  # estimated bytes of the containers built so far
         self._callables = {id(v) for v in profile.globals.values() if callable(v)}
+
+    def _spend(self, n: int) -> None:
+        """Charge `n` bytes of built containers; refused beyond the budget."""
+        self._spent += n
+        if self._spent > self._budget:
+            raise refused(
+                f"builds more than {size_text(self._budget)} of objects from {self._size} bytes "
+                f"(at most {MEMORY_PER_BYTE} bytes per byte of the file)"
+            )
 
     # the main loop: as pickle's, with the stack limit checked every `_CHECK_EVERY` opcodes.
     # Reads come straight from the input: a length field claiming more than remains reads what
@@ -258,6 +237,7 @@ class SafeUnpickler(pickle._Unpickler):
         if issubclass(cls, Record):
             if args or kwargs:
                 raise Problem(f"passes arguments to {cls.__name__} (damaged)")
+            self._spend(_COST["record"])
             return cls()
         return cls.__new__(cls, *args, **kwargs)
 
@@ -286,6 +266,7 @@ class SafeUnpickler(pickle._Unpickler):
         state = self.stack.pop()
         inst = self.stack[-1]
         if isinstance(inst, Record):
+            self._spend(_ITEM["dict"] * (len(state) if isinstance(state, (dict, tuple)) else 1))
             inst.set_state(state)
         elif not (
             (isinstance(inst, Opaque) and not inst.named) or type(inst) is collections.OrderedDict
@@ -294,15 +275,18 @@ class SafeUnpickler(pickle._Unpickler):
 
     def load_append(self) -> None:
         value = self.stack.pop()
+        self._spend(_ITEM["list"])
         _target(self.stack[-1], list, "appends to").append(value)
 
     def load_appends(self) -> None:
         items = self.pop_mark()
+        self._spend(_ITEM["list"] * len(items))
         _target(self.stack[-1], list, "appends to").extend(items)
 
     def load_setitem(self) -> None:
         value = self.stack.pop()
         key = self.stack.pop()
+        self._spend(_ITEM["dict"])
         _target(self.stack[-1], dict, "sets an item of")[_key(key)] = value
 
     def load_setitems(self) -> None:
@@ -310,6 +294,7 @@ class SafeUnpickler(pickle._Unpickler):
         target = _target(self.stack[-1], dict, "sets an item of")
         if len(items) % 2:
             raise Problem("has SETITEMS with an odd number of items (damaged)")
+        self._spend(_ITEM["dict"] * (len(items) // 2))
         keys = items[0::2]
         if not set(map(type, keys)) <= {str}:
             keys = [_key(k) for k in keys]
@@ -319,22 +304,33 @@ class SafeUnpickler(pickle._Unpickler):
         items = self.pop_mark()
         if len(items) % 2:
             raise Problem("has DICT with an odd number of items (damaged)")
+        self._spend(_COST["dict"] + _ITEM["dict"] * (len(items) // 2))
         self.append({_key(items[i]): items[i + 1] for i in range(0, len(items), 2)})
 
     def load_additems(self) -> None:
         items = self.pop_mark()
+        self._spend(_ITEM["set"] * len(items))
         _target(self.stack[-1], set, "adds to").update(_key(k) for k in items)
 
     def load_frozenset(self) -> None:
-        self.append(frozenset(_key(k) for k in self.pop_mark()))
+        items = self.pop_mark()
+        self._spend(_COST["set"] + _ITEM["set"] * len(items))
+        self.append(frozenset(_key(k) for k in items))
 
     def _memo_put(self, index: int) -> None:
-        limit = self.profile.max_memo
-        if not 0 <= index < limit or (index not in self.memo and len(self.memo) >= limit):
+        limit, memo = self.profile.max_memo, self.memo
+        if not 0 <= index < limit:
             raise refused(
                 f"uses memo index {index}; {self.profile.what} use fewer than {limit} entries"
             )
-        self.memo[index] = self.stack[-1]
+        if index >= self._memo_limit:
+            raise refused(
+                f"has a memo that exceeds {self._memo_limit} entries for a file of {self._size} "
+                f"bytes (at most one per {BYTES_PER_MEMO} bytes)"
+            )
+        if index >= len(memo):
+            memo.extend([_GAP] * (index - len(memo) + 1))
+        memo[index] = self.stack[-1]
 
     def load_put(self) -> None:
         line = self.readline()[:-1]
@@ -349,10 +345,57 @@ class SafeUnpickler(pickle._Unpickler):
         self._memo_put(int.from_bytes(self.read(4), "little"))
 
     def load_memoize(self) -> None:
-        n = len(self.memo)
-        if n >= self.profile.max_memo:
-            self._memo_put(n)  # refuses
-        self.memo[n] = self.stack[-1]
+        self._memo_put(len(self.memo))
+
+    def _memo_get(self, index: int) -> None:
+        value = self.memo[index] if 0 <= index < len(self.memo) else _GAP
+        if value is _GAP:
+            raise Problem(f"reads memo entry {index}, which it never stored (damaged)")
+        self.append(value)
+
+    def load_get(self) -> None:
+        self._memo_get(int(self.readline()[:-1]))  # not a number: damaged, as in pickle
+
+    def load_binget(self) -> None:
+        self._memo_get(self.read(1)[0])
+
+    def load_long_binget(self) -> None:
+        self._memo_get(int.from_bytes(self.read(4), "little"))
+
+    # containers: charged as they are made (`_COST`), and for each item put in them (`_ITEM`)
+    def load_empty_list(self) -> None:
+        self._spend(_COST["list"])
+        self.append([])
+
+    def load_empty_dict(self) -> None:
+        self._spend(_COST["dict"])
+        self.append({})
+
+    def load_empty_set(self) -> None:
+        self._spend(_COST["set"])
+        self.append(set())
+
+    def load_list(self) -> None:
+        items = self.pop_mark()
+        self._spend(_COST["list"] + _ITEM["list"] * len(items))
+        self.append(items)
+
+    def load_tuple(self) -> None:
+        items = self.pop_mark()
+        self._spend(_COST["tuple"] + _ITEM["tuple"] * len(items))
+        self.append(tuple(items))
+
+    def load_tuple1(self) -> None:
+        self._spend(_COST["tuple"] + _ITEM["tuple"])
+        self.stack[-1] = (self.stack[-1],)
+
+    def load_tuple2(self) -> None:
+        self._spend(_COST["tuple"] + 2 * _ITEM["tuple"])
+        self.stack[-2:] = [(self.stack[-2], self.stack[-1])]
+
+    def load_tuple3(self) -> None:
+        self._spend(_COST["tuple"] + 3 * _ITEM["tuple"])
+        self.stack[-3:] = [(self.stack[-3], self.stack[-2], self.stack[-1])]
 
     def load_frame(self) -> None:
         self.read(8)  # a frame only groups opcodes: read on
@@ -400,57 +443,6 @@ _BY_BYTE: dict[bytes, Callable[[Any], None]] = {
 _BY_BYTE[b""] = _end
 
 
-_LEAVES = frozenset({str, int, float, bool, bytes, type(None), DtypeName})
-
-
-def _children(obj: Any) -> Iterable[Any] | None:
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return obj
-    if isinstance(obj, dict):
-        return obj.values()  # keys are scalars or records (checked when set)
-    if isinstance(obj, Record):
-        return obj._state.values()
-    return None
-
-
-def _check_nesting(root: Any) -> None:
-    """Refuse a result nested more than `MAX_NESTING` containers deep (iteratively: the
-    pickle may share and even cycle its containers through the memo)."""
-    top = _children(root)
-    if top is None:
-        return
-    heights: dict[int, int] = {}  # container id -> containers below it, itself included
-    path: list[tuple[Any, Iterable[Any], list[int]]] = [(root, iter(top), [0])]
-    on_path = {id(root)}
-    leaves = _LEAVES
-    while path:
-        obj, it, best = path[-1]
-        for child in it:
-            if type(child) in leaves:
-                continue
-            known = heights.get(id(child))
-            if known is not None:
-                if known > best[0]:
-                    best[0] = known
-                    if len(path) + known > MAX_NESTING:
-                        raise refused(f"nests containers more than {MAX_NESTING} deep")
-                continue
-            kids = _children(child)
-            if kids is None or id(child) in on_path:
-                continue  # not a container; or a cycle, no deeper than the path already is
-            if len(path) >= MAX_NESTING:
-                raise refused(f"nests containers more than {MAX_NESTING} deep")
-            on_path.add(id(child))
-            path.append((child, iter(kids), [0]))
-            break
-        else:
-            path.pop()
-            on_path.discard(id(obj))
-            heights[id(obj)] = height = best[0] + 1
-            if path and height > path[-1][2][0]:
-                path[-1][2][0] = height
-
-
 def unpickle(data: bytes, source: str, profile: Profile) -> Any:
     """`data` unpickled under `profile`; a one-line CheckpointError naming `source` otherwise."""
     if len(data) > profile.max_bytes:
@@ -460,7 +452,7 @@ def unpickle(data: bytes, source: str, profile: Profile) -> Any:
         )
     try:
         obj = SafeUnpickler(data, profile).load()
-        _check_nesting(obj)
+        check_nesting(obj)
         return obj
     except Problem as exc:
         text = str(exc)
@@ -476,24 +468,3 @@ def unpickle(data: bytes, source: str, profile: Profile) -> Any:
             f"{source}: not a readable pickle of {profile.what}; the file is damaged "
             f"({type(exc).__name__}: {sanitize(str(exc))})"
         ) from None
-
-
-def ints(value: Any, what: str) -> tuple[int, ...]:
-    """`value` as a tuple of int64 values (a shape, offset or stride)."""
-    if type(value) not in (tuple, list) or not set(map(type, value)) <= {int}:
-        raise Problem(f"has a {what} that is not a tuple of integers (damaged)")
-    if value and not (min(value) >= -(1 << 63) and max(value) < 1 << 63):
-        raise Problem(f"has a {what} out of range (damaged)")
-    return tuple(value)
-
-
-def torch_size(value: Any = ()) -> tuple[int, ...]:
-    """What ``torch.Size(value)`` becomes: a checked tuple of integers."""
-    return ints(value, "torch.Size")
-
-
-def ordered_dict(*args: Any) -> collections.OrderedDict[Any, Any]:
-    """What ``collections.OrderedDict()`` becomes: an empty one, filled by SETITEMS."""
-    if args:  # pickle fills it with SETITEMS; arguments would be hashed unchecked
-        raise Problem("passes arguments to OrderedDict (damaged)")
-    return collections.OrderedDict()

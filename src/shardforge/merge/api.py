@@ -16,8 +16,10 @@ from shardforge.config import coerce_cfg
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError
 from shardforge.io.copy import fact_session
+from shardforge.io.files import check_resolvable
 from shardforge.io.mirror import public_path
 from shardforge.io.publish import check_output_path
+from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import list_checkpoints
 from shardforge.merge.locate import checkpoint_root, remote_paths
 from shardforge.merge.request import MergeRequest, merge_keywords
@@ -36,6 +38,8 @@ def merge_fsdp_weights(
     # every option conflict is refused here, before anything is read
     out = Path(output_path) if output_path is not None else None
     request = MergeRequest(output_path=out, save_tokenizer=save_tokenizer, **options)
+    if out is not None and not is_remote(str(output_path)):
+        check_resolvable(out)  # a symlink loop: one line now, not a traceback after the merge
     config = coerce_cfg(cfg, command="merge")
     # the run is scanned, and each .metadata and record parsed, once (head start included);
     # s3:// paths are staged as local ones for the merge (`merge.locate.remote_paths`)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from shardforge.config.peft import linear_layer_names
 from shardforge.errors import MergeError, printable
 from shardforge.formats.base import TensorSource
+from shardforge.io.files import check_size
 from shardforge.keymap.conversion import SavedLayout, saved_layout
 from shardforge.keymap.converted import saved_sources
 from shardforge.keymap.keys import stored_once, tied_pairs
@@ -101,6 +103,8 @@ def clean_architectures(config: Any) -> None:
 def load_config(source: str, trust_remote_code: bool) -> Any:
     from transformers import AutoConfig
 
+    local = Path(source)  # a local folder's (or file's) config, before transformers reads it
+    check_size(local if local.is_file() else local / "config.json")
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except Exception as exc:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from shardforge.errors import CheckpointError
+from shardforge.io.files import read_json
 from shardforge.io.fs import fsync_dir
 from shardforge.io.mirror import mirrored, staging
 from shardforge.io.remote import is_remote
@@ -70,11 +71,12 @@ class TrainerState:
 
     @classmethod
     def read(cls, path: Path) -> TrainerState:
-        try:
-            data = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{path / STATE_FILE}: unreadable ({exc})") from None
-        if data.get("format") != FORMAT or data.get("format_version") != FORMAT_VERSION:
+        data = read_json(path / STATE_FILE)  # its size capped; one line when it is not JSON
+        if (
+            not isinstance(data, dict)
+            or data.get("format") != FORMAT
+            or data.get("format_version") != FORMAT_VERSION
+        ):
             raise CheckpointError(f"{path / STATE_FILE}: not a shardforge v1 trainer state")
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})

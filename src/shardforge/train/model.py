@@ -9,7 +9,6 @@ load_base_weights(model, ..) rank 0 reads the safetensors, FSDP scatters the sli
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import re
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from torch import nn
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
 from shardforge.io.dtypes import torch_dtype
+from shardforge.io.files import read_json
 
 log = logging.getLogger("shardforge")
 
@@ -182,7 +182,7 @@ def _weight_files(base: Path) -> list[Path]:
     for name in WEIGHT_INDEX_FILES:
         index = base / name
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index, base)["weight_map"]  # its size capped
             return [base / f for f in sorted(set(weight_map.values()))]
     files = [base / n for n in WEIGHT_FILES if (base / n).is_file()]
     if not files:

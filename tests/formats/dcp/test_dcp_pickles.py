@@ -110,6 +110,18 @@ def test_metadata_size_limit(tmp_path: Path) -> None:
         load_metadata_pickle(big)
 
 
+def test_a_memo_bomb_is_refused_early_naming_the_memo(tmp_path: Path) -> None:
+    """The 90 MB .metadata of 30 million memo entries, at test scale: refused once its memo
+    outgrows what a file of its size can hold, not after parsing it all as 'not Metadata'."""
+    path = tmp_path / ".metadata"
+    path.write_bytes(b"\x80\x04" + b"N\x940" * 200_000 + b"N.")  # 3 bytes per entry
+    with pytest.raises(CheckpointError) as info:
+        load_metadata_pickle(path)
+    assert f"has a memo that exceeds {600_004 // 4} entries for a file of 600004 bytes" in str(
+        info.value
+    )
+
+
 def test_malformed_records_are_not_given_to_torch(tmp_path: Path) -> None:
     """Each part of torch's Metadata is built from checked fields; a record of the wrong
     shape is one line naming the file and the part."""

@@ -62,6 +62,19 @@ def test_plain_and_strided_tensors(tmp_path: Path) -> None:
     assert plan["c"].slabs() is not None
 
 
+def test_a_memo_bomb_is_refused_by_its_size_not_after_parsing(tmp_path: Path) -> None:
+    """A rank file's pickle of many memo entries (the 48 MB file of 16 million memo puts, at
+    test scale) is refused early, naming the memo, not after parsing with "keys differ"."""
+    path = tmp_path / "model_world_size_1_rank_0.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    bomb = tmp_path / "bomb" / path.name
+    bomb.parent.mkdir()
+    # None memoized and popped: 3 bytes per entry; then an empty state dict
+    _replace_pickle(path, bomb, b"\x80\x02" + b"N\x940" * 200_000 + b"}.")
+    with pytest.raises(CheckpointError, match=r"has a memo that exceeds .* entries for a file of"):
+        read_rank_file(bomb)
+
+
 class _Payload:
     def __init__(self, marker: Path) -> None:
         self.marker = marker

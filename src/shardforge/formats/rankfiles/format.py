@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -21,6 +20,7 @@ from shardforge.formats.base import (
     StoredRecord,
 )
 from shardforge.formats.rankfiles.names import RANK_NAMES, RankNames
+from shardforge.io.files import read_json
 
 log = logging.getLogger("shardforge")
 
@@ -39,9 +39,9 @@ def check_fsdp_config(model_dir: Path, world_size: int) -> None:
     if not path.is_file():
         return
     try:
-        recorded = json.loads(path.read_text(encoding="utf-8")).get("world_size")
-    except (ValueError, AttributeError, OSError):
-        log.warning("%s: not readable JSON; ignored", path)
+        recorded = read_json(path, model_dir).get("world_size")
+    except (CheckpointError, AttributeError) as exc:
+        log.warning("%s: not readable JSON; ignored (%s)", path, exc)
         return
     if isinstance(recorded, int) and recorded != world_size:
         raise CheckpointError(
