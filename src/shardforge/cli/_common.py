@@ -46,6 +46,14 @@ def load_config(config: str | Path, override_args: Sequence[str] | None, command
     return load_cfg(config, command=command, **parse_override_args(list(override_args or [])))
 
 
+def overrides_name(override_args: Sequence[str] | None, key: str) -> bool:
+    """Whether the override arguments set config key `key` (either spelling: `--base_model`,
+    `--base-model`)."""
+    from shardforge.config import parse_override_args
+
+    return key in parse_override_args(list(override_args or []))
+
+
 def setup_logging(quiet: bool = False) -> None:
     logging.basicConfig(
         level=logging.WARNING if quiet else logging.INFO,

@@ -92,14 +92,16 @@ def inference(
     prompt: str | None = None,
     read_prompt: Callable[[], str] | None = None,
     stream: bool = False,
+    named_base: bool = False,
     **options: Any,
 ) -> Generation:
     """Generate from the weights `options` name (`InferenceRequest`'s fields; none: the run's
-    own) for `prompt`, else the text `read_prompt()` returns (asked for once the config and
-    the weights were found, before they are loaded)."""
+    own, or base_model where it names the model: `named_base`, the user gave --base_model) for
+    `prompt`, else the text `read_prompt()` returns (asked for once the config and the weights
+    were found, before they are loaded)."""
     config = coerce_cfg(cfg)
     request = InferenceRequest(prompt=prompt, **options)
-    picked = pick(config, request)
+    picked = pick(config, request, named_base)
     if request.prompt is None:
         if read_prompt is None:
             raise ShardforgeError("no prompt: give --prompt TEXT or the prompt on standard input")
