@@ -116,6 +116,14 @@ def test_example_runs_every_command(
     _same_as_checkpoint(merged, out / f"checkpoint-{last}")
     _shardforge("verify", merged, "--checkpoint", out)
 
+    if path.name == "tiny-llama.yml":  # the README's story: plain transformers generates
+        argv = [sys.executable, "examples/generate.py", merged, "--prompt", "The robot"]
+        gen = subprocess.run(
+            [*map(str, argv), "--max_new_tokens", "8"],
+            capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120, check=True,
+        )  # fmt: skip
+        assert gen.stdout.startswith("The robot") and len(gen.stdout.strip()) > len("The robot")
+
     prompt = ["--prompt", PROMPTS[path.name], "--max_new_tokens", "16"]
     answer = _invoke("inference", example, *where, *prompt).stdout  # the run's latest checkpoint
     assert answer.strip(), "an empty answer"
