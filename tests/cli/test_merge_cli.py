@@ -131,6 +131,28 @@ def test_help_shows_examples() -> None:
     assert "pytorch_model_fsdp_0" in result.output and "last.ckpt" in result.output
 
 
+def test_help_names_object_storage_and_torchruns_options() -> None:
+    from shardforge.merge.launch import torchrun_command
+    from shardforge.merge.request import MergeRequest
+
+    result = CliRunner().invoke(cli, [CMD, "--help"])
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    for words in (
+        "s3://",
+        "storage_options",
+        "AWS_ACCESS_KEY_ID",
+        "--rdzv_backend",
+        "--max_restarts",
+    ):
+        assert words in text, words
+    request = MergeRequest(output_path=Path("out"), nproc_per_node=2, rdzv_backend="static",
+                           max_restarts=3)  # fmt: skip
+    cmd = torchrun_command(request, Path("request.json"))
+    assert cmd[cmd.index("--rdzv_backend") + 1] == "static"
+    assert cmd[cmd.index("--max_restarts") + 1] == "3"
+
+
 def test_missing_metadata(env: Path) -> None:
     (_model_dir(env) / ".metadata").unlink()
     before = tree_hash(env / "run")
