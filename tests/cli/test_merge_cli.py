@@ -335,6 +335,18 @@ def test_real_cli_refusals_in_a_subprocess(env: Path) -> None:
     assert tree_hash(env / "run") == before
 
 
+@pytest.mark.slow  # the real command in a process of its own
+def test_quiet_keeps_transformers_bars_and_warnings_off_stderr(env: Path) -> None:
+    """--quiet with --engine transformers (whose save_pretrained draws a bar, and DCP's loader
+    warns): stderr holds shardforge's own lines only."""
+    proc = _real_cli(env, "--output_path", str(env / "out"), "--engine", "transformers", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert (env / "out" / "model.safetensors").is_file()
+    for noise in ("Writing model shards", "it/s]", "Warning", "warnings.warn"):
+        assert noise not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(f"wrote {env / 'out'} ")
+
+
 def test_python_module_entry_point(env: Path) -> None:
     proc = subprocess.run(
         [

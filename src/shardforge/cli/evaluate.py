@@ -14,6 +14,7 @@ from shardforge.cli._common import (
     fire_entry,
     load_config,
     overrides_name,
+    quiet_libraries,
     shardforge_command,
 )
 from shardforge.use.request import ModelRequest
@@ -40,7 +41,8 @@ def do_evaluate(config: str | Path, override_args: list[str] | None = None, **op
 
     cfg = load_config(config, override_args, "all")
     named_base = overrides_name(override_args, "base_model")  # Axolotl's --base-model
-    return evaluate_model(cfg, named_base=named_base, **options)
+    with quiet_libraries():  # the metrics and shardforge's lines, not transformers' bars
+        return evaluate_model(cfg, named_base=named_base, **options)
 
 
 @shardforge_command(

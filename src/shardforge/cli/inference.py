@@ -14,6 +14,7 @@ from shardforge.cli._common import (
     fire_entry,
     load_config,
     overrides_name,
+    quiet_libraries,
     shardforge_command,
 )
 from shardforge.use.request import InferenceRequest
@@ -55,7 +56,8 @@ def do_inference(config: str | Path, override_args: list[str] | None = None, **o
 
     cfg = load_config(config, override_args, "all")
     named_base = overrides_name(override_args, "base_model")  # Axolotl's --base-model
-    return inference(cfg, read_prompt=read_stdin, stream=True, named_base=named_base, **options)
+    with quiet_libraries():  # the answer and shardforge's lines, not transformers' bars
+        return inference(cfg, read_prompt=read_stdin, stream=True, named_base=named_base, **options)
 
 
 @shardforge_command(

@@ -9,7 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shardforge.cli._common import config_argument, fire_entry, load_config, shardforge_command
+from shardforge.cli._common import (
+    config_argument,
+    fire_entry,
+    load_config,
+    quiet_libraries,
+    shardforge_command,
+)
 from shardforge.errors import CheckpointError
 from shardforge.merge.request import MergeRequest
 
@@ -136,7 +142,10 @@ def command(config: str, overrides: list[str], **options: Any) -> str | None:
     and the output may be in object storage (s3://BUCKET/PREFIX, also an output_dir: s3://):
     credentials and endpoint from the AWS variables or the config's storage_options."""
     # --quiet hides the progress bar; the chosen checkpoint is still printed (on stderr)
-    out = do_merge_sharded_fsdp_weights(config, options.pop("output_path"), overrides, **options)
+    with quiet_libraries(options["quiet"]):  # --quiet: no transformers bars or warnings either
+        out = do_merge_sharded_fsdp_weights(
+            config, options.pop("output_path"), overrides, **options
+        )
     return None if options["dry_run"] else f"{out}\n"
 
 

@@ -136,7 +136,10 @@ class MergeRequest:
         "metadata reader), `save_pretrained`; it writes the same tensors.",
         default="stream",
     )
-    quiet: bool = flag("No progress bar.")
+    quiet: bool = flag(
+        "No progress bar; on the command line, transformers' bars and the libraries' warnings "
+        "are kept off stderr too."
+    )
     state_dict_dirname: str | None = optional(
         "The model folder inside each step, e.g. pytorch_ema_model_fsdp_0 (EMA weights).",
         metavar="NAME",
