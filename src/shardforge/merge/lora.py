@@ -404,6 +404,8 @@ def merge_lora(
         prep.expected.total_parameters,
         prep.dtype,
         companions,
+        # what --verify compares with: no checkpoint is involved
+        reference="the base model and the adapter, read by safetensors and fused again",
     )
     with sigterm_as_interrupt():
         HfDirectorySink().write(output, out, WriteOptions(overwrite, verify, quiet))
