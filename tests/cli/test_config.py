@@ -116,3 +116,32 @@ def test_the_seed_programmatic_example_runs_with_shardforge(
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert (merged / "config.json").is_file() and (merged / "tokenizer.json").is_file()
+
+
+def test_the_three_spellings_of_load_cfg_are_what_docs_config_md_says(tmp_path: Path) -> None:
+    import shardforge
+    import shardforge.config
+    from shardforge.config.schema import ShardforgeConfig
+    from shardforge.config.view import ConfigReadOnlyError
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "config.md").read_text()
+    table = text[text.index("### The three spellings of `load_cfg`") :]
+    for module in ("shardforge", "shardforge.config", "shardforge.cli.config"):
+        assert f"| `from {module} import load_cfg` |" in table, module
+    assert shardforge.load_cfg is shardforge.config.load_cfg
+    path = tmp_path / "cfg.yml"
+    path.write_text(yaml.safe_dump({"base_model": "org/model", "optimizer": "paged_adamw_8bit"}))
+    axolotl_style = load_cfg(path)  # not validated: a value train refuses is kept
+    assert isinstance(axolotl_style, DictDefault) and axolotl_style.load_in_8bit is None
+    axolotl_style.seed = 3  # writable
+    with pytest.raises(ConfigError, match="optimizer"):
+        shardforge.load_cfg(path)  # every key validated at once
+    path.write_text(yaml.safe_dump({"base_model": "org/model"}))
+    typed = shardforge.load_cfg(path)
+    assert isinstance(typed, ShardforgeConfig) and typed.get("load_in_8bit") is None
+    with pytest.raises(AttributeError, match="did you mean"):
+        typed.seeed  # noqa: B018
+    with pytest.raises(ConfigReadOnlyError):
+        typed.seed = 3  # type: ignore[misc]
+    assert coerce_cfg(load_cfg(path)).base_model == typed.base_model  # either is taken
