@@ -81,7 +81,6 @@ SLOW_ELSEWHERE: dict[str, str] = {
         "shardforge train under torchrun"
     ),
     "tests/train/test_checkpointing.py::test_resuming_a_finished_run": "reference: torchrun",
-    "tests/train/test_demo.py": "the demo's commands",
     "tests/train/test_diagnostics.py::test_a_run_starts_with_the_sharding_and_logs_phase_memory": (
         "shardforge train under torchrun"
     ),

@@ -105,3 +105,19 @@ def test_every_command_has_one_fire_entry_of_its_own() -> None:
         assert isinstance(mod.command, click.Command)
         assert mod.do_cli.__doc__ == fire_entry(mod.command).__doc__
         assert any(p.name == "debug" for p in mod.command.params), module
+
+
+def test_quiet_libraries_leaves_the_process_as_it_was() -> None:
+    import os
+
+    from transformers.utils import logging as tlog
+
+    from shardforge.cli._common import QUIET_ENV, quiet_libraries
+
+    before = (tlog.get_verbosity(), tlog.is_progress_bar_enabled())
+    env = {k: os.environ.get(k) for k in QUIET_ENV}
+    with quiet_libraries():
+        assert tlog.get_verbosity() == tlog.ERROR and not tlog.is_progress_bar_enabled()
+        assert all(os.environ[k] == v for k, v in QUIET_ENV.items())
+    assert (tlog.get_verbosity(), tlog.is_progress_bar_enabled()) == before
+    assert {k: os.environ.get(k) for k in QUIET_ENV} == env

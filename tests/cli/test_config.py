@@ -17,7 +17,7 @@ from shardforge.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 # Axolotl's docs of merge-sharded-fsdp-weights, "Programmatic Usage" (the seed's reference,
-# /work/shared/reference/axolotl-merge-fsdp-weights.txt, lines 69-73), verbatim
+# copied into tests/cli/reference/axolotl-merge-fsdp-weights.txt, lines 69-73), verbatim
 AXOLOTL_EXAMPLE = """\
 from axolotl.cli.config import load_cfg
 from axolotl.cli.merge_sharded_fsdp_weights import merge_fsdp_weights
@@ -25,7 +25,8 @@ from axolotl.cli.merge_sharded_fsdp_weights import merge_fsdp_weights
 cfg = load_cfg("examples/llama-3/fft-8b.yaml")
 merge_fsdp_weights(cfg, output_path="./merged_model", save_tokenizer=True)
 """
-REFERENCE = ROOT.parent / "shared" / "reference" / "axolotl-merge-fsdp-weights.txt"
+# a copy inside the repository, so the test runs on a clone alone
+REFERENCE = ROOT / "tests" / "cli" / "reference" / "axolotl-merge-fsdp-weights.txt"
 CORPUS = ROOT / "tests" / "config" / "axolotl_corpus"
 
 
@@ -88,8 +89,6 @@ def test_each_command_validates_what_it_reads(tmp_path: Path) -> None:
 
 
 def test_the_example_is_the_references() -> None:
-    if not REFERENCE.is_file():
-        pytest.skip(f"{REFERENCE} is not on this machine (the seed's reference files)")
     assert AXOLOTL_EXAMPLE in REFERENCE.read_text() + "\n"
 
 
@@ -116,3 +115,32 @@ def test_the_seed_programmatic_example_runs_with_shardforge(
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert (merged / "config.json").is_file() and (merged / "tokenizer.json").is_file()
+
+
+def test_the_three_spellings_of_load_cfg_are_what_docs_config_md_says(tmp_path: Path) -> None:
+    import shardforge
+    import shardforge.config
+    from shardforge.config.schema import ShardforgeConfig
+    from shardforge.config.view import ConfigReadOnlyError
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "config.md").read_text()
+    table = text[text.index("### The three spellings of `load_cfg`") :]
+    for module in ("shardforge", "shardforge.config", "shardforge.cli.config"):
+        assert f"| `from {module} import load_cfg` |" in table, module
+    assert shardforge.load_cfg is shardforge.config.load_cfg
+    path = tmp_path / "cfg.yml"
+    path.write_text(yaml.safe_dump({"base_model": "org/model", "optimizer": "paged_adamw_8bit"}))
+    axolotl_style = load_cfg(path)  # not validated: a value train refuses is kept
+    assert isinstance(axolotl_style, DictDefault) and axolotl_style.load_in_8bit is None
+    axolotl_style.seed = 3  # writable
+    with pytest.raises(ConfigError, match="optimizer"):
+        shardforge.load_cfg(path)  # every key validated at once
+    path.write_text(yaml.safe_dump({"base_model": "org/model"}))
+    typed = shardforge.load_cfg(path)
+    assert isinstance(typed, ShardforgeConfig) and typed.get("load_in_8bit") is None
+    with pytest.raises(AttributeError, match="did you mean"):
+        typed.seeed  # noqa: B018
+    with pytest.raises(ConfigReadOnlyError):
+        typed.seed = 3  # type: ignore[misc]
+    assert coerce_cfg(load_cfg(path)).base_model == typed.base_model  # either is taken

@@ -44,6 +44,19 @@ def test_metrics_of_a_checkpoint_as_train_logged_them(runs: Runs) -> None:
     assert float(lines["eval_loss"]) == pytest.approx(logged[4]["eval_loss"], abs=1e-6)
 
 
+@pytest.mark.slow  # the runs are trained under torchrun
+def test_base_model_names_the_model_to_evaluate(runs: Runs, tmp_path: Path) -> None:
+    data = yaml.safe_load(runs.full_cfg.read_text())
+    data["output_dir"] = str(tmp_path / "never-trained")
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(yaml.safe_dump(data))
+    result = invoke(cfg, "--base-model", runs.merged, "--json")
+    assert result.exit_code == 0, result.output
+    logged = runs.evals("full")[4]  # the merged model is checkpoint-4
+    assert json.loads(result.stdout)["eval_loss"] == pytest.approx(logged["eval_loss"], abs=1e-5)
+    assert f"model: {runs.merged} (--base_model)" in result.stderr
+
+
 def test_no_evaluation_data_is_one_error(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.yml"
     cfg.write_text(yaml.safe_dump({"base_model": str(BASE), "output_dir": str(tmp_path)}))

@@ -62,6 +62,24 @@ def test_streams_the_greedy_answer_from_prompt_or_stdin(runs: Runs) -> None:
     assert piped.stdout == result.stdout
 
 
+@pytest.mark.slow  # the runs are trained under torchrun
+def test_base_model_loads_the_merged_model_as_axolotl_does(runs: Runs, tmp_path: Path) -> None:
+    data = yaml.safe_load(runs.full_cfg.read_text())
+    data["output_dir"] = str(tmp_path / "never-trained")  # nothing to find there
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(yaml.safe_dump(data))
+    want = invoke(runs.full_cfg, "--model_dir", runs.merged, "--prompt", "The robot")
+    assert want.exit_code == 0, want.output
+    for spelling in ("--base_model", "--base-model"):
+        result = invoke(cfg, spelling, runs.merged, "--prompt", "The robot")
+        assert result.exit_code == 0, result.output
+        assert result.stdout == want.stdout
+        assert f"model: {runs.merged} (--base_model)" in result.stderr
+    # the run's checkpoints are there, but the named model is loaded
+    result = invoke(runs.full_cfg, f"--base-model={runs.merged}", "--prompt", "The robot")
+    assert result.exit_code == 0 and "merged on the fly" not in result.stderr, result.output
+
+
 def test_a_missing_model_directory(cfg: Path, tmp_path: Path) -> None:
     error = one_line_error(invoke(cfg, "--model_dir", tmp_path / "nowhere", "--prompt", "Hi"))
     assert (

@@ -131,6 +131,28 @@ def test_help_shows_examples() -> None:
     assert "pytorch_model_fsdp_0" in result.output and "last.ckpt" in result.output
 
 
+def test_help_names_object_storage_and_torchruns_options() -> None:
+    from shardforge.merge.launch import torchrun_command
+    from shardforge.merge.request import MergeRequest
+
+    result = CliRunner().invoke(cli, [CMD, "--help"])
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    for words in (
+        "s3://",
+        "storage_options",
+        "AWS_ACCESS_KEY_ID",
+        "--rdzv_backend",
+        "--max_restarts",
+    ):
+        assert words in text, words
+    request = MergeRequest(output_path=Path("out"), nproc_per_node=2, rdzv_backend="static",
+                           max_restarts=3)  # fmt: skip
+    cmd = torchrun_command(request, Path("request.json"))
+    assert cmd[cmd.index("--rdzv_backend") + 1] == "static"
+    assert cmd[cmd.index("--max_restarts") + 1] == "3"
+
+
 def test_missing_metadata(env: Path) -> None:
     (_model_dir(env) / ".metadata").unlink()
     before = tree_hash(env / "run")
@@ -363,6 +385,18 @@ def test_real_cli_refusals_in_a_subprocess(env: Path) -> None:
     assert not marker.exists()
     assert not (env / "new").exists()
     assert tree_hash(env / "run") == before
+
+
+@pytest.mark.slow  # the real command in a process of its own
+def test_quiet_keeps_transformers_bars_and_warnings_off_stderr(env: Path) -> None:
+    """--quiet with --engine transformers (whose save_pretrained draws a bar, and DCP's loader
+    warns): stderr holds shardforge's own lines only."""
+    proc = _real_cli(env, "--output_path", str(env / "out"), "--engine", "transformers", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert (env / "out" / "model.safetensors").is_file()
+    for noise in ("Writing model shards", "it/s]", "Warning", "warnings.warn"):
+        assert noise not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(f"wrote {env / 'out'} ")
 
 
 def test_python_module_entry_point(env: Path) -> None:

@@ -136,6 +136,50 @@ def test_a_changed_checkpoint_is_named(merged: tuple[Path, Path], tmp_path: Path
     )
 
 
+@pytest.fixture(scope="module")
+def run_merged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A run folder with checkpoint-40 and checkpoint-60 (different weights), the latest merged
+    from the run folder."""
+    root = tmp_path_factory.mktemp("verify-run")
+    base, ckpt = make_keep_checkpoint(root)
+    _, other = make_keep_checkpoint(root / "other", seed=1)
+    run_dir = root / "run"
+    for step, source in ((40, other), (60, ckpt)):  # shardforge's own layout
+        shutil.copytree(source, run_dir / f"checkpoint-{step}" / "model")
+        (run_dir / f"checkpoint-{step}" / "trainer_state.json").write_text(f'{{"step": {step}}}')
+    cfg = {"base_model": str(base), "output_dir": str(run_dir)}
+    out = merge_fsdp_weights(cfg, root / "merged", quiet=True, save_tokenizer=False)
+    return out, run_dir
+
+
+def test_a_run_step_or_model_folder_is_the_step_merged(run_merged: tuple[Path, Path]) -> None:
+    out, run_dir = run_merged
+    model = run_dir / "checkpoint-60" / "model"
+    for given in (run_dir, run_dir / "checkpoint-60", model):
+        result = run(out, "--checkpoint", given)
+        assert result.exit_code == 0, result.output
+        assert result.stdout.splitlines()[1].startswith(f"ok: {model}: 2 files, ")
+    for given in (run_dir / "checkpoint-40", run_dir / "checkpoint-40" / "model"):
+        assert one_error(run(out, "--checkpoint", given)) == (
+            f"error: {given}: the output was merged from checkpoint-60, not checkpoint-40; "
+            "give that checkpoint (or the run folder)"
+        )
+
+
+def test_a_run_folder_without_the_step_merged(
+    run_merged: tuple[Path, Path], tmp_path: Path
+) -> None:
+    out, run_dir = run_merged
+    moved = tmp_path / "run"
+    shutil.copytree(run_dir / "checkpoint-40", moved / "checkpoint-40")
+    assert one_error(run(out, "--checkpoint", moved)) == (
+        f"error: {moved}: the output was merged from checkpoint-60, which this folder does not "
+        "hold (steps found: [40])"
+    )
+    shutil.copytree(run_dir / "checkpoint-60", moved / "checkpoint-60")  # moved: still found
+    assert run(out, "--checkpoint", moved).exit_code == 0
+
+
 def test_help_and_the_command_list() -> None:
     result = run("--help")
     assert result.exit_code == 0 and "Examples:" in result.output

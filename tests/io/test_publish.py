@@ -170,3 +170,39 @@ def test_two_concurrent_merges_to_one_path(built: Built, tmp_path: Path) -> None
     assert APPEARED in str(errors[0]) or "exists and is not empty" in str(errors[0])
     assert (out / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["merged"]
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o755), (0o027, 0o750)])
+def test_merged_and_prepared_folders_follow_the_umask(
+    umask: int, mode: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`merge-sharded-fsdp-weights` and `preprocess` as a user runs them: the folders they
+    publish have the mode mkdir gives under the umask (not mkdtemp's drwx------)."""
+    import os
+    import stat
+
+    import yaml
+    from click.testing import CliRunner
+
+    from helpers.keep import make_keep_checkpoint
+    from shardforge.cli.main import cli
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)  # the example's relative paths
+    base, ckpt = make_keep_checkpoint(tmp_path)
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(yaml.safe_dump({"base_model": str(base), "output_dir": str(tmp_path / "run")}))
+    merged, prepared = tmp_path / "merged", tmp_path / "prepared"
+    old = os.umask(umask)
+    try:
+        merge = ["merge-sharded-fsdp-weights", cfg, "--checkpoint", ckpt, "--output_path", merged]
+        merge.append("--no_save_tokenizer")  # the checkpoint's base has none
+        example = ["preprocess", "examples/tiny-llama.yml", "--dataset_prepared_path", prepared]
+        for args in (merge, example):
+            result = CliRunner().invoke(cli, [str(a) for a in args])
+            assert result.exit_code == 0, result.output
+    finally:
+        os.umask(old)
+    (folder,) = [p for p in prepared.iterdir() if p.is_dir()]
+    for path in (merged, folder):
+        assert stat.S_IMODE(path.stat().st_mode) == mode, path

@@ -183,3 +183,24 @@ def test_the_same_options_give_one_client_after_requests(s3_server: S3Server) ->
     assert filesystem(options) is fs
     assert filesystem(dict(options)) is fs
     assert repr(remote.DEFAULT_CONFIG) == defaults and repr(options) == given
+
+
+def test_the_docs_local_s3_recipe_starts_the_tests_server() -> None:
+    """docs/storage.md's `weed server` line gives every flag the tests' server has (ports, data
+    folder and identities aside) and sets the AWS variables the tests set."""
+    import re
+    import shlex
+
+    from helpers.s3 import FLAGS
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "storage.md").read_text()
+    recipe = text[text.index("## Try it locally") :].replace("\\\n", " ")
+    line = next(x for x in recipe.splitlines() if x.startswith("weed server "))
+    words = shlex.split(line.split(">")[0])
+    assert set(FLAGS) <= set(words), set(FLAGS) - set(words)
+    assert {w.split("=")[0] for w in words if w.startswith("-")} >= {"-dir", "-s3.config"}
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        assert re.search(rf"\b{name}=\S+", recipe), name
+    for command in ("shardforge merge-sharded-fsdp-weights", "shardforge verify s3://"):
+        assert command in recipe
+    assert "output_dir: s3://" in recipe

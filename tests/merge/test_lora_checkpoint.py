@@ -215,3 +215,33 @@ def test_a_trainer_peft_checkpoint_merges_fused(
     assert got and all(torch.equal(t, want[n]) for n, t in got.items())
     _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_the_plain_config_merges_with_the_runs_own_adapter_config(
+    ours: Path, tmp_path: Path
+) -> None:
+    """A LoRA run's checkpoint with the config the run started from, without `adapter: lora`:
+    the settings are the adapter_config.json the run exported to its output_dir."""
+    from click.testing import CliRunner
+
+    from shardforge.cli.main import cli
+
+    data = yaml.safe_load(ours.read_text())
+    plain = tmp_path / "plain.yml"
+    plain.write_text(yaml.safe_dump({k: v for k, v in data.items() if k not in LORA}))
+    exported = Path(data["output_dir"])
+    assert (exported / "adapter_config.json").is_file()
+    for extra in ([], ["--merge_lora"]):
+        out = tmp_path / f"out{len(extra)}"
+        args = ["merge-sharded-fsdp-weights", str(plain), "--output_path", str(out), *extra]
+        result = CliRunner().invoke(cli, [*args, "--quiet"])
+        assert result.exit_code == 0, result.output
+    got = load_file(str(tmp_path / "out0" / "adapter_model.safetensors"))
+    want = load_file(str(exported / "adapter_model.safetensors"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    fused = merge_fsdp_weights(load_cfg(ours, command="merge"), tmp_path / "f", merge_lora=True)
+    same = load_file(str(fused / "model.safetensors"))
+    assert all(
+        torch.equal(t, same[k])
+        for k, t in load_file(str(tmp_path / "out1" / "model.safetensors")).items()
+    )

@@ -111,6 +111,29 @@ def test_the_chat_template_renders_the_prompt_as_a_user_turn(tmp_path: Path) -> 
     assert ids == tok("Hi there")["input_ids"]
 
 
+def test_chat_data_without_chat_template_use_the_tokenizers_own(tmp_path: Path) -> None:
+    """A run of type chat_template data without a chat_template key trained with the
+    tokenizer's own template (examples/tiny-llama-chat.yml): the prompt is rendered with it,
+    unless --raw_prompt."""
+    chat = tmp_path / "chat.yml"
+    data = yaml.safe_load((ROOT / "examples" / "tiny-llama-chat.yml").read_text())
+    data["datasets"][0]["path"] = str(ROOT / data["datasets"][0]["path"])
+    chat.write_text(yaml.safe_dump({**data, "base_model": str(BASE)}))
+    cfg = load_cfg(chat)
+    assert cfg.chat_template is None
+    tok = tokenizer_of(cfg, BASE)
+    ids = encode_prompt(cfg, tok, "Tell me a story.")["input_ids"][0].tolist()
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "Tell me a story."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert ids == tok(rendered, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(tok("Tell me a story.")["input_ids"])  # the template's own tokens
+    raw = encode_prompt(cfg, tok, "Tell me a story.", raw=True)["input_ids"][0].tolist()
+    assert raw == tok("Tell me a story.")["input_ids"]
+
+
 def test_eot_tokens_end_the_answer(tmp_path: Path) -> None:
     """A config's eot_tokens stop generation as the model's EOS does: made the first token the
     model answers with, the answer is that token alone."""

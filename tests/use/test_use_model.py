@@ -112,6 +112,27 @@ def test_the_runs_own_weights(runs: Runs) -> None:
     assert _pick(named).how == "the config's lora_model_dir"
 
 
+@pytest.mark.slow  # the runs are trained under torchrun
+def test_base_model_names_the_model_as_in_axolotl(runs: Runs, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "no-run"  # the run's output_dir is not looked at
+    named = load_cfg(runs.full_cfg, base_model=str(runs.merged), output_dir=str(elsewhere))
+    assert pick(named, ModelRequest(), named_base=True) == Picked(
+        "base", runs.merged, "--base_model", found=str(runs.merged)
+    )
+    # the config's base_model merged from this run's checkpoints: the run's result
+    own = load_cfg(runs.full_cfg, base_model=str(runs.merged))
+    assert _pick(own).how == "the config's base_model, merged from this run"
+    # merged from another run (training goes on from it): this run's own weights
+    with pytest.raises(CheckpointError, match=r"no-run: no such directory"):
+        _pick(named)
+    # an explicit option still wins; a LoRA run's base_model is what the adapter goes on
+    assert _pick(own, step=2).kind == "checkpoint"
+    lora = load_cfg(runs.lora_cfg, base_model=str(runs.merged))
+    assert pick(lora, ModelRequest(), named_base=True).kind == "adapter"
+    with pytest.raises(ShardforgeError, match=r"base_model: directory .*no-run not found"):
+        pick(load_cfg(runs.full_cfg, base_model=str(elsewhere)), ModelRequest(), True)
+
+
 def test_loaded_as_training_computes_remote_code_only_when_allowed(tmp_path: Path) -> None:
     import torch
 

@@ -12,11 +12,13 @@ with their exit code), and `fire_entry`, its `python -m shardforge.cli.<module>`
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -44,6 +46,65 @@ def load_config(config: str | Path, override_args: Sequence[str] | None, command
     from shardforge.config import load_cfg, parse_override_args
 
     return load_cfg(config, command=command, **parse_override_args(list(override_args or [])))
+
+
+def overrides_name(override_args: Sequence[str] | None, key: str) -> bool:
+    """Whether the override arguments set config key `key` (either spelling: `--base_model`,
+    `--base-model`)."""
+    from shardforge.config import parse_override_args
+
+    return key in parse_override_args(list(override_args or []))
+
+
+# what transformers and huggingface_hub read when they are imported: no progress bars, errors only
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+# the libraries whose warnings a quiet command keeps off stderr (shardforge's own lines stay)
+QUIET_MODULES = r"(torch|transformers|peft|huggingface_hub|accelerate|safetensors)(\.|$)"
+
+
+@contextlib.contextmanager
+def quiet_libraries(on: bool = True) -> Iterator[None]:
+    """While the body runs (`on`), transformers' progress bars ("Loading weights", "Writing
+    model shards") and log lines below errors, and the FutureWarnings and UserWarnings the
+    libraries raise, do not reach stderr; shardforge's own lines still do. Imports nothing: a
+    library imported inside reads `QUIET_ENV`, one imported already is told directly; all is
+    as it was afterwards (a command run in a test's process leaves nothing behind)."""
+    if not on:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in QUIET_ENV}
+    os.environ.update(QUIET_ENV)
+    had = _transformers_state()
+    _set_transformers_state((40, False))  # logging.ERROR, no bars
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module=QUIET_MODULES)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            # imported inside: its defaults again (huggingface_hub, imported inside too, keeps
+            # its bars off and would warn about it here)
+            _set_transformers_state(had or (30, True))
+
+
+def _transformers_state() -> tuple[int, bool] | None:
+    """transformers' verbosity and whether its bars show (None: not imported)."""
+    tlog = sys.modules.get("transformers.utils.logging")
+    if tlog is None:
+        return None
+    return int(tlog.get_verbosity()), bool(tlog.is_progress_bar_enabled())
+
+
+def _set_transformers_state(state: tuple[int, bool]) -> None:
+    tlog = sys.modules.get("transformers.utils.logging")
+    if tlog is not None:
+        tlog.set_verbosity(state[0])
+        (tlog.enable_progress_bar if state[1] else tlog.disable_progress_bar)()
 
 
 def setup_logging(quiet: bool = False) -> None:

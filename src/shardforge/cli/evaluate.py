@@ -9,7 +9,14 @@ from typing import Any
 
 import click
 
-from shardforge.cli._common import config_argument, fire_entry, load_config, shardforge_command
+from shardforge.cli._common import (
+    config_argument,
+    fire_entry,
+    load_config,
+    overrides_name,
+    quiet_libraries,
+    shardforge_command,
+)
 from shardforge.use.request import ModelRequest
 
 EPILOG = """\b
@@ -20,6 +27,7 @@ Examples:
   shardforge evaluate cfg.yml --step 200 --json
   # a merged model; a LoRA adapter on base_model
   shardforge evaluate cfg.yml --model_dir outputs/merged
+  shardforge evaluate cfg.yml --base_model outputs/merged     # as Axolotl's --base-model
   shardforge evaluate lora.yml --lora_model_dir outputs/lora
   # other evaluation data or batch size (config overrides)
   shardforge evaluate cfg.yml --val_set_size 0.05 --eval_batch_size 8
@@ -31,7 +39,10 @@ def do_evaluate(config: str | Path, override_args: list[str] | None = None, **op
     """Load `config` (plus overrides) and evaluate (`options`: the fields of `ModelRequest`)."""
     from shardforge.use.evaluate import evaluate_model
 
-    return evaluate_model(load_config(config, override_args, "all"), **options)
+    cfg = load_config(config, override_args, "all")
+    named_base = overrides_name(override_args, "base_model")  # Axolotl's --base-model
+    with quiet_libraries():  # the metrics and shardforge's lines, not transformers' bars
+        return evaluate_model(cfg, named_base=named_base, **options)
 
 
 @shardforge_command(
@@ -45,7 +56,7 @@ def do_evaluate(config: str | Path, override_args: list[str] | None = None, **op
 )
 def command(config: str, as_json: bool, overrides: list[str], **options: Any) -> str:
     """Evaluate the model CONFIG's run trained (--model_dir, --lora_model_dir, --checkpoint /
-    --step, or by default the run's own) on the config's evaluation data (val_set_size or
+    --step, --base_model DIR as Axolotl's --base-model, or by default the run's own) on the config's evaluation data (val_set_size or
     test_datasets) with training's own data pipeline and loss: eval_loss, eval_perplexity and
     eval_tokens, as `train` logs them."""
     given = {k: v for k, v in options.items() if v is not None}

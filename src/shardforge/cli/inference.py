@@ -9,7 +9,14 @@ from typing import Any
 
 import click
 
-from shardforge.cli._common import config_argument, fire_entry, load_config, shardforge_command
+from shardforge.cli._common import (
+    config_argument,
+    fire_entry,
+    load_config,
+    overrides_name,
+    quiet_libraries,
+    shardforge_command,
+)
 from shardforge.use.request import InferenceRequest
 
 EPILOG = """\b
@@ -17,6 +24,9 @@ Examples:
   # the run's own model: the full-model save in output_dir, the adapter of a LoRA run, else
   # the latest checkpoint merged on the fly
   shardforge inference examples/tiny-llama.yml --prompt "The robot"
+  # a merged model, as Axolotl names it (the run's output_dir is not looked at)
+  shardforge inference examples/tiny-llama.yml --base_model outputs/tiny-llama-merged \
+      --prompt "The robot"
   # a merged model directory, 40 new tokens
   shardforge inference examples/tiny-llama.yml --model_dir outputs/tiny-llama-merged \\
       --prompt "The robot" --max_new_tokens 40
@@ -45,7 +55,9 @@ def do_inference(config: str | Path, override_args: list[str] | None = None, **o
     from shardforge.use.inference import inference
 
     cfg = load_config(config, override_args, "all")
-    return inference(cfg, read_prompt=read_stdin, stream=True, **options)
+    named_base = overrides_name(override_args, "base_model")  # Axolotl's --base-model
+    with quiet_libraries():  # the answer and shardforge's lines, not transformers' bars
+        return inference(cfg, read_prompt=read_stdin, stream=True, named_base=named_base, **options)
 
 
 @shardforge_command(
@@ -57,7 +69,8 @@ def do_inference(config: str | Path, override_args: list[str] | None = None, **o
 def command(config: str, overrides: list[str], **options: Any) -> None:
     """Generate text from the model CONFIG's run trained: --model_dir (a merged model),
     --lora_model_dir (base_model + a PEFT adapter), --checkpoint / --step (merged on the fly),
-    or by default the run's own. The prompt (--prompt, else standard input) is rendered with
+    --base_model DIR (a full fine-tune's merged model, as Axolotl's --base-model), or by
+    default the run's own. The prompt (--prompt, else standard input) is rendered with
     the config's chat_template when it sets one. Greedy unless --do_sample; the new text is
     streamed to stdout, what was loaded to stderr."""
     given = {k: v for k, v in options.items() if v is not None}

@@ -9,7 +9,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from shardforge.cli._common import config_argument, fire_entry, load_config, shardforge_command
+from shardforge.cli._common import (
+    config_argument,
+    fire_entry,
+    load_config,
+    quiet_libraries,
+    shardforge_command,
+)
 from shardforge.merge.request import LoraMergeRequest
 
 EPILOG = """\b
@@ -65,7 +71,8 @@ def command(config: str, overrides: list[str], **options: Any) -> str:
     tensor; the output appears only when complete."""
     # --quiet hides the progress bar; the adapter and base model are still printed (on stderr)
     cfg = load_config(config, overrides, "merge-lora")
-    return f"{do_merge_lora(cfg=cfg, **options)}\n"
+    with quiet_libraries(options["quiet"]):  # --quiet: no transformers bars or warnings either
+        return f"{do_merge_lora(cfg=cfg, **options)}\n"
 
 
 do_cli = fire_entry(command)

@@ -9,7 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shardforge.cli._common import config_argument, fire_entry, load_config, shardforge_command
+from shardforge.cli._common import (
+    config_argument,
+    fire_entry,
+    load_config,
+    quiet_libraries,
+    shardforge_command,
+)
 from shardforge.errors import CheckpointError
 from shardforge.merge.request import MergeRequest
 
@@ -35,6 +41,10 @@ Examples:
   shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --checkpoint outputs/checkpoint
   # every checkpoint of the run, each to out/step-N (or --steps 100,200)
   shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --all_steps
+  # a checkpoint in object storage, the model uploaded there (AWS_ACCESS_KEY_ID,
+  # AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL; or the config's storage_options; docs/storage.md)
+  shardforge merge-sharded-fsdp-weights cfg.yml --checkpoint s3://ckpts/run-7 \
+      --output_path s3://models/run-7 --verify
   # on 4 CPU ranks of this machine (2 machines: --nnodes 2 --node_rank R --rdzv_endpoint H:P)
   shardforge merge-sharded-fsdp-weights cfg.yml --output_path out --nproc_per_node 4
   # a LoRA run (adapter: lora): a PEFT adapter directory, or the fused model
@@ -128,9 +138,14 @@ def command(config: str, overrides: list[str], **options: Any) -> str | None:
     output_dir, or --checkpoint: DCP, per-rank DTensor files of verl / LMMs-Engine,
     torchtitan) into a complete Hugging Face model directory: safetensors weights + index,
     config.json, generation_config.json and tokenizer (or one file with --format). Memory
-    stays at about one tensor per input; the output appears only when complete."""
+    stays at about one tensor per input; the output appears only when complete. The checkpoint
+    and the output may be in object storage (s3://BUCKET/PREFIX, also an output_dir: s3://):
+    credentials and endpoint from the AWS variables or the config's storage_options."""
     # --quiet hides the progress bar; the chosen checkpoint is still printed (on stderr)
-    out = do_merge_sharded_fsdp_weights(config, options.pop("output_path"), overrides, **options)
+    with quiet_libraries(options["quiet"]):  # --quiet: no transformers bars or warnings either
+        out = do_merge_sharded_fsdp_weights(
+            config, options.pop("output_path"), overrides, **options
+        )
     return None if options["dry_run"] else f"{out}\n"
 
 

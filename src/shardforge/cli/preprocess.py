@@ -42,7 +42,7 @@ def do_preprocess(config: str | Path, override_args: list[str] | None = None) ->
             root,
             root,
         )
-    result = prepare(cfg, load_tokenizer(cfg), Path(root))
+    result = prepare(cfg, load_tokenizer(cfg), Path(root), report=False)  # printed once, here
     state = "written" if result.built else "up to date"
     return f"prepared dataset {result.folder} ({state}): {summary(result.data)}\n"
 

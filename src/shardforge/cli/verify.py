@@ -28,13 +28,16 @@ from shardforge.cli._common import fire_entry, shardforge_command
 from shardforge.errors import MergeError
 from shardforge.io.files import inside
 from shardforge.io.remote import RemoteURI, filesystem, is_remote, storage_errors
+from shardforge.layouts.catalog import recorded_checkpoint
 from shardforge.sinks.manifest import MANIFEST
 
 EPILOG = """\b
 Examples:
   # every file of a merged model against its shardforge-manifest.json
   shardforge verify outputs/merged
-  # and the checkpoint it was merged from (sizes, records' CRC-32s, their bytes)
+  # and the checkpoint it was merged from (sizes, records' CRC-32s, their bytes): the run
+  # folder, the step folder or the model folder (the step the manifest names)
+  shardforge verify outputs/merged --checkpoint outputs/run
   shardforge verify outputs/merged --checkpoint outputs/run/checkpoint-500/pytorch_model_fsdp_0
   # a model merged to object storage (credentials from the AWS variables)
   shardforge verify s3://models/run-7 --checkpoint s3://ckpts/run-7/checkpoint-500/model
@@ -229,6 +232,17 @@ def _source_for(doc: dict[str, Any], checkpoint: Location) -> dict[str, Any]:
     raise _fail(checkpoint, f"not one of the {len(sources)} checkpoints merged", where)
 
 
+def _step_merged(doc: dict[str, Any], checkpoint: Location) -> Location:
+    """A local run folder, step folder or model folder as the checkpoint the manifest's one
+    source names (its step, found as the merge finds it: `layouts.catalog`); another step is an
+    error saying which one was merged."""
+    sources = doc["source"]
+    if is_remote(checkpoint.shown) or len(sources) != 1:
+        return checkpoint
+    found = recorded_checkpoint(Path(checkpoint.path), str(sources[0].get("location", "")))
+    return checkpoint if str(found) == checkpoint.path else Location.of(found)
+
+
 def _requests(where: str | Path) -> contextlib.AbstractContextManager[None]:
     """A failed request to the store of an s3:// `where`: one line saying what to do."""
     return storage_errors(where) if is_remote(str(where)) else contextlib.nullcontext()
@@ -243,7 +257,7 @@ def do_verify(directory: str | Path, checkpoint: str | Path | None = None) -> st
     lines = [f"ok: {out.shown}: {len(doc['files'])} files, {total:,} bytes as written ({MANIFEST})"]
     if checkpoint is not None:
         with _requests(checkpoint):
-            ckpt = Location.of(checkpoint)
+            ckpt = _step_merged(doc, Location.of(checkpoint))
             source = _source_for(doc, ckpt)
             records = check_source(source, ckpt)
         files = len(source.get("files", []))
@@ -261,7 +275,9 @@ def do_verify(directory: str | Path, checkpoint: str | Path | None = None) -> st
             ["--checkpoint"],
             metavar="PATH",
             help="Also check this checkpoint (the one merged, possibly moved since) against "
-            "the identity the manifest records: files, sizes, records' CRC-32s and bytes.",
+            "the identity the manifest records: files, sizes, records' CRC-32s and bytes. A "
+            "run folder, a step folder or the model folder, as merge and inspect take them: "
+            "the step the manifest names is checked.",
         ),
     ],
 )

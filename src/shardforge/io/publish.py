@@ -356,21 +356,40 @@ def _output_errors(out: Path, tmp: Path | None = None) -> Iterator[None]:
 # the atomic outputs
 
 
+def current_umask() -> int:
+    """The process's umask (read from /proc where it is shown, so no other thread ever sees
+    it changed; else set and restored at once)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def _as_umask_allows(tmp: Path) -> None:
+    """The mode a directory made with mkdir would have: the temporary sibling is private
+    (mkdtemp: 0o700) while it is written; the published folder follows the umask."""
+    os.chmod(tmp, 0o777 & ~current_umask())
+
+
 @contextmanager
 def atomic_directory(
     out: Path, overwrite: bool = False, resume: bool = False, model_only: bool = False
 ) -> Iterator[Path]:
-    """Yield a temporary directory beside `out`; on success it becomes `out` (replacing a
-    previous one only with `overwrite`, and with `model_only` only one that holds a model and
-    nothing else), on any exception it is removed and `out` is left as it was. With `resume`,
-    the directory a killed merge to `out` left is yielded (with what it wrote) when there is
-    one."""
+    """Yield a temporary directory beside `out` (private while written); on success it becomes
+    `out` (with the mode the umask gives a new directory; replacing a previous one only with
+    `overwrite`, and with `model_only` only one that holds a model and nothing else), on any
+    exception it is removed and `out` is left as it was. With `resume`, the directory a killed
+    merge to `out` left is yielded (with what it wrote) when there is one."""
     with _output_errors(out):
         tmp = _fresh_temp_sibling(out, resume=resume)
     try:
         with _output_errors(out, tmp):
             yield tmp
             fsync_tree(tmp)  # every file (index, config, tokenizer too) before it is visible
+            _as_umask_allows(tmp)
             _publish_dir(tmp, out, overwrite, model_only)
             fsync_dir(out.parent)
     except BaseException:

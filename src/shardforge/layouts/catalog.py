@@ -337,3 +337,51 @@ __all__ = [
     "resolve_checkpoint",
     "scan",
 ]
+
+
+def step_folder(path: PurePath) -> tuple[str, int, PurePath] | None:
+    """The step folder among `path` and its ancestors (nearest first): its name, its step and
+    the path below it (`run/checkpoint-60/model` -> checkpoint-60, 60, model); None when none
+    of them is named like a step of a known layout."""
+    parts = path.parts
+    for i in range(len(parts) - 1, -1, -1):
+        for pattern in STEP_DIRS:
+            if m := pattern.match(parts[i]):
+                return parts[i], int(m.group(1)), PurePath(*parts[i + 1 :])
+    return None
+
+
+def recorded_checkpoint(given: Path, recorded: str) -> Path:
+    """The folder that stands, under `given` (a run folder, a step folder or the model folder
+    inside it, as the merge and `inspect` take them), for the checkpoint a merge recorded as
+    read (`recorded`, its location then: `run/checkpoint-60/model`): the step it names, found
+    by the catalog in a run folder. `given` itself where the recorded location names no step.
+    Another step than the recorded one is an error saying which was merged."""
+    named = step_folder(PurePath(recorded))
+    if named is None or not given.is_dir():
+        return given
+    name, step, below = named
+    for folder in (given, given.parent):
+        m = next((m for p in STEP_DIRS if (m := p.match(folder.name))), None)
+        if m is None or (folder != given and format_of(given) is None):
+            continue  # not a step folder, nor the model folder inside one
+        if int(m.group(1)) != step:
+            raise CheckpointError(
+                f"{given}: the output was merged from {name}, not {folder.name}; give that "
+                "checkpoint (or the run folder)",
+                [f"merged from {recorded}"],
+            )
+        inside = folder / below
+        return given if folder != given or not inside.is_dir() else inside
+    catalog = scan(given)
+    if not catalog.candidates:
+        return given  # checked as given
+    matching = [c for c in catalog.candidates if c.step == step]
+    if not matching:
+        raise CheckpointError(
+            f"{given}: the output was merged from {name}, which this folder does not hold "
+            f"(steps found: {catalog.steps() or 'none'})",
+            [f"merged from {recorded}"],
+        )
+    exact = [c for c in matching if c.model_dir.relative_to(given) == PurePath(name) / below]
+    return _one(given, exact or matching, f"step {step}").model_dir

@@ -34,9 +34,11 @@ def torchrun_command(request: MergeRequest, request_file: Path) -> list[str]:
         "--nnodes": request.nnodes,
         "--node_rank": request.node_rank,
         "--rdzv_endpoint": request.rdzv_endpoint,
+        "--rdzv_backend": request.rdzv_backend,
         "--rdzv_id": request.rdzv_id,
         "--master_addr": request.master_addr,
         "--master_port": request.master_port,
+        "--max_restarts": request.max_restarts,
     }
     alone = request.rdzv_endpoint is None and request.master_addr is None
     if alone and request.nnodes in (None, "1"):

@@ -407,6 +407,8 @@ def merge_lora(
         prep.expected.total_parameters,
         prep.dtype,
         companions,
+        # what --verify compares with: no checkpoint is involved
+        reference="the base model and the adapter, read by safetensors and fused again",
     )
     with sigterm_as_interrupt():
         options = WriteOptions(overwrite, verify, quiet, overwrite_non_model=overwrite_non_model)

@@ -6,7 +6,8 @@ Two outputs:
 
 * default: a PEFT adapter directory (`adapter_sources`): ``adapter_model.safetensors`` under
   the names `PeftModel.save_pretrained` writes and ``adapter_config.json`` (the checkpoint's own,
-  when its step folder has one, else made from the config's `adapter: lora` keys);
+  when its step folder has one, else the run's own in the folder holding the step, as `train`
+  and Axolotl export it to output_dir, else made from the config's `adapter: lora` keys);
 * ``--merge_lora``: the complete model with the adapter fused in (`fused_sources`): the base
   tensors from the checkpoint when it holds them, else from `base_model`'s safetensors, each
   adapted weight a `FusedLoraSource` (``W + scale * B @ A`` in float32), streamed like any
@@ -21,7 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from shardforge.config.peft import ADAPTER_CONFIG, adapter_config_json, lora_config
@@ -32,6 +33,7 @@ from shardforge.io.files import open_regular
 from shardforge.keymap.keys import clean_name
 from shardforge.keymap.lora import PEFT_PREFIX, LoraNames, split_adapter_names, split_model_names
 from shardforge.keymap.lora_settings import LoraSettings
+from shardforge.layouts.catalog import step_folder
 from shardforge.merge.check import ExpectedModel
 
 MAX_ADAPTER_CONFIG = 1 << 20
@@ -84,9 +86,21 @@ def _best_split(
     return best[1], best[2]
 
 
+def _adapter_config_folders(model_dir: Path) -> list[Path]:
+    """Where a checkpoint's adapter_config.json may be: beside the model (HF Trainer writes it
+    into the step folder), else in the run folder holding the step folder (the adapter the run
+    exported to its output_dir: `train`, Axolotl)."""
+    folders = [model_dir, model_dir.parent]
+    found = step_folder(PurePath(model_dir))
+    if found is not None and len(found[2].parts) <= 1:  # the step folder or its model folder
+        step_dir = model_dir.parent if found[2].parts else model_dir
+        folders.append(step_dir.parent)
+    return list(dict.fromkeys(folders))
+
+
 def _checkpoint_adapter_config(model_dir: Path) -> tuple[dict[str, Any], str] | None:
-    """The adapter_config.json HF Trainer writes beside a PEFT model's checkpoint, if any."""
-    for folder in (model_dir, model_dir.parent):
+    """The adapter_config.json beside a PEFT model's checkpoint, else the run's own, if any."""
+    for folder in _adapter_config_folders(model_dir):
         path = folder / ADAPTER_CONFIG
         if path.is_file():
             fd = open_regular(path, folder)
@@ -109,7 +123,8 @@ def open_lora(
     expected: ExpectedModel,
 ) -> LoraCheckpoint:
     """Split a LoRA checkpoint's tensors (`named`: checkpoint key -> source) and read its
-    adapter settings (the checkpoint's adapter_config.json, else the config's lora keys)."""
+    adapter settings (the checkpoint's adapter_config.json, else the run's own in the folder
+    holding the step, else the config's lora keys)."""
     source = str(model_dir)
     names, by_input = _best_split({k: k for k in named}, expected, source)
     tensors = {n: named[by_input[n]] for n in by_input}
@@ -123,9 +138,9 @@ def open_lora(
         where = "the config's adapter / lora_* keys"
     else:
         raise MergeError(
-            f"{model_dir}: holds a LoRA adapter, and neither the checkpoint has an "
-            f"{ADAPTER_CONFIG} nor the config sets adapter: lora; add the training run's "
-            "adapter and lora_* keys to the config"
+            f"{model_dir}: holds a LoRA adapter, and neither the checkpoint (nor its run "
+            f"folder) has an {ADAPTER_CONFIG} nor the config sets adapter: lora; add the "
+            "training run's adapter and lora_* keys to the config"
         )
     settings = LoraSettings.from_adapter_config(data, where)
     return LoraCheckpoint(names, tensors, settings, data, where)

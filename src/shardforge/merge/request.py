@@ -62,7 +62,9 @@ class MergeRequest:
     output_path: Path | None = optional(
         "Directory (--format hf) or file (--format safetensors/torch) to create, written as a "
         "temporary sibling and renamed when complete; required except with --format torch "
-        "(default <model dir>.consolidated).",
+        "(default <model dir>.consolidated). An s3://BUCKET/PREFIX (--format hf) is uploaded "
+        "there, the index last (credentials: the AWS variables or the config's "
+        "storage_options).",
         metavar="PATH",
         parse=parse_path,
         annotation="str | Path | None",
@@ -72,9 +74,11 @@ class MergeRequest:
     )
     checkpoint: str | Path | None = optional(
         "A checkpoint to merge instead of the config's output_dir: a DCP directory, a folder "
-        "of rank files, a step folder or a checkpoint root.",
+        "of rank files, a step folder or a checkpoint root; local or s3://BUCKET/PREFIX (read "
+        "in place with ranged requests).",
         metavar="PATH",
-        doc="How the checkpoint is picked: [merge.md](merge.md#which-checkpoint).",
+        doc="How the checkpoint is picked: [merge.md](merge.md#which-checkpoint); object "
+        "storage: [storage.md](storage.md).",
     )
     step: int | None = optional("Merge this step instead of the latest.", type=int, metavar="N")
     dtype: str | torch.dtype | None = optional(
@@ -142,7 +146,10 @@ class MergeRequest:
         "metadata reader), `save_pretrained`; it writes the same tensors.",
         default="stream",
     )
-    quiet: bool = flag("No progress bar.")
+    quiet: bool = flag(
+        "No progress bar; on the command line, transformers' bars and the libraries' warnings "
+        "are kept off stderr too."
+    )
     state_dict_dirname: str | None = optional(
         "The model folder inside each step, e.g. pytorch_ema_model_fsdp_0 (EMA weights).",
         metavar="NAME",
@@ -206,9 +213,15 @@ class MergeRequest:
     rdzv_endpoint: str | None = optional(
         "host:port of the rendezvous.", metavar="HOST:PORT", group=TORCHRUN
     )
+    rdzv_backend: str | None = optional(
+        "Rendezvous backend (default c10d).", metavar="BACKEND", group=TORCHRUN
+    )
     rdzv_id: str | None = optional("Rendezvous id.", metavar="ID", group=TORCHRUN)
     master_addr: str | None = optional("Address of node 0.", metavar="HOST", group=TORCHRUN)
     master_port: int | None = optional("Port on node 0.", type=int, metavar="PORT", group=TORCHRUN)
+    max_restarts: int | None = optional(
+        "Restarts torchrun may make.", type=int, metavar="N", group=TORCHRUN
+    )
     group: ProcessGroup | None = field(
         default=None,
         compare=False,

@@ -57,6 +57,13 @@ class Output:
     companions: Companions | None = None
     adapter_config: dict[str, Any] | None = None  # a PEFT adapter's adapter_config.json
     names: tuple[str, ...] = ()  # the model's state-dict order (a torch file keeps it)
+    # what --verify compares the written tensors with, for its line
+    reference: str = "the checkpoint"
+
+
+def verified_line(n: int, output: Output) -> str:
+    """What --verify reports once every tensor matched."""
+    return f"verified {n} tensors: identical to {output.reference}"
 
 
 @dataclass(frozen=True)

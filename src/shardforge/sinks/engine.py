@@ -18,7 +18,7 @@ import torch
 
 from shardforge.formats.dcp.reader import load_checked
 from shardforge.io.publish import atomic_directory
-from shardforge.sinks.base import Output, Progress, Sink, WriteOptions
+from shardforge.sinks.base import Output, Progress, Sink, WriteOptions, verified_line
 from shardforge.sinks.hf_dir import HfDirectorySink, write_companions
 from shardforge.sinks.manifest import new_hashes, write_manifest
 
@@ -80,7 +80,7 @@ class TransformersSink(Sink):
             write_companions(output.companions, output.dtype, tmp)
             if options.verify:
                 n = self.verify(output, tmp)
-                log.info("verified %d tensors: identical to the checkpoint", n)
+                log.info("%s", verified_line(n, output))
             # save_pretrained writes through the safetensors library, which gives no bytes to
             # hash on their way: this path (the whole model in memory already) hashes its
             # files once written

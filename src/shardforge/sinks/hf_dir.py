@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shardforge.io.copy import FileSlab
 from shardforge.io.publish import atomic_directory, atomic_file
-from shardforge.sinks.base import Companions, Output, Progress, Sink, WriteOptions
+from shardforge.sinks.base import Companions, Output, Progress, Sink, WriteOptions, verified_line
 from shardforge.sinks.companions import write_config, write_generation_config, write_tokenizer
 from shardforge.sinks.manifest import new_hashes, write_manifest
 from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
@@ -37,7 +37,7 @@ Prefill = Callable[[Path], tuple[Mapping[str, list[FileSlab]], Hashes | None]]
 def _verified(output: Output, directory: Path, quiet: bool) -> None:
     with progress(output.plan.total_bytes, "verifying", quiet) as update:
         n = verify_output(output.plan, output.sources, directory, update, output.tied)
-    log.info("verified %d tensors: identical to the checkpoint", n)
+    log.info("%s", verified_line(n, output))
 
 
 def resume_fingerprint(output: Output) -> str:

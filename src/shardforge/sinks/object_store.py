@@ -50,7 +50,7 @@ from shardforge.io.fs import punch_hole
 from shardforge.io.mirror import RemoteTarget
 from shardforge.io.model_files import refuse_non_model
 from shardforge.io.remote import storage_errors
-from shardforge.sinks.base import Output, Progress, Sink, WriteOptions, human
+from shardforge.sinks.base import Output, Progress, Sink, WriteOptions, human, verified_line
 from shardforge.sinks.hf_dir import HfDirectorySink, resume_fingerprint, write_companions
 from shardforge.sinks.manifest import MANIFEST as MANIFEST_NAME
 from shardforge.sinks.manifest import new_hashes, write_manifest
@@ -367,7 +367,7 @@ class ObjectStoreSink(Sink):
     def _verified(self, output: Output, quiet: bool) -> None:
         with progress(output.plan.total_bytes, "verifying", quiet) as update:
             n = self.verify(output, self.target.staging, update)
-        log.info("verified %d tensors: identical to the checkpoint", n)
+        log.info("%s", verified_line(n, output))
 
     def _name(self, key: str) -> str:
         return key[len(self.target.uri.key) + 1 :]

@@ -29,7 +29,7 @@ from shardforge.formats.sources import TensorSource
 from shardforge.io.copy import ReadCache
 from shardforge.io.dtypes import STORAGE_CLASSES, torch_dtype
 from shardforge.io.publish import atomic_file
-from shardforge.sinks.base import Output, Progress, Sink, WriteOptions
+from shardforge.sinks.base import Output, Progress, Sink, WriteOptions, verified_line
 from shardforge.sinks.plan import TensorSpec
 from shardforge.sinks.progress import progress
 
@@ -195,7 +195,7 @@ class TorchFileSink(Sink):
                 write_torch_file(specs, output.sources, tmp / out.name, update)
             if options.verify:
                 n = verify_torch_file(specs, output.sources, tmp / out.name, output.tied)
-                log.info("verified %d tensors: identical to the checkpoint", n)
+                log.info("%s", verified_line(n, output))
 
     def verify(self, output: Output, location: Path, progress: Progress | None = None) -> int:
         return verify_torch_file(

@@ -314,11 +314,12 @@ def summary(data: Datasets) -> str:
     return text
 
 
-def prepare(cfg: ShardforgeConfig, tokenizer: Any, root: Path) -> Prepared:
+def prepare(cfg: ShardforgeConfig, tokenizer: Any, root: Path, report: bool = True) -> Prepared:
     """Reuse root/<hash> when it is intact, else build the data sets and write it (saying why).
 
     `tokenizer` is the one `load_tokenizer(cfg)` returns. Holds the folder's lock throughout, so
-    two processes on one file system never both build it."""
+    two processes on one file system never both build it. `report`: log which folder was used
+    or written (False: the caller prints the outcome itself, as `preprocess` does)."""
     inputs = key_inputs(cfg, tokenizer)
     name = digest(inputs)
     folder = root / name
@@ -326,7 +327,8 @@ def prepare(cfg: ShardforgeConfig, tokenizer: Any, root: Path) -> Prepared:
         if folder.exists():
             reused = _reuse(folder)
             if isinstance(reused, Datasets):
-                log.info("using prepared dataset at %s (hash %s)", folder, name)
+                if report:
+                    log.info("using prepared dataset at %s (hash %s)", folder, name)
                 return Prepared(folder, name, reused, built=False)
             log.warning(
                 "warning: the prepared dataset at %s is damaged (%s); preparing it again",
@@ -337,7 +339,8 @@ def prepare(cfg: ShardforgeConfig, tokenizer: Any, root: Path) -> Prepared:
             log.info("%s", _why(root, name, inputs))
         data = build_datasets(cfg, tokenizer)
         _write(folder, data, inputs)
-    log.info("prepared dataset written to %s: %s", folder, summary(data))
+    if report:
+        log.info("prepared dataset written to %s: %s", folder, summary(data))
     return Prepared(folder, name, data, built=True)
 
 

@@ -27,12 +27,15 @@ from shardforge.use.request import ModelRequest
 log = logging.getLogger("shardforge")
 
 
-def evaluate_model(cfg: Any, **options: Any) -> EvalResult:
+def evaluate_model(cfg: Any, named_base: bool = False, **options: Any) -> EvalResult:
     """The eval loss, perplexity and target tokens of the weights `options` name
     (`ModelRequest`'s fields: model_dir, lora_model_dir, checkpoint, step; none: the run's
-    own) on the config's evaluation data (val_set_size or test_datasets)."""
+    own, or base_model where it names the model: `named_base`, the user gave --base_model) on
+    the config's evaluation data (val_set_size or test_datasets)."""
     config = coerce_cfg(cfg)
-    picked = pick(config, ModelRequest(**options))  # a wrong path fails before the data work
+    picked = pick(
+        config, ModelRequest(**options), named_base
+    )  # a wrong path fails before the data work
     if not (config.val_set_size or config.test_datasets):
         raise ConfigError(
             "val_set_size",

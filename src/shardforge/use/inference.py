@@ -1,5 +1,6 @@
 """`inference`: generate from trained weights (see `use.model` for which ones), the prompt rendered
-with the config's chat template when it names one, greedy unless asked to sample.
+with the chat template the run trained with (the config's, else the tokenizer's own for
+chat_template data), greedy unless asked to sample.
 
     from shardforge.config import load_cfg
     from shardforge.use.inference import inference
@@ -39,11 +40,25 @@ class Generation:
     text: str
 
 
-def encode_prompt(cfg: ShardforgeConfig, tokenizer: Any, prompt: str) -> Any:
-    """The model's input for `prompt`: with the config's chat_template a one-turn conversation
-    ending in the assistant's header (tokenized as training tokenizes rendered text), else the
-    text as it is with the tokenizer's usual special tokens."""
-    if cfg.chat_template is None:
+def trained_with_chat_template(cfg: ShardforgeConfig) -> bool:
+    """Whether the run rendered its text with a chat template: the config names one, or a data
+    set (training's or the held-out one) is of type chat_template, rendered with the config's
+    template, else the tokenizer's own."""
+    datasets = (*cfg.datasets, *cfg.test_datasets)
+    return cfg.chat_template is not None or any(ds.type == "chat_template" for ds in datasets)
+
+
+def encode_prompt(cfg: ShardforgeConfig, tokenizer: Any, prompt: str, raw: bool = False) -> Any:
+    """The model's input for `prompt`: where the run trained with a chat template (and not
+    `raw`), a one-turn conversation ending in the assistant's header (tokenized as training
+    tokenizes rendered text), else the text as it is with the tokenizer's usual special
+    tokens."""
+    if raw or not trained_with_chat_template(cfg):
+        return tokenizer(prompt, return_tensors="pt")
+    if not isinstance(tokenizer.chat_template, str):
+        log.warning(
+            "the tokenizer has no chat template: the prompt goes in as it is (set chat_template)"
+        )
         return tokenizer(prompt, return_tensors="pt")
     messages = [{"role": "user", "content": prompt}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -71,7 +86,7 @@ def generate(
 
     assert request.prompt is not None
     tok, model = loaded.tokenizer, loaded.model
-    inputs = encode_prompt(cfg, tok, request.prompt).to(loaded.device)
+    inputs = encode_prompt(cfg, tok, request.prompt, request.raw_prompt).to(loaded.device)
     extra: dict[str, Any] = {"pad_token_id": pad_token_id(tok)}
     stop = _stop_ids(cfg, tok, model)
     if stop is not None:
@@ -92,14 +107,16 @@ def inference(
     prompt: str | None = None,
     read_prompt: Callable[[], str] | None = None,
     stream: bool = False,
+    named_base: bool = False,
     **options: Any,
 ) -> Generation:
     """Generate from the weights `options` name (`InferenceRequest`'s fields; none: the run's
-    own) for `prompt`, else the text `read_prompt()` returns (asked for once the config and
-    the weights were found, before they are loaded)."""
+    own, or base_model where it names the model: `named_base`, the user gave --base_model) for
+    `prompt`, else the text `read_prompt()` returns (asked for once the config and the weights
+    were found, before they are loaded)."""
     config = coerce_cfg(cfg)
     request = InferenceRequest(prompt=prompt, **options)
-    picked = pick(config, request)
+    picked = pick(config, request, named_base)
     if request.prompt is None:
         if read_prompt is None:
             raise ShardforgeError("no prompt: give --prompt TEXT or the prompt on standard input")

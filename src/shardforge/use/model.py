@@ -10,10 +10,16 @@ Without an option the run's own weights are used: for a run with `adapter`, the 
 output_dir (FULL_STATE_DICT); else the latest complete checkpoint under output_dir, merged into
 a temporary directory (`merge_fsdp_weights`, the adapter fused for a LoRA run) that is removed
 once the model is loaded.
+
+A full fine-tune's `base_model` names the model instead, as in Axolotl (`axolotl inference
+cfg.yml --base-model ./completed-model`), when the user named it on the command line
+(`named_base`) or when it is a model merged from this run's own checkpoints (its manifest's
+source lies under output_dir): output_dir is then not looked at.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -31,6 +37,7 @@ from shardforge.layouts.catalog import FULL_WEIGHTS, LAST, resolve_checkpoint
 from shardforge.merge.api import merge_fsdp_weights
 from shardforge.merge.lora import read_adapter
 from shardforge.sinks.companions import has_tokenizer
+from shardforge.sinks.manifest import MANIFEST
 from shardforge.train.data import load_tokenizer
 from shardforge.train.model import compute_dtypes, require_local_or_hub_id
 from shardforge.use.request import ModelRequest
@@ -47,7 +54,7 @@ class Picked:
     """The weights to use: a model directory, an adapter directory (on the config's
     base_model) or a checkpoint root with its step (None: the latest) to merge first."""
 
-    kind: Literal["model", "adapter", "checkpoint"]
+    kind: Literal["model", "adapter", "checkpoint", "base"]
     path: Path
     how: str  # why these weights, for the log line
     step: int | None = None  # the step asked for (a checkpoint root: None is the latest)
@@ -58,6 +65,8 @@ class Picked:
             return f"base_model + adapter {self.path} ({self.how})"
         if self.kind == "checkpoint":
             return f"{self.found}, merged on the fly ({self.how})"
+        if self.kind == "base":
+            return f"{self.found} ({self.how})"
         return f"{self.path} ({self.how})"
 
 
@@ -115,9 +124,40 @@ def _local(where: str, what: str) -> None:
         )
 
 
-def pick(cfg: ShardforgeConfig, request: ModelRequest) -> Picked:
-    """The weights `request` names, else the run's own (see the module's doc)."""
+def merged_from_run(cfg: ShardforgeConfig) -> bool:
+    """Whether `base_model` is a local model merged from a checkpoint under this run's
+    output_dir (its manifest's source says so): the run's result, named by the config."""
+    base = Path(cfg.base_model)
+    if names_object_storage(cfg.output_dir) or not (base / MANIFEST).is_file():
+        return False
+    try:
+        sources = json.loads((base / MANIFEST).read_text(encoding="utf-8")).get("source") or []
+        out = Path(cfg.output_dir).resolve()
+        return any(Path(s["location"]).resolve().is_relative_to(out) for s in sources)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return False  # not a manifest this reads: the run's own weights, as without one
+
+
+def _base_model(cfg: ShardforgeConfig, how: str) -> Picked:
+    """The config's base_model as the model to load: a local model directory (checked), else
+    a hub id that transformers fetches."""
+    base = Path(cfg.base_model)
+    if base.exists():
+        return Picked("base", _model_dir(base, how).path, how, found=str(base))
+    require_local_or_hub_id("base_model", cfg.base_model)
+    return Picked("base", base, how, found=cfg.base_model)
+
+
+def pick(cfg: ShardforgeConfig, request: ModelRequest, named_base: bool = False) -> Picked:
+    """The weights `request` names, else `base_model` where it names the model (`named_base`:
+    the user gave --base_model on the command line), else the run's own (see the module's
+    doc)."""
     named = (request.model_dir, request.lora_model_dir, request.checkpoint)  # local (parsed)
+    base_named = cfg.adapter is None and all(p is None for p in named) and request.step is None
+    if base_named and named_base:
+        return _base_model(cfg, "--base_model")
+    if base_named and merged_from_run(cfg):
+        return _base_model(cfg, "the config's base_model, merged from this run")
     if all(p is None for p in named):
         _local(cfg.output_dir, "the config's output_dir")
     if request.model_dir is not None:
@@ -190,6 +230,10 @@ def _load(cfg: ShardforgeConfig, picked: Picked) -> tuple[Any, Any]:
         return model, tokenizer_of(cfg, picked.path)
     if picked.kind == "model":
         return _from_pretrained(cfg, picked.path), tokenizer_of(cfg, picked.path)
+    if picked.kind == "base":
+        model = _from_pretrained(cfg, cfg.base_model, "base_model")
+        local = picked.path.is_dir()
+        return model, tokenizer_of(cfg, picked.path) if local else load_tokenizer(cfg)
     # SIGTERM too ends in the block's cleanup: no merged copy is left behind
     with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="shardforge-merged-") as tmp:
         merged = Path(tmp) / "model"  # a local output: the path it returns

@@ -101,9 +101,14 @@ class InferenceRequest(ModelRequest):
     """The model, the prompt and how to generate (transformers' `generate` keywords)."""
 
     prompt: str | None = optional(
-        "The prompt (default: standard input, read to its end). With the config's "
-        "chat_template it is the user message of a one-turn conversation.",
+        "The prompt (default: standard input, read to its end). Where the run trained with a "
+        "chat template (the config's chat_template, or chat_template data sets with the "
+        "tokenizer's own) it is the user message of a one-turn conversation.",
         metavar="TEXT",
+    )
+    raw_prompt: bool = flag(
+        "Tokenize the prompt as it is, without the chat template the run trained with.",
+        doc="For a chat run, the text a completion model would continue.",
     )
     max_new_tokens: int | None = optional(
         f"Most tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}).",
