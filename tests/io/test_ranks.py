@@ -1,7 +1,10 @@
-"""The launcher's side of a job of ranks: a rank's user error goes through the file once."""
+"""The launcher's side of a job of ranks: a rank's user error goes through the file once; every
+process of the job dies with the one that started it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,3 +41,32 @@ def test_run_ranks_returns_the_status_and_splits_openmp_threads(
     assert ranks.run_ranks([sys.executable, "-c", code], env, 4) == 2
     env = {"OMP_NUM_THREADS": "3"}
     assert ranks.run_ranks([sys.executable, "-c", code], env, 4) == 3
+
+
+# a process that asks to die with its launcher, then says what the kernel holds for it
+DIES_WITH_LAUNCHER = r"""
+import ctypes, os, signal
+from shardforge.io.ranks import LAUNCHER_PID_ENV, die_with_launcher
+die_with_launcher()
+sig = ctypes.c_int(0)
+ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG
+print(sig.value == signal.SIGKILL, os.environ[LAUNCHER_PID_ENV] == str(os.getpid()))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.slow
+def test_a_rank_dies_with_its_launcher_and_not_after_it() -> None:
+    """The kernel holds SIGKILL for the process when its parent ends, and the process names
+    itself for those it starts; a parent other than the launcher named (it ended before the
+    request: the process was adopted) ends the process at once."""
+    env = {**os.environ, ranks.LAUNCHER_PID_ENV: str(os.getpid())}
+    run = [sys.executable, "-c", DIES_WITH_LAUNCHER]
+    proc = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout.split()) == (0, ["True", "True"]), proc.stderr
+
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    env[ranks.LAUNCHER_PID_ENV] = str(pid_max + 1)  # not its parent: that one has gone
+    proc = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and not proc.stdout, proc.stdout
+    assert "has ended; exiting" in proc.stderr, proc.stderr
