@@ -124,7 +124,34 @@ def test_an_empty_or_unreadable_lock_file_is_taken(tmp_path: Path, content: str)
         assert json.loads(path.read_text())["pid"] == os.getpid()
 
 
-def test_a_folder_that_cannot_hold_the_lock_is_one_error(tmp_path: Path) -> None:
-    taken = output_lock(tmp_path / "missing" / "out.shardforge.lock", tmp_path, "merge")
+def test_the_folder_is_made_as_publishing_makes_it_or_the_lock_is_one_error(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "new" / "deeper" / "out"
+    with output_lock(lock_beside(out), out, "merge"):
+        assert lock_beside(out).is_file()
+    (tmp_path / "a-file").write_text("")
+    taken = output_lock(tmp_path / "a-file" / "out.shardforge.lock", tmp_path, "merge")
     with pytest.raises(lock.ShardforgeError, match="cannot take its lock file"), taken:
         pass
+
+
+def test_a_file_system_without_flock_keeps_a_running_writer_out_by_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """flock refused as unsupported (ENOLCK, as some network file systems answer): said once,
+    and the lock file alone still refuses a running writer and names the holder."""
+    import errno
+
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(lock.fcntl, "flock", no_flock)
+    path = tmp_path / "out.shardforge.lock"
+    first = output_lock(path, tmp_path / "out", "merge")
+    with caplog.at_level(logging.WARNING, logger="shardforge"), first:
+        second = output_lock(path, tmp_path / "out", "a second merge")
+        with pytest.raises(OutputLocked, match=rf"pid {os.getpid()} .*it is running"), second:
+            pytest.fail("two writers held one output")
+    assert any("cannot lock files" in r.getMessage() for r in caplog.records)
+    assert not path.exists()

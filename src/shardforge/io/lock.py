@@ -18,6 +18,9 @@ names a writer that is gone. Taking it:
   network file system does not always carry a flock across hosts), then taken over with a
   notice; an empty or unreadable file is one whose writer died before it wrote: taken over.
 
+A file system without flock (some network ones answer ENOLCK) is said in a warning; there the
+file's contents alone keep writers apart (two started at the same moment are not).
+
 Object storage has no flock: an s3:// output is not locked here (docs/storage.md).
 """
 
@@ -32,7 +35,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,6 +47,10 @@ LOCK_SUFFIX = ".shardforge.lock"
 LOCK_NAME = ".shardforge.lock"
 # what is read of a lock file (it is one short JSON line)
 MAX_LOCK_BYTES = 4096
+
+
+# the error a caller gives for an OSError of making the lock file (None: the generic one)
+Unusable = Callable[[OSError], ShardforgeError | None]
 
 
 class OutputLocked(ShardforgeError):
@@ -86,28 +93,43 @@ def me(command: str) -> Holder:
 
 @contextlib.contextmanager
 def output_lock(
-    lock: Path, output: Path | str, command: str, take_over: bool = False, option: str = ""
+    lock: Path,
+    output: Path | str,
+    command: str,
+    take_over: bool = False,
+    option: str = "",
+    unusable: Unusable | None = None,
 ) -> Iterator[Holder]:
     """Hold `lock` for writing `output` in the block (see the module's doc); `option` is how the
-    user says `take_over` (named in the refusal of another host's lock)."""
+    user says `take_over` (named in the refusal of another host's lock). A lock file that
+    cannot be made (a parent that is a file, a read-only file system) is the error
+    `unusable(exc)` gives for the OSError (its file named as `output`), else a generic one."""
     holder = me(command)
-    fd = _take(lock, output, holder, take_over, option)
+    fd = _take(lock, output, holder, take_over, option, unusable)
     try:
         yield holder
     finally:
         _release(lock, fd)
 
 
-def _take(lock: Path, output: Path | str, holder: Holder, take_over: bool, option: str) -> int:
+def _take(
+    lock: Path,
+    output: Path | str,
+    holder: Holder,
+    take_over: bool,
+    option: str,
+    unusable: Unusable | None,
+) -> int:
     for _ in range(10):  # the file was removed or replaced between open and flock: again
-        fd = _open(lock, output)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = _open(lock)
         except OSError as exc:
+            raise _unusable(lock, output, exc, unusable) from None
+        try:
+            _flock(fd, output)
+        except OSError:
             previous = _read(fd)
             os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise _unusable(lock, output, exc) from None
             raise _held(output, lock, previous, "it is running") from None
         try:
             if _same_file(fd, lock):
@@ -123,14 +145,38 @@ def _take(lock: Path, output: Path | str, holder: Holder, take_over: bool, optio
     )
 
 
-def _open(lock: Path, output: Path | str) -> int:
+def _flock(fd: int, output: Path | str) -> None:
+    """flock the lock file; OSError: another process holds it. A file system without flock
+    (ENOLCK, EOPNOTSUPP, ...) is said once: the lock file's contents alone keep writers apart
+    there (a running writer of this host is still refused)."""
     try:
-        return os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        raise _unusable(lock, output, exc) from None
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        log.warning(
+            "warning: %s: its file system cannot lock files (%s); two writers started at once "
+            "are not kept apart",
+            output,
+            exc.strerror or exc,
+        )
 
 
-def _unusable(lock: Path, output: Path | str, exc: OSError) -> ShardforgeError:
+def _open(lock: Path) -> int:
+    """The lock file, created (with its folder: an output's parent is made as publishing makes
+    it) if missing."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+
+
+def _unusable(
+    lock: Path, output: Path | str, exc: OSError, unusable: Unusable | None
+) -> ShardforgeError:
+    if unusable is not None:
+        named = str(output) if exc.filename in (str(lock), lock) else exc.filename
+        error = unusable(OSError(exc.errno, exc.strerror, named))
+        if error is not None:
+            return error
     return ShardforgeError(
         f"{output}: cannot take its lock file {lock}: {exc.strerror or exc}; check that the "
         "folder is writable"
@@ -176,8 +222,6 @@ def _runs(holder: Holder, here: Holder) -> bool:
     the start time it recorded (else the pid was reused)."""
     if holder.boot and here.boot and holder.boot != here.boot:
         return False
-    if holder.pid == os.getpid():
-        return False  # this process: a lock it left earlier (it cannot hold two)
     try:
         os.kill(holder.pid, 0)
     except ProcessLookupError:

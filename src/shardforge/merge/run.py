@@ -5,6 +5,7 @@ publish -> remove the shards when asked."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from shardforge.io.publish import (
     check_free_space,
     check_output_file,
     check_output_path,
+    output_error,
     sigterm_as_interrupt,
 )
 from shardforge.layouts.catalog import resolve_checkpoint
@@ -51,9 +53,9 @@ def writer_lock(
     dry run writes nothing; an s3:// output has no lock: docs/storage.md)."""
     if request.dry_run or remote_target(out) is not None:
         return contextlib.nullcontext()
-    return output_lock(
-        lock_beside(out.absolute()), out, command, request.take_over_lock, "--take_over_lock"
-    )
+    lock = lock_beside(out.absolute())
+    unusable = functools.partial(output_error, out=out)  # as any write under out's folder
+    return output_lock(lock, out, command, request.take_over_lock, "--take_over_lock", unusable)
 
 
 def run_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
