@@ -70,3 +70,43 @@ def test_a_rank_dies_with_its_launcher_and_not_after_it() -> None:
     proc = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and not proc.stdout, proc.stdout
     assert "has ended; exiting" in proc.stderr, proc.stderr
+
+
+# torchrun's stand-in: on SIGTERM it notes that it was asked to stop its ranks, then ends
+STOPS_ON_SIGTERM = r"""
+import pathlib, signal, sys, time
+def stop(signum, frame):
+    pathlib.Path(sys.argv[1]).write_text("asked to stop")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+pathlib.Path(sys.argv[1] + ".started").touch()
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_an_interrupted_launcher_asks_torchrun_to_stop_its_ranks(tmp_path: Path) -> None:
+    """Ctrl-C (KeyboardInterrupt) while the launcher waits: torchrun gets SIGTERM (it stops its
+    ranks) and the launcher waits for it, then the interrupt goes on."""
+    import signal
+    import time
+
+    marker = tmp_path / "stopped"
+
+    def ctrl_c_once_started(signum: int, frame: object) -> None:
+        if not marker.with_name("stopped.started").exists():
+            signal.setitimer(signal.ITIMER_REAL, 0.05)  # look again
+            return
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, ctrl_c_once_started)
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+    begun = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ranks.run_ranks([sys.executable, "-c", STOPS_ON_SIGTERM, str(marker)], {}, 1)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert marker.read_text() == "asked to stop"
+    assert time.monotonic() - begun < 60
