@@ -196,6 +196,7 @@ def test_kill_9_of_the_commands_process_group_ends_every_rank(built: Built, tmp_
         import psutil
 
         family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        (agent,) = psutil.Process(proc.pid).children()
         args = [str(cfg), "--output_path", str(out), "--checkpoint", str(built.ours)]
         second = CliRunner().invoke(cli, ["merge-sharded-fsdp-weights", *args])
         assert second.exit_code != 0, second.output
@@ -204,6 +205,9 @@ def test_kill_9_of_the_commands_process_group_ends_every_rank(built: Built, tmp_
         ), second.output
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        # once the agent has ended, its end has sent SIGKILL to the ranks: they run no more
+        # code (the few milliseconds a process takes to die are not what is tested here)
+        still_running([agent.pid], seconds=10)
     finally:
         gate.open()  # a rank that outlived the kill goes on (and would publish)
         if proc.poll() is None:

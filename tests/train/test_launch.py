@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from train_helpers import ROOT, job_processes, train_cmd, train_env, write_config
@@ -89,6 +90,7 @@ def test_kill_9_of_the_command_ends_torchrun_and_every_rank(
     try:
         (paused,) = gate.wait(job)
         family = [p.pid for p in job_processes(job, config, ranks=2)[1:]]  # torchrun, ranks
+        (agent,) = psutil.Process(job.pid).children()
         rank0 = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
         held = rf"in use by shardforge train \(rank 0 of 2\) \(pid {paused} "
         second = output_dir_lock(load_cfg(config, command="train"), rank0)
@@ -96,6 +98,9 @@ def test_kill_9_of_the_command_ends_torchrun_and_every_rank(
             pytest.fail("a second writer took the output_dir of a running run")
         os.kill(job.pid, signal.SIGKILL)
         job.wait(timeout=30)
+        # once the agent has ended, its end has sent SIGKILL to the ranks: they run no more
+        # code (the few milliseconds a process takes to die are not what is tested here)
+        still_running([agent.pid], seconds=10)
     finally:
         gate.open()  # a rank that outlived the kill goes on (and would write checkpoint-2)
         if job.poll() is None:
