@@ -51,6 +51,7 @@ def test_multi_machine_options_are_passed_through() -> None:
     assert cmd[-3:] == ["-m", "shardforge.cli.train_rank", "cfg.yml"]
 
 
+@pytest.mark.slow  # python -c
 def test_training_never_imports_the_merge() -> None:
     import subprocess
 
