@@ -115,7 +115,9 @@ def test_another_hosts_lock_is_taken_only_when_asked(
     assert not path.exists()
 
 
-@pytest.mark.parametrize("content", ["", "not json", "[1, 2]", '{"host": "h"}'])
+@pytest.mark.parametrize(
+    "content", ["", "not json", "[1, 2]", '{"host": "h"}', "[" * 4000, "\xff\xfe"]
+)
 def test_an_empty_or_unreadable_lock_file_is_taken(tmp_path: Path, content: str) -> None:
     """Its writer died before it wrote its line (nothing else holds the flock)."""
     path = tmp_path / "out.shardforge.lock"

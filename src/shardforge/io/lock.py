@@ -251,7 +251,7 @@ def _read(fd: int) -> Holder | None:
             since=str(data.get("since", "?")),
             command=str(data.get("command", "?")),
         )
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None
 
 
