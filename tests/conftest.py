@@ -85,7 +85,6 @@ SLOW_ELSEWHERE: dict[str, str] = {
         "shardforge train under torchrun"
     ),
     "tests/train/test_eval.py::test_eval_loss_is_the_same_at_one_and_two_ranks": "torchrun",
-    "tests/train/test_launch.py::test_training_never_imports_the_merge": "python -c",
     "tests/train/test_loop.py": "shardforge train under torchrun",
     "tests/train/test_lora.py": "shardforge train under torchrun",
     "tests/train/test_merge_on_save.py": "the merges run as subprocesses",

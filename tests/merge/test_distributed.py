@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ import yaml
 from click.testing import CliRunner
 
 from helpers.gate import Gate
+from helpers.procs import still_running
 from shardforge.cli.main import cli
 from shardforge.merge.distributed import shares
 from test_inspection import Built, build_checkpoints
@@ -170,3 +172,51 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return None
+
+
+def test_kill_9_of_the_commands_process_group_ends_every_rank(built: Built, tmp_path: Path) -> None:
+    """A 2-rank merge frozen while it writes (rank 0 holds the output's lock and has created
+    its hidden directory): a second merge to that output is refused, naming rank 0; `kill -9`
+    of the command's process group (as a terminal or a job scheduler ends a job) then ends
+    torchrun's agent and both ranks, although torchrun starts them in sessions of their own,
+    and nothing is published once the gate opens. The lock rank 0 left is then taken over by
+    the next merge, with a notice."""
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(yaml.safe_dump({"base_model": str(built.base), "output_dir": "unused"}))
+    out = tmp_path / "out"
+    gate = Gate(tmp_path / "gate", "os:mkdir", r"/\.out\.tmp-[^/]+$")
+    cmd = [sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(cfg),
+           "--output_path", str(out), "--checkpoint", str(built.ours), "--nproc_per_node", "2",
+           "--quiet"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=gate.env(), start_new_session=True)
+    try:
+        (paused,) = gate.wait(proc)
+        ranks = [_rank_pid(proc.pid, rank=r) for r in (0, 1)]
+        assert ranks[0] == paused and ranks[1] is not None
+        import psutil
+
+        family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        (agent,) = psutil.Process(proc.pid).children()
+        args = [str(cfg), "--output_path", str(out), "--checkpoint", str(built.ours)]
+        second = CliRunner().invoke(cli, ["merge-sharded-fsdp-weights", *args])
+        assert second.exit_code != 0, second.output
+        assert f"in use by shardforge merge-sharded-fsdp-weights (rank 0 of 2) (pid {paused} " in (
+            second.output
+        ), second.output
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        # once the agent has ended, its end has sent SIGKILL to the ranks: they run no more
+        # code (the few milliseconds a process takes to die are not what is tested here)
+        still_running([agent.pid], seconds=10)
+    finally:
+        gate.open()  # a rank that outlived the kill goes on (and would publish)
+        if proc.poll() is None:
+            proc.kill()
+    assert not still_running(family, seconds=10), "processes of the merge outlived the kill"
+    assert not out.exists()
+    assert json.loads((tmp_path / "out.shardforge.lock").read_text())["pid"] == paused
+
+    third = CliRunner().invoke(cli, ["merge-sharded-fsdp-weights", *args, "--quiet"])
+    assert third.exit_code == 0, third.output
+    assert "taking over the lock of a writer that has ended" in third.output, third.output
+    assert (out / "model.safetensors").is_file() and not (tmp_path / "out.shardforge.lock").exists()

@@ -1,10 +1,26 @@
-"""The torchrun command line `train` builds for one and many machines."""
+"""The torchrun command line `train` builds for one and many machines; the ranks it starts end
+with the command."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
+import psutil
+import pytest
+import torch
+from train_helpers import ROOT, job_processes, train_cmd, train_env, write_config
+
+from helpers.gate import Gate
+from helpers.procs import still_running
+from shardforge.config import load_cfg
+from shardforge.io.lock import OutputLocked
 from shardforge.train.launch import LaunchOptions, torchrun_command
+from shardforge.train.runtime import Runtime, output_dir_lock
 
 
 def test_single_machine_is_standalone() -> None:
@@ -35,6 +51,7 @@ def test_multi_machine_options_are_passed_through() -> None:
     assert cmd[-3:] == ["-m", "shardforge.cli.train_rank", "cfg.yml"]
 
 
+@pytest.mark.slow  # python -c
 def test_training_never_imports_the_merge() -> None:
     import subprocess
 
@@ -46,3 +63,48 @@ def test_training_never_imports_the_merge() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_command_ends_torchrun_and_every_rank(
+    base_cfg: dict[str, Any], tmp_path: Path
+) -> None:
+    """`kill -9` of the `shardforge train` process alone (its torchrun agent and the ranks,
+    each in a session of its own, are not signalled) while rank 0 is about to write its first
+    checkpoint (a test gate before the mkdir of checkpoint-2.tmp): the agent and both ranks
+    end within seconds and no checkpoint is written, although the gate then lets rank 0 go on.
+    While the run lives, rank 0 holds output_dir's lock: another writer is refused, naming it.
+    (`kill -9` of the command's process group: tests/merge/test_distributed.py, the same
+    launcher code.)"""
+    out = tmp_path / "out"
+    cfg = {**base_cfg, "output_dir": str(out), "max_steps": 4, "save_steps": 2}
+    config = write_config(tmp_path / "cfg.yml", cfg)
+    gate = Gate(tmp_path / "gate", "os:mkdir", r"/checkpoint-2\.tmp$", after=False)
+    job = subprocess.Popen(
+        train_cmd(config, nproc=2),
+        cwd=ROOT,
+        env=gate.env(train_env()),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        (paused,) = gate.wait(job)
+        family = [p.pid for p in job_processes(job, config, ranks=2)[1:]]  # torchrun, ranks
+        (agent,) = psutil.Process(job.pid).children()
+        rank0 = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+        held = rf"in use by shardforge train \(rank 0 of 2\) \(pid {paused} "
+        second = output_dir_lock(load_cfg(config, command="train"), rank0)
+        with pytest.raises(OutputLocked, match=held), second:
+            pytest.fail("a second writer took the output_dir of a running run")
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait(timeout=30)
+        # once the agent has ended, its end has sent SIGKILL to the ranks: they run no more
+        # code (the few milliseconds a process takes to die are not what is tested here)
+        still_running([agent.pid], seconds=10)
+    finally:
+        gate.open()  # a rank that outlived the kill goes on (and would write checkpoint-2)
+        if job.poll() is None:
+            job.kill()
+    assert not still_running(family, seconds=10), "processes of the run outlived the kill"
+    assert not list(out.glob("checkpoint-*")), sorted(p.name for p in out.iterdir())

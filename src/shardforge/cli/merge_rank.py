@@ -11,9 +11,11 @@ from pathlib import Path
 from shardforge.cli._common import run_guarded, setup_logging, split_debug
 from shardforge.cli.main import exit_now
 from shardforge.errors import ShardforgeError
+from shardforge.io.ranks import die_with_launcher
 
 
 def main(argv: list[str]) -> None:
+    die_with_launcher()  # no rank outlives torchrun's agent, nor the agent the command
     args, debug = split_debug(argv)
     if len(args) != 1:
         print("usage: python -m shardforge.cli.merge_rank REQUEST.json", file=sys.stderr)

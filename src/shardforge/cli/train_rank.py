@@ -9,10 +9,12 @@ import sys
 from shardforge.cli._common import run_guarded, setup_logging, split_debug
 from shardforge.cli.main import exit_now
 from shardforge.errors import ShardforgeError
+from shardforge.io.ranks import die_with_launcher
 from shardforge.train.launch import load_checked, report_rank_error
 
 
 def main(argv: list[str]) -> None:
+    die_with_launcher()  # no rank outlives torchrun's agent, nor the agent `shardforge train`
     from shardforge.train.loop import run_training
 
     args, debug = split_debug(argv)

@@ -338,6 +338,13 @@ class ShardforgeConfig(ConfigView):
         description="`auto` resumes from the latest complete checkpoint in output_dir; a path "
         "resumes from that checkpoint.",
     )
+    take_over_lock: bool = Field(
+        False,
+        description="Take over output_dir's lock file (output_dir/.shardforge.lock) when it "
+        "names a run on another host that no longer runs (shardforge cannot tell from here). "
+        "One run at a time writes an output_dir: a second is refused, naming the first; the "
+        "lock of a run of this host that has ended is taken over with a notice.",
+    )
 
     # -- LoRA adapters ---------------------------------------------------------------------------
     adapter: Literal["lora", "qlora"] | None = Field(

@@ -1,4 +1,5 @@
-"""Start a distributed merge: torchrun runs `python -m shardforge.cli.merge_rank REQUEST` on
+"""Start a distributed merge: torchrun (`io.ranks.run_agent`: it and its ranks die with this
+process) runs `python -m shardforge.cli.merge_rank REQUEST` on
 every rank (gloo, CPU only), the request being the checked config and options in a JSON file.
 
 Like `train`, one machine gets `--standalone`; several pass `--nnodes`, `--node_rank`,
@@ -28,7 +29,7 @@ DONE_FILE_ENV = "SHARDFORGE_MERGE_DONE_FILE"
 
 
 def torchrun_command(request: MergeRequest, request_file: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    cmd = [sys.executable, "-m", "shardforge.io.ranks"]  # torchrun, dying with this process
     cmd += ["--nproc_per_node", str(request.nproc_per_node or 1)]
     passthrough = {
         "--nnodes": request.nnodes,

@@ -6,6 +6,7 @@ weights file hashed by one rank once all have written it), and publishes."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from shardforge.merge.distributed import (
 )
 from shardforge.merge.prepare import Prepared, deliverable, prepare
 from shardforge.merge.request import MergeRequest
+from shardforge.merge.run import MERGE_COMMAND, writer_lock
 from shardforge.sinks.hf_dir import write_companions
 from shardforge.sinks.manifest import hash_files, new_hashes, write_manifest
 from shardforge.sinks.progress import progress
@@ -127,10 +129,20 @@ def _hashes(prep: Prepared, directory: Path) -> dict[str, str] | None:
 
 def merge_on_ranks(config: ShardforgeConfig, request: MergeRequest) -> Path:
     """This rank's part of a distributed merge; every rank returns the output path or raises
-    the same MergeError."""
+    the same MergeError. Rank 0, which publishes, holds the output's lock throughout."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out = request.output_path
     assert out is not None  # the request requires it for --format hf
+    with contextlib.ExitStack() as held:
+        command = f"{MERGE_COMMAND} (rank 0 of {world})"
+        on_every_rank(
+            lambda: held.enter_context(writer_lock(out, request, command)) if rank == 0 else None
+        )
+        return _merge_held(config, request, out)
+
+
+def _merge_held(config: ShardforgeConfig, request: MergeRequest, out: Path) -> Path:
+    rank, world = dist.get_rank(), dist.get_world_size()
     prep = _prepared(config, request, out)
     output, _ = deliverable(prep, request, config)
     if rank == 0:

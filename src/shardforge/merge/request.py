@@ -138,6 +138,13 @@ class MergeRequest:
         doc="Finished files are re-checked by size and SHA-256, uploaded parts by size; a merge "
         "of other inputs or another plan is refused. See [storage.md](storage.md#resume).",
     )
+    take_over_lock: bool = flag(
+        "Take over the output's lock file when it names a merge on another host (one that no "
+        "longer runs: shardforge cannot tell from here).",
+        doc="One merge at a time writes an output: `<output>.shardforge.lock` beside it names "
+        "the writer; a second merge is refused, a lock of a merge of this host that has ended "
+        "is taken over with a notice. See [merge.md](merge.md#one-writer-at-a-time).",
+    )
     engine: Engine = optional(
         "stream (bounded memory, default) or transformers (meta model + dcp.load + "
         "save_pretrained; whole model in memory; plain DCP, --format hf only).",

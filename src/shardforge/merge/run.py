@@ -5,17 +5,20 @@ publish -> remove the shards when asked."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 from pathlib import Path
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError
+from shardforge.io.lock import lock_beside, output_lock
 from shardforge.io.mirror import public_name, remote_target
 from shardforge.io.publish import (
     check_free_space,
     check_output_file,
     check_output_path,
+    output_error,
     sigterm_as_interrupt,
 )
 from shardforge.layouts.catalog import resolve_checkpoint
@@ -33,6 +36,8 @@ log = logging.getLogger("shardforge")
 
 # suffix of the default output path of --format torch (as Lightning's consolidate_checkpoint)
 CONSOLIDATED_SUFFIX = ".consolidated"
+# the writer a merge's lock file names
+MERGE_COMMAND = "shardforge merge-sharded-fsdp-weights"
 
 
 def default_output(model_dir: Path) -> Path:
@@ -41,8 +46,30 @@ def default_output(model_dir: Path) -> Path:
     return Path(str(model_dir) + CONSOLIDATED_SUFFIX).absolute()
 
 
+def writer_lock(
+    out: Path, request: MergeRequest, command: str = MERGE_COMMAND
+) -> contextlib.AbstractContextManager[object]:
+    """One merge at a time writes `out`: its lock file beside it, held while the merge runs (a
+    dry run writes nothing; an s3:// output has no lock: docs/storage.md)."""
+    if request.dry_run or remote_target(out) is not None:
+        return contextlib.nullcontext()
+    lock = lock_beside(out.absolute())
+    unusable = functools.partial(output_error, out=out)  # as any write under out's folder
+    return output_lock(lock, out, command, request.take_over_lock, "--take_over_lock", unusable)
+
+
 def run_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
     """`merge_fsdp_weights` of a checked request."""
+    with contextlib.ExitStack() as held:
+        out = request.output_path
+        if out is not None:  # the output's lock first: nothing is written before it
+            held.enter_context(writer_lock(out, request))
+        return _run_locked(config, request, held)
+
+
+def _run_locked(
+    config: ShardforgeConfig, request: MergeRequest, held: contextlib.ExitStack
+) -> Path:
     out = request.output_path
     if out is not None:
         _check_output(out, request, [])  # fail fast, before reading anything
@@ -55,7 +82,7 @@ def run_merge(config: ShardforgeConfig, request: MergeRequest) -> Path:
     # the bytes start moving while transformers imports and the architecture is built; the
     # early copy is used only if it is exactly what the merge would write, else removed
     with sigterm_as_interrupt(), _early_copy(config, request, located) as early:
-        return _run_prepared(config, request, located, removal, early)
+        return _run_prepared(config, request, located, removal, early, held)
 
 
 def _check_output(out: Path, request: MergeRequest, inputs: list[Path]) -> None:
@@ -109,9 +136,12 @@ def _run_prepared(
     located: Located,
     removal: RemovalPlan | None,
     early: EarlyCopy | None,
+    held: contextlib.ExitStack,
 ) -> Path:
     """prepare -> check -> (dry run: describe) -> write (sink) -> verify -> publish -> remove."""
     prep = prepare(config, request, located)
+    if request.output_path is None:  # --format torch beside the model folder: known now
+        held.enter_context(writer_lock(default_output(prep.sources.checkpoint.model_dir), request))
     out = _checked(config, request, prep, removal)
     output, sink = deliverable(prep, request, config)
     if request.dry_run:

@@ -20,7 +20,13 @@ from typing import Literal
 from shardforge.config import load_cfg, parse_override_args
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ShardforgeError
-from shardforge.io.ranks import ERROR_FILE_ENV, leave_rank_error, raise_rank_error, run_ranks
+from shardforge.io.ranks import (
+    ERROR_FILE_ENV,
+    die_with_launcher,
+    leave_rank_error,
+    raise_rank_error,
+    run_ranks,
+)
 from shardforge.train.preflight import preflight
 from shardforge.train.runtime import local_world_size, under_torchrun
 
@@ -144,6 +150,9 @@ def do_train(
     cfg = load_checked(config, args, _launch_world(launcher, nproc, opts.nnodes))
     if under_torchrun() or launcher == "python":
         from shardforge.train.loop import run_training
+
+        if under_torchrun():  # a rank of the user's torchrun: it dies with that torchrun
+            die_with_launcher()
 
         run_training(cfg)
         return 0

@@ -67,6 +67,7 @@ from shardforge.train.runtime import (
     init_distributed,
     local_world_size,
     mesh_shape,
+    output_dir_lock,
 )
 from shardforge.train.saving import Saver
 from shardforge.train.step import micro_batches, train_step
@@ -171,18 +172,20 @@ def run_training(
     interpreter's with a group alive, can abort a rank after its last checkpoint ("terminate
     called without an active exception"), which fails a run that is complete."""
     rt = init_distributed()
-    finished = False
-    try:
-        result = Trainer(cfg, rt, callbacks).fit()
-        # every rank is done with its last collective before any rank tears the group down
-        # (gloo can abort a rank whose peer closes its connections while it still talks)
-        finish_together()
-        finished = True
-    finally:
-        if not (finished and keep_group):
-            dist.destroy_process_group()
-    if result.saver is not None:
-        result.saver.finish()  # merge_on_save: the run ends when its merges have
+    with contextlib.ExitStack() as held:  # rank 0: output_dir's lock, for the whole run
+        finished = False
+        try:
+            held.enter_context(output_dir_lock(cfg, rt))
+            result = Trainer(cfg, rt, callbacks).fit()
+            # every rank is done with its last collective before any rank tears the group down
+            # (gloo can abort a rank whose peer closes its connections while it still talks)
+            finish_together()
+            finished = True
+        finally:
+            if not (finished and keep_group):
+                dist.destroy_process_group()
+        if result.saver is not None:
+            result.saver.finish()  # merge_on_save: the run ends when its merges have
     return result
 
 

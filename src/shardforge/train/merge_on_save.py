@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from shardforge.config.schema import ShardforgeConfig
+from shardforge.io.ranks import die_with_parent
 
 log = logging.getLogger("shardforge")
 
@@ -234,27 +236,15 @@ class MergeOnSave:
         run.log.close()
 
 
-def _die_with_parent() -> None:
-    """Linux: end this merge (SIGTERM) when the training rank that started it dies."""
-    parent = os.environ.get(PARENT_ENV)
-    if sys.platform != "linux" or not parent:
-        return
-    import ctypes
-    import signal
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if str(os.getppid()) != parent:  # it died before prctl
-        sys.exit(1)
-
-
 def main(argv: list[str]) -> Any:
     """The merge process: lower its priority, then run `shardforge merge-sharded-fsdp-weights`."""
     import runpy
 
     with contextlib.suppress(OSError):
         os.nice(NICENESS)
-    _die_with_parent()
+    parent = os.environ.get(PARENT_ENV)
+    if parent:  # Linux: this merge ends (SIGTERM: it cleans up) when the training rank does
+        die_with_parent(parent, signal.SIGTERM)
     sys.argv = ["shardforge", "merge-sharded-fsdp-weights", *argv]
     return runpy.run_module("shardforge", run_name="__main__", alter_sys=True)
 

@@ -1,16 +1,19 @@
-"""The process group and device of one training rank."""
+"""The process group and device of one training rank; output_dir's lock (rank 0 holds it)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardforge.config.schema import ShardforgeConfig
+from shardforge.config.schema import ShardforgeConfig, names_object_storage
 from shardforge.errors import ConfigError
+from shardforge.io.lock import lock_inside, output_lock
 
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 MESH_DIMS = ("dp_replicate", "dp_shard")
@@ -18,6 +21,20 @@ MESH_DIMS = ("dp_replicate", "dp_shard")
 
 def under_torchrun() -> bool:
     return any(name in os.environ for name in TORCHRUN_ENV)
+
+
+def output_dir_lock(
+    cfg: ShardforgeConfig, rt: Runtime
+) -> contextlib.AbstractContextManager[object]:
+    """One run at a time writes an output_dir: rank 0 holds output_dir/.shardforge.lock for the
+    run (`io.lock`; the other ranks write there only after rank 0 has). An s3:// output_dir has
+    no lock (docs/storage.md)."""
+    if not rt.is_main or names_object_storage(cfg.output_dir):
+        return contextlib.nullcontext()
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    command = f"shardforge train (rank 0 of {rt.world_size})"
+    return output_lock(lock_inside(out), out, command, cfg.take_over_lock, "--take_over_lock")
 
 
 @dataclass(frozen=True)

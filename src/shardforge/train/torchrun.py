@@ -3,7 +3,8 @@
 It is `python -m torch.distributed.run` except when a rank stopped on a user error: that rank
 left the message in the file named by SHARDFORGE_RANK_ERROR_FILE for the launcher to print once,
 so torchrun's ChildFailedError report (a traceback and a failure table that only repeat it) is
-left out and the exit status is 1. Any other failure is reported by torchrun as usual.
+left out and the exit status is 1. Any other failure is reported by torchrun as usual. It dies
+with the `shardforge train` that started it, and its ranks with it (`io.ranks.die_with_launcher`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from shardforge.io.ranks import ERROR_FILE_ENV
+from shardforge.io.ranks import ERROR_FILE_ENV, die_with_launcher
 
 # where torchrun logs a worker's failure ("failed (exitcode: 1) local_rank: 0 ...")
 ELASTIC_LOGGERS = (
@@ -34,6 +35,7 @@ class _UnlessReported(logging.Filter):
 
 
 def main(argv: list[str]) -> None:
+    die_with_launcher(always=False)  # before torch's imports: seconds
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
