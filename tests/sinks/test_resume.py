@@ -70,6 +70,10 @@ def test_resume_of_another_plan_is_refused(checkpoints: Built, tmp_path: Path) -
     from shardforge.sinks.resume import LocalJournal, fingerprint
 
     plan = OutputPlan([], None)
-    LocalJournal(tmp_path, fingerprint(plan, ["a"]), resume=False)
-    with pytest.raises(MergeError, match="--resume: the interrupted merge planned other"):
-        LocalJournal(tmp_path, fingerprint(plan, ["b"]), resume=True)
+    LocalJournal(tmp_path, fingerprint(plan, {"a": {}}), resume=False)
+    with pytest.raises(MergeError, match="--resume refused: a was read by the interrupted"):
+        LocalJournal(tmp_path, fingerprint(plan, {"b": {}}), resume=True)
+    journal = tmp_path / JOURNAL_NAME
+    journal.write_text(json.dumps({"fingerprint": "0" * 64, "files": {}}))  # an older journal
+    with pytest.raises(MergeError, match="--resume refused: the interrupted merge planned other"):
+        LocalJournal(tmp_path, fingerprint(plan, {"b": {}}), resume=True)

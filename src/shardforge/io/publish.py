@@ -35,6 +35,7 @@ from types import FrameType
 
 from shardforge.errors import MergeError
 from shardforge.io.fs import fsync_dir, fsync_file, fsync_tree
+from shardforge.io.pins import check_all as check_pins
 
 log = logging.getLogger("shardforge")
 
@@ -354,6 +355,7 @@ def atomic_directory(out: Path, overwrite: bool = False, resume: bool = False) -
     try:
         with _output_errors(out, tmp):
             yield tmp
+            check_pins()  # every input still the version read (io.pins)
             fsync_tree(tmp)  # every file (index, config, tokenizer too) before it is visible
             _publish_dir(tmp, out, overwrite)
             fsync_dir(out.parent)
@@ -372,6 +374,7 @@ def atomic_file(out: Path, overwrite: bool = False) -> Iterator[Path]:
     try:
         with _output_errors(out, tmp):
             yield tmp
+            check_pins()  # every input still the version read (io.pins)
             fsync_file(tmp / out.name)
             _publish_file(tmp / out.name, out, overwrite)
             fsync_dir(out.parent)

@@ -17,6 +17,7 @@ from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError
 from shardforge.io.copy import fact_session
 from shardforge.io.mirror import public_path
+from shardforge.io.pins import pin_session
 from shardforge.io.publish import check_output_path
 from shardforge.layouts.catalog import list_checkpoints
 from shardforge.merge.locate import checkpoint_root, remote_paths
@@ -38,8 +39,13 @@ def merge_fsdp_weights(
     request = MergeRequest(output_path=out, save_tokenizer=save_tokenizer, **options)
     config = coerce_cfg(cfg, command="merge")
     # the run is scanned, and each .metadata and record parsed, once (head start included);
-    # s3:// paths are staged as local ones for the merge (`merge.locate.remote_paths`)
-    with fact_session(), remote_paths(config, request, output_path) as (config, request):
+    # every input is pinned from the plan to the last byte (`io.pins`); s3:// paths are
+    # staged as local ones for the merge (`merge.locate.remote_paths`)
+    with (
+        fact_session(),
+        pin_session(),
+        remote_paths(config, request, output_path) as (config, request),
+    ):
         return public_path(_dispatch(config, request))  # an s3:// output: its URI
 
 

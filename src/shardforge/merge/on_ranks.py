@@ -18,6 +18,7 @@ from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError, ShardforgeError
 from shardforge.io.copy import ReadCache
 from shardforge.io.dist import finish_together
+from shardforge.io.pins import pin_session
 from shardforge.io.publish import atomic_directory, check_free_space, check_output_path
 from shardforge.keymap.converted import written_together
 from shardforge.merge.distributed import (
@@ -126,7 +127,12 @@ def _hashes(prep: Prepared, directory: Path) -> dict[str, str] | None:
 
 def merge_on_ranks(config: ShardforgeConfig, request: MergeRequest) -> Path:
     """This rank's part of a distributed merge; every rank returns the output path or raises
-    the same MergeError."""
+    the same MergeError. Every rank's inputs are pinned (`io.pins`)."""
+    with pin_session():
+        return _merge_here(config, request)
+
+
+def _merge_here(config: ShardforgeConfig, request: MergeRequest) -> Path:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = request.output_path
     assert out is not None  # the request requires it for --format hf

@@ -41,6 +41,7 @@ from shardforge.io.copy import ReadCache, pwrite_all
 from shardforge.io.digest import FileHash, hash_of, hashing
 from shardforge.io.fs import punch_hole
 from shardforge.io.mirror import RemoteTarget
+from shardforge.io.pins import check_all as check_pins
 from shardforge.io.remote import storage_errors
 from shardforge.sinks.base import Output, Progress, Sink, WriteOptions, human
 from shardforge.sinks.hf_dir import HfDirectorySink, resume_fingerprint, write_companions
@@ -48,6 +49,7 @@ from shardforge.sinks.manifest import MANIFEST as MANIFEST_NAME
 from shardforge.sinks.manifest import new_hashes, write_manifest
 from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, PlannedFile
 from shardforge.sinks.progress import progress
+from shardforge.sinks.resume import resume_refused
 from shardforge.sinks.safetensors_files import Hashes, write_index
 from shardforge.sinks.uploads import (
     FileRange,
@@ -123,6 +125,7 @@ class ObjectStoreSink(Sink):
             if output.companions is not None:
                 write_companions(output.companions, output.dtype, local)
             self._manifest(output, local, hashes)
+            check_pins()  # every input still the version read (io.pins)
             self._publish(output, local, journal, options, done)
         except BaseException:
             journal.abort_all()
@@ -172,11 +175,9 @@ class ObjectStoreSink(Sink):
         left = Journal.load(self.store) if resume else None
         journal = Journal(self.store, fp)
         if left is not None:
-            if left.get("fingerprint") != fp:
-                raise MergeError(
-                    f"{self.target.uri}: --resume: the interrupted merge there planned other "
-                    "files or read other inputs; merge without --resume to start over"
-                )
+            refused = resume_refused(self.target.uri, left.get("fingerprint"), fp)
+            if refused is not None:
+                raise refused
             for name, e in dict(left.get("files") or {}).items():
                 journal.files[name] = FileUpload(
                     str(e["upload_id"]),

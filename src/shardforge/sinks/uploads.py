@@ -233,7 +233,7 @@ class Journal:
     """What an interrupted merge left to resume: its owner, plan and uploads (module doc)."""
 
     store: Store
-    fingerprint: str
+    fingerprint: Mapping[str, Any]  # `sinks.resume.fingerprint`
     files: dict[str, FileUpload] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
