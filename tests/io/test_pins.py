@@ -20,7 +20,7 @@ from helpers.s3 import S3Server
 from helpers.saves import Saves, replace_files, two_saves
 from shardforge.errors import CheckpointError
 from shardforge.io.files import open_regular
-from shardforge.io.pins import check_all, pin, pin_session
+from shardforge.io.pins import check_all, check_and_release, pin, pin_session
 from shardforge.sinks.resume import JOURNAL_NAME
 
 # the journal's first save: the plan is made and every input pinned, no tensor written yet
@@ -60,6 +60,12 @@ def test_a_file_changed_after_its_pin_is_refused_at_open_and_before_publishing(
             check_all()
     assert pinned.describe()["inode"] == data.stat().st_ino
     check_all()  # outside a session: nothing is pinned
+    with pin_session():
+        pin(data)
+        check_and_release()  # about to publish: the next merge of the session pins its own
+        os.utime(data, ns=(2, 2))
+        os.close(open_regular(data))
+        check_all()
 
 
 def _merge_changed_under(

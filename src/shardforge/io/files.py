@@ -52,7 +52,7 @@ def open_regular(path: str | Path, root: str | Path | None = None) -> int:
                 f"{p}: is {_kind(st.st_mode)}, not a regular file; a checkpoint holds only "
                 "regular files"
             )
-        opened(real, st)  # a pinned input: still the file the merge planned from (io.pins)
+        opened(real, st, p)  # a pinned input: still the file the merge planned from (io.pins)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

@@ -4,7 +4,7 @@ or refuses.
     with pin_session():           # one merge (nested blocks join the outer one)
         fd = open_regular(path)   # io.files: every open is `opened`: first seen, or checked
         pin(path)                 # at the plan: the file's identity (as first opened)
-        check_all()               # before publishing (io.publish, the object-store sink)
+        check_and_release()       # before publishing (io.publish, the object-store sink)
 
 A local file is pinned by (device, inode, size, modification time in ns), taken when the merge
 first opened it (its `.metadata` is parsed before the plan) or else when the plan is made; every
@@ -100,9 +100,9 @@ def _local_change(before: Identity, now: Identity) -> str:
     )
 
 
-def opened(real: str, st: os.stat_result) -> None:
-    """`real` was opened and is `st` now: checked against its pin, or remembered as first seen
-    (`io.files.open_regular` calls this for every file it opens)."""
+def opened(real: str, st: os.stat_result, name: object = None) -> None:
+    """`real` (opened as `name`) is `st` now: checked against its pin, or remembered as first
+    seen (`io.files.open_regular` calls this for every file it opens)."""
     if not _SESSION:
         return
     s, now = _SESSION[0], identity(st)
@@ -112,7 +112,7 @@ def opened(real: str, st: os.stat_result) -> None:
             s.seen.setdefault(real, now)
             return
     if pin.local != now:
-        raise changed(real, _local_change(pin.local, now))
+        raise changed(real if name is None else name, _local_change(pin.local, now))
 
 
 def pin(path: Path) -> Pin:
@@ -153,3 +153,15 @@ def check_all() -> None:
             raise changed(p.path, _local_change(p.local, now))
     for obj, how in changed_objects([p.remote for p in pins if p.remote is not None]):
         raise changed(obj.uri, how)
+
+
+def check_and_release() -> None:
+    """`check_all`, then the pins forgotten: the output is about to be published (the next
+    merge of the same session, `--all_steps`' next step, pins its own inputs, and a checkpoint
+    pruned meanwhile by its training run is no longer this session's concern)."""
+    check_all()
+    if _SESSION:
+        s = _SESSION[0]
+        with s.lock:
+            s.pins.clear()
+            s.seen.clear()

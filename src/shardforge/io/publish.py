@@ -35,7 +35,7 @@ from types import FrameType
 
 from shardforge.errors import MergeError
 from shardforge.io.fs import fsync_dir, fsync_file, fsync_tree
-from shardforge.io.pins import check_all as check_pins
+from shardforge.io.pins import check_and_release as check_pins
 
 log = logging.getLogger("shardforge")
 

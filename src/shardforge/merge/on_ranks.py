@@ -35,6 +35,7 @@ from shardforge.merge.request import MergeRequest
 from shardforge.sinks.hf_dir import write_companions
 from shardforge.sinks.manifest import hash_files, new_hashes, write_manifest
 from shardforge.sinks.progress import progress
+from shardforge.sinks.resume import pinned_inputs
 from shardforge.sinks.safetensors_files import write_index
 from shardforge.sinks.verify import verify_output
 
@@ -138,6 +139,7 @@ def _merge_here(config: ShardforgeConfig, request: MergeRequest) -> Path:
     assert out is not None  # the request requires it for --format hf
     prep = _prepared(config, request, out)
     output, _ = deliverable(prep, request, config)
+    pinned_inputs(output.sources.values())  # checked at every read and before publishing
     if rank == 0:
         each = f"{prep.plan.total_bytes // world:,}"
         log.info("distributed merge on %d ranks: %s bytes each", world, each)

@@ -46,7 +46,6 @@ from shardforge.sinks.hf_dir import AdapterDirectorySink
 from shardforge.sinks.object_store import ObjectStoreSink
 from shardforge.sinks.plan import OutputPlan, default_max_shard_size, plan_output
 from shardforge.sinks.registry import SINKS
-from shardforge.sinks.resume import pinned_inputs
 
 log = logging.getLogger("shardforge")
 
@@ -237,8 +236,6 @@ def deliverable(
         prep.adapter_config,
         tuple(prep.expected.saved_names),
     )
-    if not request.dry_run:  # the inputs as planned, checked at every read (`io.pins`)
-        pinned_inputs(output.sources.values())
     sink: Sink
     target = remote_target(request.output_path)
     if target is not None:

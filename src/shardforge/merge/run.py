@@ -28,6 +28,7 @@ from shardforge.merge.remove import RemovalPlan, plan_removal, remove_shards
 from shardforge.merge.request import MergeRequest
 from shardforge.sinks.base import WriteOptions
 from shardforge.sinks.hf_dir import HfDirectorySink
+from shardforge.sinks.resume import pinned_inputs
 
 log = logging.getLogger("shardforge")
 
@@ -116,6 +117,9 @@ def _run_prepared(
     if not used and remote_target(out) is None:  # (an early copy has its space already)
         check_free_space(out, prep.plan.total_bytes)
     options = WriteOptions(request.overwrite, request.verifies, request.quiet, request.resume)
+    # every input pinned as planned (the head start's files as it first opened them), checked
+    # at every read and before publishing (`io.pins`); after `accept`: no parse runs beside it
+    pinned_inputs(output.sources.values())
     if used:
         assert early is not None and isinstance(sink, HfDirectorySink)
         sink.write(output, out, options, prefill=early.take)

@@ -41,7 +41,7 @@ from shardforge.io.copy import ReadCache, pwrite_all
 from shardforge.io.digest import FileHash, hash_of, hashing
 from shardforge.io.fs import punch_hole
 from shardforge.io.mirror import RemoteTarget
-from shardforge.io.pins import check_all as check_pins
+from shardforge.io.pins import check_and_release as check_pins
 from shardforge.io.remote import storage_errors
 from shardforge.sinks.base import Output, Progress, Sink, WriteOptions, human
 from shardforge.sinks.hf_dir import HfDirectorySink, resume_fingerprint, write_companions
