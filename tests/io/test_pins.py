@@ -132,6 +132,7 @@ def test_an_object_replaced_while_the_merge_reads_it_is_refused(
     gate = Gate(tmp_path / "gate", "os:pwrite", r"/model-00001-of-\d+\.safetensors$", thread=".")
     done = _merge_changed_under(cmd, gate, gate.env(s3_server.env()), replace)
     line = _refused(done, f"s3://{bucket}/ck/__0_0.distcp")
-    assert "PreconditionFailed" in line  # the next ranged GET's If-Match: no byte of the new one
+    # the next ranged GET's If-Match: no byte of the new version
+    assert "answers PreconditionFailed" in done.stderr, done.stderr
     assert "shardforge-staging" not in line
     assert not out.exists() and not list(tmp_path.glob(".out.*"))  # nothing published

@@ -369,8 +369,9 @@ class RemoteObject:
 def changed_error(name: object, how: str) -> CheckpointError:
     """The one line for an input that changed under the merge (`io.pins`)."""
     return CheckpointError(
-        f"{name}: changed while the merge read it ({how}); nothing was published - merge "
-        "again once the checkpoint is complete and no longer written"
+        f"{name}: changed while the merge read it; nothing was published - merge again once "
+        "the checkpoint is complete and no longer written",
+        [how],
     )
 
 

@@ -75,15 +75,19 @@ def pinned_inputs(sources: Iterable[TensorSource]) -> dict[str, dict[str, Any]]:
 def resume_refused(where: object, left: object, fp: Fingerprint) -> MergeError | None:
     """Why the interrupted merge's fingerprint `left` is not `fp` (None: it is): the error
     names each input that changed, and how."""
+    again = "merge without --resume to start over"
     if not isinstance(left, dict) or left.get("plan") != fp["plan"]:
-        found = ["the interrupted merge planned other files (or another shardforge wrote it)"]
-    else:
-        found = _inputs_changed(left.get("inputs") or {}, fp["inputs"])
+        return MergeError(
+            f"{where}: --resume refused: the interrupted merge planned other files (or another "
+            f"shardforge version wrote it); {again}"
+        )
+    found = _inputs_changed(left.get("inputs") or {}, fp["inputs"])
     if not found:
         return None
     return MergeError(
-        f"{where}: --resume refused: {found[0]}; merge without --resume to start over",
-        found[1:],
+        f"{where}: --resume refused: the checkpoint is not what the interrupted merge read "
+        f"({len(found)} file{'s' if len(found) > 1 else ''} changed, listed below); {again}",
+        found,
     )
 
 
