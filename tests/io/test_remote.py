@@ -1,7 +1,8 @@
 """Remote objects as bytes: URIs, ranged reads (small ones cached, large ones in parallel
 parts) checked against the stored bytes on the loopback SeaweedFS, stand-ins served through
-the byte path's own functions, a large copy streamed without holding its parts, and failed
-requests as one line without a secret."""
+the byte path's own functions, a large copy streamed without holding its parts, failed
+requests as one line without a secret, and an object replaced while it is read (another
+version, a shorter one) named as changed, never read from its new version."""
 
 from __future__ import annotations
 
@@ -18,7 +19,14 @@ from shardforge.io import remote
 from shardforge.io.copy import copy_range
 from shardforge.io.digest import FileHash, hashing
 from shardforge.io.files import read_exact_into
-from shardforge.io.remote import RemoteObject, RemoteURI, filesystem, redact, storage_error
+from shardforge.io.remote import (
+    RemoteObject,
+    RemoteURI,
+    changed_objects,
+    filesystem,
+    redact,
+    storage_error,
+)
 
 
 def test_uris() -> None:
@@ -204,3 +212,29 @@ def test_the_docs_local_s3_recipe_starts_the_tests_server() -> None:
     for command in ("shardforge merge-sharded-fsdp-weights", "shardforge verify s3://"):
         assert command in recipe
     assert "output_dir: s3://" in recipe
+
+
+@pytest.mark.slow
+def test_an_object_replaced_while_it_is_read_is_named_as_changed(s3_server: S3Server) -> None:
+    bucket = s3_server.bucket("remote-changed")
+    fs = s3_server.fs()
+    data = os.urandom(300_000)
+    fs.pipe(f"{bucket}/o", data)
+    etag = fs.info(f"{bucket}/o")["ETag"]
+    client = filesystem(s3_server.storage_options)
+    pinned = RemoteObject(client, RemoteURI(bucket, "o"), len(data), etag=etag)
+    listed = RemoteObject(client, RemoteURI(bucket, "o"), len(data))  # no ETag known
+    assert pinned.read(200_000, 0) == data[:200_000] and changed_objects([pinned, listed]) == []
+    fs.pipe(f"{bucket}/o", data[:1000])  # replaced by a shorter one
+    for obj in (pinned, listed):
+        for offset in (150_000, 500):  # past its new end; across it
+            with pytest.raises(CheckpointError, match="changed while the merge read it") as err:
+                obj.read_into(memoryview(bytearray(100_000)), offset, "s3://remote-changed/o")
+            assert "throttling" not in str(err.value)
+    assert [how for _, how in changed_objects([pinned, listed])] == [
+        f"ETag {etag} -> {fs.info(f'{bucket}/o')['ETag']}",
+        "size 300000 -> 1000",
+    ]
+    fs.pipe(f"{bucket}/o", os.urandom(len(data)))  # the same size, other bytes
+    with pytest.raises(CheckpointError, match="answers PreconditionFailed"):
+        pinned.read(100_000, 100_000)  # If-Match: never a byte of another version

@@ -1,11 +1,14 @@
 """`--resume` of a local merge: a merge killed with SIGKILL leaves its hidden directory and
 journal; the resumed merge keeps each finished file whose size and SHA-256 still match (the same
-inode: not rewritten), rewrites a damaged one, and publishes what a merge in one go writes."""
+inode: not rewritten), rewrites a damaged one, and publishes what a merge in one go writes. A
+checkpoint replaced since by another save of the same shapes (local, or in a store) is refused,
+naming what changed: the fingerprint holds the inputs' identities and content, not their names."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -13,7 +16,8 @@ import pytest
 import yaml
 
 from helpers.gate import Gate
-from helpers.s3 import killed_at, tree_bytes
+from helpers.s3 import S3Server, killed_at, tree_bytes
+from helpers.saves import Saves, two_saves
 from shardforge.errors import MergeError
 from shardforge.merge.api import merge_fsdp_weights
 from shardforge.sinks.resume import JOURNAL_NAME
@@ -26,6 +30,16 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
     return build_checkpoints(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory: pytest.TempPathFactory) -> Saves:
+    return two_saves(tmp_path_factory.mktemp("saves"))
+
+
+# each save of the journal of a local merge (its first: the empty one; each later one adds one
+# finished file, whose hash is done)
+JOURNAL_SAVED = r"/\.out\.tmp-[^/]+/" + re.escape(Path(JOURNAL_NAME).with_suffix(".tmp").name) + "$"
 
 
 def test_a_killed_merge_resumes_keeping_its_finished_files(
@@ -70,6 +84,73 @@ def test_resume_of_another_plan_is_refused(checkpoints: Built, tmp_path: Path) -
     from shardforge.sinks.resume import LocalJournal, fingerprint
 
     plan = OutputPlan([], None)
-    LocalJournal(tmp_path, fingerprint(plan, ["a"]), resume=False)
-    with pytest.raises(MergeError, match="--resume: the interrupted merge planned other"):
-        LocalJournal(tmp_path, fingerprint(plan, ["b"]), resume=True)
+    LocalJournal(tmp_path, fingerprint(plan, {"a": {}}), resume=False)
+    with pytest.raises(MergeError, match=r"--resume refused: .*\n.*a was read by the interrupted"):
+        LocalJournal(tmp_path, fingerprint(plan, {"b": {}}), resume=True)
+    journal = tmp_path / JOURNAL_NAME
+    journal.write_text(json.dumps({"fingerprint": "0" * 64, "files": {}}))  # an older journal
+    with pytest.raises(MergeError, match="--resume refused: the interrupted merge planned other"):
+        LocalJournal(tmp_path, fingerprint(plan, {"b": {}}), resume=True)
+
+
+def test_resume_over_a_checkpoint_replaced_by_another_save_is_refused(
+    saves: Saves, tmp_path: Path
+) -> None:
+    ck = tmp_path / "ck"
+    shutil.copytree(saves.a, ck)
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump(saves.config()))
+    out = tmp_path / "out"
+    gate = Gate(tmp_path / "gate", "os:replace", JOURNAL_SAVED, nth=3)  # 2 files finished
+    cmd = [
+        sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(tmp_path / "cfg.yml"),
+        "--output_path", str(out), "--checkpoint", str(ck), "--max_shard_size", "1MB", "--quiet",
+    ]  # fmt: skip
+    killed_at(gate, cmd, gate.env())
+    (hidden,) = tmp_path.glob(".out.tmp-*")
+    assert len(json.loads((hidden / JOURNAL_NAME).read_text())["files"]) >= 2
+    shutil.rmtree(ck)
+    shutil.copytree(saves.b, ck)  # the same names, shapes and sizes; other tensors
+    with pytest.raises(MergeError, match="--resume refused: ") as err:
+        merge_fsdp_weights(saves.config(), out, checkpoint=ck, max_shard_size="1MB", resume=True)
+    text = str(err.value)
+    for name in (".metadata", "__0_0.distcp"):
+        assert f"{ck / name} changed since the interrupted merge read it" in text, text
+    assert "its content differs" in text and "mtime" in text, text
+    assert not out.exists()  # nothing published
+
+
+def _upload(server: S3Server, folder: Path, prefix: str) -> None:
+    """Every file of `folder` put under `prefix` (replacing an object of the same name)."""
+    fs = server.fs()
+    for path in sorted(folder.iterdir()):
+        fs.put_file(str(path), f"{prefix}/{path.name}")
+
+
+def test_resume_over_a_replaced_checkpoint_in_a_store_is_refused(
+    saves: Saves, s3_server: S3Server, tmp_path: Path
+) -> None:
+    bucket = s3_server.bucket("resume-replaced")
+    _upload(s3_server, saves.a, f"{bucket}/ck")
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump(saves.config()))
+    cmd = [
+        sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(tmp_path / "cfg.yml"),
+        "--output_path", f"s3://{bucket}/model", "--checkpoint", f"s3://{bucket}/ck",
+        "--max_shard_size", "1MB", "--quiet",
+    ]  # fmt: skip
+    # killed once the second file is being staged (its journal beside the prefix)
+    gate = Gate(tmp_path / "gate", "os:pwrite", r"/output-[^/]+/model-00002-of-\d+", thread=".")
+    killed_at(gate, cmd, gate.env(s3_server.env()))
+    _upload(s3_server, saves.b, f"{bucket}/ck")  # another save of the same shapes
+    config = saves.config(storage_options=s3_server.storage_options)
+    with pytest.raises(MergeError, match="--resume refused: ") as err:
+        merge_fsdp_weights(
+            config,
+            f"s3://{bucket}/model",
+            checkpoint=f"s3://{bucket}/ck",
+            max_shard_size="1MB",
+            resume=True,
+        )
+    text = str(err.value)
+    changed = f"s3://{bucket}/ck/__0_0.distcp changed since the interrupted merge read it: ETag"
+    assert changed in text and "shardforge-staging" not in text, text
+    assert s3_server.fs().find(f"{bucket}/model") == []  # nothing published

@@ -3,9 +3,10 @@
 `open_regular` never blocks (a FIFO put in place of a data file is opened non-blocking and
 refused, as are devices, sockets and directories) and, given the checkpoint's root, refuses a
 path that leaves it once symlinks are resolved (a checkpoint directory that is itself a symlink
-is fine: the root is resolved the same way). `read_json` reads a small JSON file of a
-checkpoint, run or model folder as untrusted input: its size capped before a byte is read,
-its nesting bounded, each failure one line naming the file.
+is fine: the root is resolved the same way). Inside a merge every open is checked against the
+file's pin (`io.pins`): a file replaced or rewritten since the plan is refused. `read_json`
+reads a small JSON file of a checkpoint, run or model folder as untrusted input: its size capped
+before a byte is read, its nesting bounded, each failure one line naming the file.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shardforge.errors import CheckpointError, MergeError
+from shardforge.io.pins import opened
 from shardforge.io.remote import remote_of
 
 # the JSON files a command reads from a checkpoint, a run or a model folder (trainer_state.json,
@@ -53,11 +55,13 @@ def open_regular(path: str | Path, root: str | Path | None = None) -> int:
     except OSError as exc:
         raise CheckpointError(f"{p}: cannot read ({exc.strerror or exc})") from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(
-                f"{p}: is {_kind(mode)}, not a regular file; a checkpoint holds only regular files"
+                f"{p}: is {_kind(st.st_mode)}, not a regular file; a checkpoint holds only "
+                "regular files"
             )
+        opened(real, st, p)  # a pinned input: still the file the merge planned from (io.pins)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

@@ -14,7 +14,8 @@ and whose reads the byte path sends to the store by ranged requests (`io.remote`
 data files (`.distcp`, `.safetensors`, `.bin`, `.pt`), which the merge reads by byte ranges,
 and whatever else a run's prefix holds (archives, logs, optimizer extras, a file above its
 cap), which no command reads whole: a 400 MB `training_data.tar` beside a checkpoint costs
-nothing. The layouts, formats and the merge then find, check and read a remote checkpoint
+nothing. Each object is kept as listed, with its ETag: the version the merge pins and reads
+(`io.pins`). The layouts, formats and the merge then find, check and read a remote checkpoint
 exactly as a local one, and no checkpoint data is copied down. Disk: the small files only (plus
 what a sink stages, `sinks.object_store`); the area is removed when the block ends, however it
 ends.
@@ -92,6 +93,7 @@ class StagingArea:
     stand_ins: list[tuple[int, int]] = field(default_factory=list)
     mirrors: dict[str, tuple[Path, Mapping[str, Any] | None]] = field(default_factory=dict)
     targets: dict[Path, RemoteTarget] = field(default_factory=dict)
+    objects: dict[str, RemoteObject] = field(default_factory=dict)  # by real local path
 
     def local(self, uri: RemoteURI) -> Path:
         """The local path that stands for `uri` (its messages are rewritten back)."""
@@ -142,10 +144,14 @@ class StagingArea:
             target = _inside(local, rel, uri)
             target.parent.mkdir(parents=True, exist_ok=True)
             size = int(info.get("size") or 0)
+            # the version listed is the one read (`io.pins`: If-Match on every ranged GET)
+            obj = RemoteObject(
+                fs, RemoteURI.parse(f"s3://{path}"), size, options, info.get("ETag"),
+                info.get("VersionId"),
+            )  # fmt: skip
+            self.objects[os.path.realpath(target)] = obj
             if not fetched(target.name, size):
-                self._stand_in(
-                    target, RemoteObject(fs, RemoteURI.parse(f"s3://{path}"), size, options)
-                )
+                self._stand_in(target, obj)
             else:
                 downloads.append((path, target))
         if downloads:
@@ -209,6 +215,16 @@ def remote_target(path: Path | None) -> RemoteTarget | None:
     for area in _ACTIVE:
         if path in area.targets:
             return area.targets[path]
+    return None
+
+
+def mirrored_object(path: Path) -> RemoteObject | None:
+    """The object (as listed: its ETag) the mirrored local file `path` stands for, or was
+    downloaded from (None: not a file of a mirror)."""
+    for area in _ACTIVE:
+        found = area.objects.get(os.path.realpath(path))
+        if found is not None:
+            return found
     return None
 
 

@@ -38,6 +38,7 @@ from types import FrameType
 from shardforge.errors import MergeError
 from shardforge.io.fs import fsync_dir, fsync_file, fsync_tree
 from shardforge.io.model_files import check_model_folder
+from shardforge.io.pins import check_and_release as check_pins
 
 log = logging.getLogger("shardforge")
 
@@ -388,6 +389,7 @@ def atomic_directory(
     try:
         with _output_errors(out, tmp):
             yield tmp
+            check_pins()  # every input still the version read (io.pins)
             fsync_tree(tmp)  # every file (index, config, tokenizer too) before it is visible
             _as_umask_allows(tmp)
             _publish_dir(tmp, out, overwrite, model_only)
@@ -407,6 +409,7 @@ def atomic_file(out: Path, overwrite: bool = False) -> Iterator[Path]:
     try:
         with _output_errors(out, tmp):
             yield tmp
+            check_pins()  # every input still the version read (io.pins)
             fsync_file(tmp / out.name)
             _publish_file(tmp / out.name, out, overwrite)
             fsync_dir(out.parent)

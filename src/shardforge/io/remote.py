@@ -204,22 +204,29 @@ _CACHE = _BlockCache()
 
 @dataclass(frozen=True)
 class RemoteObject:
-    """One object of the store, `size` bytes, read by byte ranges."""
+    """One object of the store, `size` bytes, read by byte ranges. `etag` (and `version_id`):
+    the version the listing found, pinned (`io.pins`): every ranged GET carries it as
+    ``If-Match`` (``VersionId``), and an object replaced since is an error naming it, never
+    bytes of another version."""
 
     fs: Any
     uri: RemoteURI
     size: int
     storage_options: Mapping[str, Any] | None = None
+    etag: str | None = None
+    version_id: str | None = None
 
     def _get(self, start: int, end: int) -> bytes:
-        with storage_errors(self.uri, self.storage_options):
-            return bytes(self.fs.cat_file(self.uri.path, start=start, end=end))
+        buf = bytearray(end - start)
+        got = self._stream(start, end - start, _ViewSink(memoryview(buf), start))
+        return bytes(buf[:got])
 
     def _block(self, index: int) -> bytes:
         """Block `index` of `SMALL_BLOCK` bytes, from the cache of recent small reads."""
         start = index * SMALL_BLOCK
         return _CACHE.get(
-            (str(self.uri), index), lambda: self._get(start, min(self.size, start + SMALL_BLOCK))
+            (f"{self.uri}@{self.etag}", index),
+            lambda: self._get(start, min(self.size, start + SMALL_BLOCK)),
         )
 
     def read(self, n: int, offset: int) -> bytes:
@@ -244,10 +251,12 @@ class RemoteObject:
             got = len(data)
         else:
             got = self._stream(offset, len(view), _ViewSink(view.cast("B"), offset))
+        if got < len(view) and offset + got < self.size:  # shorter than its listing
+            raise changed_error(label, f"it ends at byte {offset + got}, not {self.size}")
         if got < len(view):
             raise CheckpointError(
                 f"{label}: short read at byte {offset + got} ({len(view) - got} bytes missing); "
-                "the object is truncated or changed during the merge"
+                "the object is truncated"
             )
 
     def copy_to(
@@ -261,6 +270,8 @@ class RemoteObject:
         """[src_off, src_off + count) written at `dst_off` of the local file `dst_fd` (by
         `write(fd, data, offset)` when given: `io.copy.pwrite_then_hash`, which feeds a hash)."""
         done = self._stream(src_off, count, _FileSink(dst_fd, dst_off - src_off, write))
+        if done < count and src_off + done < self.size:  # shorter than its listing
+            raise changed_error(self.uri, f"it ends at byte {src_off + done}, not {self.size}")
         if done < count:
             raise CheckpointError(
                 f"{self.uri}: unexpected end of the object at byte {src_off + done} while copying"
@@ -309,14 +320,27 @@ class RemoteObject:
                 break
         return total
 
+    def _pinned(self) -> dict[str, str]:
+        """The request's conditions: the pinned version (`etag`, `version_id`)."""
+        found = {"IfMatch": self.etag} if self.etag else {}
+        return {**found, "VersionId": self.version_id} if self.version_id else found
+
     async def _part(self, start: int, end: int, sink: _Sink) -> int:
-        """One ranged GET, its body written to `sink` chunk by chunk as it arrives."""
-        resp = await self.fs._call_s3(
-            "get_object",
-            Bucket=self.uri.bucket,
-            Key=self.uri.key,
-            Range=f"bytes={start}-{end - 1}",
-        )
+        """One ranged GET of the pinned version, its body written to `sink` chunk by chunk as
+        it arrives."""
+        try:
+            resp = await self.fs._call_s3(
+                "get_object",
+                Bucket=self.uri.bucket,
+                Key=self.uri.key,
+                Range=f"bytes={start}-{end - 1}",
+                **self._pinned(),
+            )
+        except OSError as exc:
+            if _code(exc) in _CHANGED:  # another version now, or a shorter one
+                how = f"a GET of the version with ETag {self.etag} answers {_code(exc)}"
+                raise changed_error(self.uri, how) from None
+            raise
         body = resp["Body"]
         at = start
         try:
@@ -329,6 +353,59 @@ class RemoteObject:
         finally:
             body.close()
         return at - start
+
+    async def _change(self) -> str | None:
+        """How the object differs from the pinned version now (None: it does not)."""
+        try:
+            head = await self.fs._call_s3("head_object", Bucket=self.uri.bucket, Key=self.uri.key)
+        except FileNotFoundError:
+            return "it was removed"
+        etag, size = head.get("ETag"), int(head.get("ContentLength", -1))
+        if self.etag and etag != self.etag:
+            return f"ETag {self.etag} -> {etag}"
+        return None if size == self.size else f"size {self.size} -> {size}"
+
+
+def changed_error(name: object, how: str) -> CheckpointError:
+    """The one line for an input that changed under the merge (`io.pins`)."""
+    return CheckpointError(
+        f"{name}: changed while the merge read it; nothing was published - merge again once "
+        "the checkpoint is complete and no longer written",
+        [how],
+    )
+
+
+# the error codes of a GET whose pinned version is gone (412: If-Match failed; 416: a range
+# past the end of what the key holds now)
+_CHANGED = frozenset({"PreconditionFailed", "412", "InvalidRange", "416"})
+
+
+def _code(exc: BaseException) -> str | None:
+    """The S3 error code behind an error s3fs translated (None: not a store's answer)."""
+    response = getattr(exc.__cause__, "response", None)
+    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+
+
+def changed_objects(objects: list[RemoteObject]) -> list[tuple[RemoteObject, str]]:
+    """The objects that differ from their pinned version now, and how (one HEAD each, all at
+    once on each file system's event loop)."""
+    from fsspec.asyn import sync
+
+    async def each(group: list[RemoteObject]) -> list[str | None]:
+        import asyncio
+
+        return list(await asyncio.gather(*(o._change() for o in group)))
+
+    found: list[tuple[RemoteObject, str]] = []
+    groups: dict[int, list[RemoteObject]] = {}
+    for obj in objects:
+        groups.setdefault(id(obj.fs), []).append(obj)
+    for group in groups.values():
+        first = group[0]
+        with storage_errors(first.uri, first.storage_options):
+            answers = sync(first.fs.loop, each, group)
+        found += [(o, how) for o, how in zip(group, answers, strict=True) if how is not None]
+    return found
 
 
 # a ranged GET's body is taken from the connection in pieces of at most this size

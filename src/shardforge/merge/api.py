@@ -18,6 +18,7 @@ from shardforge.errors import MergeError
 from shardforge.io.copy import fact_session
 from shardforge.io.files import check_resolvable
 from shardforge.io.mirror import public_path
+from shardforge.io.pins import pin_session
 from shardforge.io.publish import check_output_path
 from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import list_checkpoints
@@ -42,8 +43,13 @@ def merge_fsdp_weights(
         check_resolvable(out)  # a symlink loop: one line now, not a traceback after the merge
     config = coerce_cfg(cfg, command="merge")
     # the run is scanned, and each .metadata and record parsed, once (head start included);
-    # s3:// paths are staged as local ones for the merge (`merge.locate.remote_paths`)
-    with fact_session(), remote_paths(config, request, output_path) as (config, request):
+    # every input is pinned from the plan to the last byte (`io.pins`); s3:// paths are
+    # staged as local ones for the merge (`merge.locate.remote_paths`)
+    with (
+        fact_session(),
+        pin_session(),
+        remote_paths(config, request, output_path) as (config, request),
+    ):
         return public_path(_dispatch(config, request))  # an s3:// output: its URI
 
 

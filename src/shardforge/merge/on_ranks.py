@@ -19,6 +19,7 @@ from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError, ShardforgeError
 from shardforge.io.copy import ReadCache
 from shardforge.io.dist import finish_together
+from shardforge.io.pins import pin_session
 from shardforge.io.publish import atomic_directory, check_free_space, check_output_path
 from shardforge.keymap.converted import written_together
 from shardforge.merge.distributed import (
@@ -36,6 +37,7 @@ from shardforge.merge.run import MERGE_COMMAND, writer_lock
 from shardforge.sinks.hf_dir import write_companions
 from shardforge.sinks.manifest import hash_files, new_hashes, write_manifest
 from shardforge.sinks.progress import progress
+from shardforge.sinks.resume import pinned_inputs
 from shardforge.sinks.safetensors_files import write_index
 from shardforge.sinks.verify import verify_output
 
@@ -129,7 +131,13 @@ def _hashes(prep: Prepared, directory: Path) -> dict[str, str] | None:
 
 def merge_on_ranks(config: ShardforgeConfig, request: MergeRequest) -> Path:
     """This rank's part of a distributed merge; every rank returns the output path or raises
-    the same MergeError. Rank 0, which publishes, holds the output's lock throughout."""
+    the same MergeError. Rank 0, which publishes, holds the output's lock throughout; every
+    rank's inputs are pinned (`io.pins`)."""
+    with pin_session():
+        return _merge_here(config, request)
+
+
+def _merge_here(config: ShardforgeConfig, request: MergeRequest) -> Path:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = request.output_path
     assert out is not None  # the request requires it for --format hf
@@ -145,6 +153,7 @@ def _merge_held(config: ShardforgeConfig, request: MergeRequest, out: Path) -> P
     rank, world = dist.get_rank(), dist.get_world_size()
     prep = _prepared(config, request, out)
     output, _ = deliverable(prep, request, config)
+    pinned_inputs(output.sources.values())  # checked at every read and before publishing
     if rank == 0:
         each = f"{prep.plan.total_bytes // world:,}"
         log.info("distributed merge on %d ranks: %s bytes each", world, each)

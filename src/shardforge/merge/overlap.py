@@ -66,6 +66,7 @@ from shardforge.io.copy import (
 from shardforge.io.digest import FileHash, hashing
 from shardforge.io.dtypes import dtype_name, lookup_dtype
 from shardforge.io.fs import preallocate
+from shardforge.io.pins import pin_session
 from shardforge.io.publish import (
     _fresh_temp_sibling,
     check_free_space,
@@ -524,8 +525,9 @@ def head_start(
     it was started for that same merge); whatever was not taken is removed when the block
     ends, however it ends."""
     early: EarlyCopy | None = None
-    # what the head start scans and parses is the merge's too (`io.copy.fact_session`)
-    with fact_session(), sigterm_as_interrupt():  # a SIGTERM from here on removes the copy
+    # what the head start scans and parses is the merge's too (`io.copy.fact_session`), and
+    # the files it opens are pinned as it first opened them (`io.pins`)
+    with fact_session(), pin_session(), sigterm_as_interrupt():  # SIGTERM: the copy removed
         try:
             early = _head_start_copy(cfg, output_path, options) if ENABLED else None
             if early is not None:

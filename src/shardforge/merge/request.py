@@ -136,7 +136,9 @@ class MergeRequest:
         "Continue an interrupted merge to the same output: what it finished (files of its "
         "hidden directory, or parts uploaded to s3://) is re-checked and kept, the rest written.",
         doc="Finished files are re-checked by size and SHA-256, uploaded parts by size; a merge "
-        "of other inputs or another plan is refused. See [storage.md](storage.md#resume).",
+        "of another plan, or of inputs that changed since (another save of the same shapes, "
+        "a file replaced or rewritten), is refused, naming what changed. See "
+        "[storage.md](storage.md#resume).",
     )
     take_over_lock: bool = flag(
         "Take over the output's lock file when it names a merge on another host (one that no "

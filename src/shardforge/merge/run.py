@@ -31,6 +31,7 @@ from shardforge.merge.remove import RemovalPlan, plan_removal, remove_shards
 from shardforge.merge.request import MergeRequest
 from shardforge.sinks.base import WriteOptions
 from shardforge.sinks.hf_dir import HfDirectorySink
+from shardforge.sinks.resume import pinned_inputs
 
 log = logging.getLogger("shardforge")
 
@@ -159,6 +160,9 @@ def _run_prepared(
         request.resume,
         request.overwrite_non_model,
     )
+    # every input pinned as planned (the head start's files as it first opened them), checked
+    # at every read and before publishing (`io.pins`); after `accept`: no parse runs beside it
+    pinned_inputs(output.sources.values())
     if used:
         assert early is not None and isinstance(sink, HfDirectorySink)
         sink.write(output, out, options, prefill=early.take)

@@ -18,7 +18,7 @@ from shardforge.sinks.companions import write_config, write_generation_config, w
 from shardforge.sinks.manifest import new_hashes, write_manifest
 from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from shardforge.sinks.progress import progress
-from shardforge.sinks.resume import LocalJournal, fingerprint
+from shardforge.sinks.resume import Fingerprint, LocalJournal, fingerprint, pinned_inputs
 from shardforge.sinks.safetensors_files import Hashes, finish_plan, write_index, write_plan
 from shardforge.sinks.verify import verify_output
 
@@ -40,11 +40,9 @@ def _verified(output: Output, directory: Path, quiet: bool) -> None:
     log.info("%s", verified_line(n, output))
 
 
-def resume_fingerprint(output: Output) -> str:
-    """The fingerprint of `output` (`sinks.resume`): its plan and the checkpoint folders."""
-    return fingerprint(
-        output.plan, [str(s.directory) for src in output.sources.values() for s in src.stored()]
-    )
+def resume_fingerprint(output: Output) -> Fingerprint:
+    """The fingerprint of `output` (`sinks.resume`): its plan and its inputs' identities."""
+    return fingerprint(output.plan, pinned_inputs(output.sources.values()))
 
 
 def write_companions(companions: Companions, dtype: object, directory: Path) -> None:

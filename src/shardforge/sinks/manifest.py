@@ -112,19 +112,33 @@ def _hash_file(path: Path) -> str:
     return sha.hexdigest()
 
 
+def _locations(sources: Iterable[TensorSource]) -> list[tuple[str, Path]]:
+    """Each (format, location) the sources' stored tensors come from, in a stable order."""
+    return sorted({(s.fmt, s.directory.absolute()) for src in sources for s in src.stored()})
+
+
 def source_identity(sources: Iterable[TensorSource]) -> list[dict[str, Any]]:
     """Each location the sources' stored tensors come from (`TensorSource.stored`), as its
     format describes it (`CheckpointFormat.identity`), in a stable order."""
-    where = sorted({(s.fmt, s.directory.absolute()) for src in sources for s in src.stored()})
     return [  # a checkpoint in object storage under its URI, not its local mirror's path
-        {"location": public_name(str(location)), "format": fmt, "files": _files(fmt, location)}
-        for fmt, location in where
+        {
+            "location": public_name(str(location)),
+            "format": fmt,
+            "files": [entry for _, entry in _files(fmt, location)],
+        }
+        for fmt, location in _locations(sources)
     ]
 
 
-def _files(fmt: str, location: Path) -> list[dict[str, Any]]:
+def source_files(sources: Iterable[TensorSource]) -> list[tuple[Path, dict[str, Any]]]:
+    """Every file the sources are read from: its local path and its entry in the manifest
+    (size, records' CRC-32s or a small file's SHA-256)."""
+    return [found for fmt, location in _locations(sources) for found in _files(fmt, location)]
+
+
+def _files(fmt: str, location: Path) -> list[tuple[Path, dict[str, Any]]]:
     base = location if location.is_dir() else location.parent
-    return [_file(f, base / f.path) for f in format_named(fmt).identity(location)]
+    return [(base / f.path, _file(f, base / f.path)) for f in format_named(fmt).identity(location)]
 
 
 def _file(f: SourceFile, path: Path) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from shardforge.io.digest import FileHash, hash_of, hashing
 from shardforge.io.fs import punch_hole
 from shardforge.io.mirror import RemoteTarget
 from shardforge.io.model_files import refuse_non_model
+from shardforge.io.pins import check_and_release as check_pins
 from shardforge.io.remote import storage_errors
 from shardforge.sinks.base import Output, Progress, Sink, WriteOptions, human, verified_line
 from shardforge.sinks.hf_dir import HfDirectorySink, resume_fingerprint, write_companions
@@ -56,6 +57,7 @@ from shardforge.sinks.manifest import MANIFEST as MANIFEST_NAME
 from shardforge.sinks.manifest import new_hashes, write_manifest
 from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, PlannedFile
 from shardforge.sinks.progress import progress
+from shardforge.sinks.resume import resume_refused
 from shardforge.sinks.safetensors_files import Hashes, write_index
 from shardforge.sinks.uploads import (
     Cleanup,
@@ -141,6 +143,7 @@ class ObjectStoreSink(Sink):
             if output.companions is not None:
                 write_companions(output.companions, output.dtype, local)
             self._manifest(output, local, hashes)
+            check_pins()  # every input still the version read (io.pins)
             self._publish(output, local, journal, options, done)
         except BaseException:
             cleanup = self._remove(done)  # first: the journal is the record of a kill meanwhile
@@ -191,12 +194,13 @@ class ObjectStoreSink(Sink):
         refused a live merge's)."""
         fp = resume_fingerprint(output)
         found = Journal.found(self.store) if resume else []
-        same = [(key, data) for key, data in found if data.get("fingerprint") == fp]
-        if found and not same:
-            raise MergeError(
-                f"{self.target.uri}: --resume: the interrupted merge there planned other "
-                "files or read other inputs; merge without --resume to start over"
-            )
+        refusals = [
+            resume_refused(self.target.uri, data.get("fingerprint"), fp) for _, data in found
+        ]
+        same = [kept for kept, refused in zip(found, refusals, strict=True) if refused is None]
+        if found and not same:  # the newest journal says what changed
+            assert refusals[-1] is not None
+            raise refusals[-1]
         journal = Journal(self.store, fp, same[-1][0] if same else "")
         if same:
             left = same[-1][1]

@@ -1,5 +1,11 @@
-"""What makes a merge resumable: the fingerprint of what it writes, and the journal of the files
-it finished in its hidden directory (a local output).
+"""What makes a merge resumable: the fingerprint of what it writes and reads, and the journal of
+the files it finished in its hidden directory (a local output).
+
+The fingerprint is the plan's SHA-256 and, for every input file, its pin (`io.pins`: a local
+file's device, inode, size and mtime; an object's ETag and VersionId) and the SHA-256 of what
+the manifest records of it (its records' CRC-32s, a `.metadata`'s or an index's SHA-256): not
+the inputs' names alone. `--resume` over a checkpoint that was replaced since (another save of
+the same shapes, a file rewritten) is refused, naming each file that changed and how.
 
 Every local Hugging Face directory write keeps ``.shardforge-resume.json`` in its hidden
 directory: the fingerprint, and for each finished file (written and fsynced) its size and
@@ -17,13 +23,17 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from shardforge.errors import MergeError
+from shardforge.formats.base import TensorSource
+from shardforge.io.copy import session_memo
 from shardforge.io.mirror import public_name
+from shardforge.io.pins import pin, what_changed
+from shardforge.sinks.manifest import source_files
 from shardforge.sinks.plan import OutputPlan, PlannedFile
 
 log = logging.getLogger("shardforge")
@@ -31,15 +41,73 @@ log = logging.getLogger("shardforge")
 JOURNAL_NAME = ".shardforge-resume.json"
 
 
-def fingerprint(plan: OutputPlan, inputs: Iterable[str]) -> str:
+Fingerprint = dict[str, Any]  # {"plan": SHA-256, "inputs": {file: {"pin": ..., "content": ...}}}
+
+
+def fingerprint(plan: OutputPlan, inputs: Mapping[str, Mapping[str, Any]]) -> Fingerprint:
     """What a resumed merge must share with the interrupted one: the planned files (names,
-    headers, sizes) and the checkpoint folders read."""
+    headers, sizes) and every input file's identity and content (`pinned_inputs`)."""
     h = hashlib.sha256()
     for pf in plan.files:
         h.update(pf.name.encode() + b"\0" + pf.header + str(pf.size).encode() + b"\0")
-    for name in sorted({public_name(i) for i in inputs}):
-        h.update(name.encode() + b"\0")
-    return h.hexdigest()
+    return {"plan": h.hexdigest(), "inputs": {k: dict(v) for k, v in inputs.items()}}
+
+
+def pinned_inputs(sources: Iterable[TensorSource]) -> dict[str, dict[str, Any]]:
+    """Every file the sources are read from, pinned (`io.pins`: checked at every open and
+    before publishing), by its public name (an object's URI): its pin (a local file's device,
+    inode, size and mtime; an object's ETag) and the SHA-256 of what the manifest records of
+    it (its records' stored CRC-32s; a `.metadata`'s or an index's own SHA-256). Once per
+    `io.copy.fact_session`."""
+    sources = list(sources)
+    where = tuple(sorted({str(s.directory.absolute()) for src in sources for s in src.stored()}))
+
+    def compute() -> dict[str, dict[str, Any]]:
+        found = {}
+        for path, entry in source_files(sources):
+            content = hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()
+            found[public_name(str(path))] = {"pin": pin(path).describe(), "content": content}
+        return found
+
+    return session_memo(("pinned inputs", where), compute)
+
+
+def resume_refused(where: object, left: object, fp: Fingerprint) -> MergeError | None:
+    """Why the interrupted merge's fingerprint `left` is not `fp` (None: it is): the error
+    names each input that changed, and how."""
+    again = "merge without --resume to start over"
+    if not isinstance(left, dict) or left.get("plan") != fp["plan"]:
+        return MergeError(
+            f"{where}: --resume refused: the interrupted merge planned other files (or another "
+            f"shardforge version wrote it); {again}"
+        )
+    found = _inputs_changed(left.get("inputs") or {}, fp["inputs"])
+    if not found:
+        return None
+    return MergeError(
+        f"{where}: --resume refused: the checkpoint is not what the interrupted merge read "
+        f"({len(found)} file{'s' if len(found) > 1 else ''} changed, listed below); {again}",
+        found,
+    )
+
+
+def _inputs_changed(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    found = []
+    for name in sorted(set(before) | set(now)):
+        was, new = before.get(name), now.get(name)
+        if not isinstance(was, dict):
+            found.append(f"{name} was not read by the interrupted merge")
+        elif new is None:
+            found.append(f"{name} was read by the interrupted merge, not by this one")
+        elif was != new:
+            how = [what_changed(was.get("pin") or {}, new["pin"])]
+            if was.get("content") != new["content"]:
+                how.append("its content differs (records' CRC-32 or SHA-256)")
+            found.append(
+                f"{name} changed since the interrupted merge read it: "
+                + "; ".join(h for h in how if h)
+            )
+    return found
 
 
 def sha256_of(path: Path, block: int = 8 << 20) -> str:
@@ -53,7 +121,7 @@ def sha256_of(path: Path, block: int = 8 << 20) -> str:
 class LocalJournal:
     """The finished files of one hidden output directory (see the module docstring)."""
 
-    def __init__(self, directory: Path, fp: str, resume: bool) -> None:
+    def __init__(self, directory: Path, fp: Fingerprint, resume: bool) -> None:
         self.directory, self.fingerprint = directory, fp
         self.path = directory / JOURNAL_NAME
         self.finished: dict[str, dict[str, Any]] = {}
@@ -61,11 +129,9 @@ class LocalJournal:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardforge-hash")
         left = self._load() if resume else None
         if left is not None:
-            if left.get("fingerprint") != fp:
-                raise MergeError(
-                    f"{directory}: --resume: the interrupted merge planned other files or read "
-                    "other inputs; merge without --resume to start over"
-                )
+            refused = resume_refused(directory, left.get("fingerprint"), fp)
+            if refused is not None:
+                raise refused
             self.finished = dict(left.get("files") or {})
         self._save()
 

@@ -339,7 +339,7 @@ class Journal:
     under `key`: this merge's own (`Store.new_journal_key`), or the one it resumes."""
 
     store: Store
-    fingerprint: str
+    fingerprint: Mapping[str, Any]  # `sinks.resume.fingerprint`
     key: str = ""
     files: dict[str, FileUpload] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
