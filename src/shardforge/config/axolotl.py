@@ -86,6 +86,7 @@ FLAG_VALUES: dict[str, tuple[str, Any]] = {
     "flash_attention": ("attn_implementation", "flash_attention_2"),
     "sdp_attention": ("attn_implementation", "sdpa"),
     "eager_attention": ("attn_implementation", "eager"),
+    "flex_attention": ("attn_implementation", "flex_attention"),
 }
 
 # Understood without a key of ours (the classes come from config.json, AutoTokenizer).
