@@ -532,7 +532,7 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "save_steps": _i(),
     # `no` saves nothing, not even the final model (which Axolotl still saves)
     "save_strategy": _i(
-        "save_strategy: best (keeping the checkpoint with the best eval metric)",
+        "keeping the checkpoint with the best eval metric (save_strategy: best)",
         refused=("best",),
     ),
     "save_total_limit": _i(),
