@@ -103,7 +103,7 @@ class CompileWatch:
         if self.steps == 1:
             if self.is_main:
                 log.info(
-                    "torch.compile: %.1f s compiling %d graphs in the first step (later steps "
+                    "torch.compile: %.1f s compiling %d graph(s) in the first step (later steps "
                     "reuse them)",
                     compile_seconds(),
                     graphs,
@@ -111,7 +111,7 @@ class CompileWatch:
         elif graphs > self.graphs and not self.warned and self.is_main:
             self.warned = True
             log.warning(
-                "warning: torch.compile compiled %d more graphs at step %d (a shape or value "
+                "warning: torch.compile compiled %d more graph(s) at step %d (a shape or value "
                 "the compiled blocks depend on changed; TORCH_LOGS=recompiles says which)",
                 graphs - self.graphs,
                 step,
