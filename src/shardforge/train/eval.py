@@ -13,7 +13,8 @@ of target tokens. The sequences are cut into chunks of `eval_batch_size`; chunk 
 pass on rank k mod world size, so every chunk is computed as the same batch at any world size.
 Each sequence's loss is summed in float64 into its own slot of a vector that one all-reduce
 completes (the other ranks add zeros, which is exact), and the vector is summed in slot order:
-for the same weights the eval loss is the same number, bit for bit, at any world size.
+for the same weights the eval loss is the same number, bit for bit, at any world size (with the
+same number of CPU threads per rank: see docs/train.md).
 """
 
 from __future__ import annotations
