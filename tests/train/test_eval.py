@@ -33,14 +33,24 @@ def test_eval_loss_is_the_same_at_one_and_two_ranks(
 ) -> None:
     """Every chunk of eval_batch_size sequences is one forward pass on some rank, and the
     per-sequence sums are added in sequence order after the all-reduce: with the same weights
-    (step 0, the base model) the eval loss is bit for bit the same at 1 and 2 ranks. After
+    (step 0, the base model) the eval loss is bit for bit the same at 1 and 2 ranks (each
+    with one CPU thread). After
     training, the weights themselves differ in the last bits between world sizes (gradient
     reduction order, see test_loop.py), so later evaluations agree to 1e-6 relative."""
+    import torch
+
     from shardforge.train.launch import do_train
 
     one = tmp_path / "one"
     cfg1 = _eval_cfg(base_cfg, one, micro_batch_size=6)  # global batch 12 at 1 rank
-    assert do_train(write_config(tmp_path / "one.yml", cfg1), [], "python") == 0
+    # one thread, as each rank of the 2-rank run has: MKL's float32 products of a few rows
+    # (here a loss chunk's 2 x 4 tokens) differ in the last bits between 1 and 2 threads
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert do_train(write_config(tmp_path / "one.yml", cfg1), [], "python") == 0
+    finally:
+        torch.set_num_threads(threads)
     run = shared_run(tmp_path_factory, "evaluated")  # 2 ranks, the same config
     two = run.out
     assert "sequences (val_set_size), before the first step, every 2 steps" in run.stderr

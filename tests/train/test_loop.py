@@ -91,3 +91,38 @@ def test_a_callback_sees_every_seam_and_can_end_the_run(
     rows = read_metrics(out)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
     assert [r["step"] for r in rows if "eval_loss" in r] == [0, 2, 3]
+
+
+def test_save_strategy_no_saves_nothing(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The shared 2-rank run `eager-10` (save_strategy: no): its 10 steps' metrics, and no
+    checkpoint, no model weights, nothing being written; the log says the model is not saved."""
+    run = shared_run(tmp_path_factory, "eager-10")
+    assert [m["step"] for m in read_metrics(run.out)] == list(range(1, 11))
+    names = sorted(p.name for p in run.out.iterdir())
+    assert not [n for n in names if n.startswith("checkpoint-") or ".tmp" in n], names
+    assert not [n for n in names if n.endswith((".safetensors", ".bin", ".index.json"))], names
+    assert "config.json" in names and "metrics.jsonl" in names  # the run's other files
+    assert "save_strategy: no: the trained model is not saved" in run.stderr
+
+
+def test_save_strategy_decides_the_checkpoint_interval() -> None:
+    """`epoch`: one checkpoint per epoch, as saves_per_epoch: 1; `steps` and null: save_steps;
+    `no` and `epoch` refuse a save interval of their own."""
+    from shardforge.train.loop import save_interval
+
+    def every(**keys: Any) -> int | None:
+        cfg = validate_cfg({"base_model": "unused", **keys})
+        return save_interval(cfg, num_sequences=81, global_batch=12)  # 7 steps per epoch
+
+    assert every(save_strategy="epoch") == every(saves_per_epoch=1) == 7
+    assert every(save_strategy="steps", save_steps=3) == every(save_steps=3) == 3
+    assert every(save_strategy="no") is None
+    for keys in ({"save_steps": 3}, {"saves_per_epoch": 2}, {"merge_on_save": True}):
+        with pytest.raises(
+            Exception, match=f"save_strategy: no saves nothing, but {next(iter(keys))}"
+        ):
+            validate_cfg({"base_model": "unused", "save_strategy": "no", **keys})
+    with pytest.raises(Exception, match="save_strategy: epoch saves once per epoch"):
+        validate_cfg({"base_model": "unused", "save_strategy": "epoch", "save_steps": 3})
+    with pytest.raises(Exception, match="save_strategy: keeping the checkpoint with the best"):
+        validate_cfg({"base_model": "unused", "save_strategy": "best"}, command="train")

@@ -109,6 +109,21 @@ def _check_sharded_model(rank: int, world_size: int, base: str, out: str) -> Non
     local = [p.grad.to_local() for p in model.parameters()]  # type: ignore[union-attr]
     assert not math.isclose(float(torch.nn.utils.get_total_norm(local)), want, rel_tol=1e-3)
 
+    # the chunked loss (train.loss) on 2 ranks: the head (tied to the embedding in qwen2) in
+    # the root unit, gathered for forward and for backward's recomputation: the plain loss
+    # and gradients within 1e-5
+    model.zero_grad()
+    plain = loss_sum(model, batch, torch.device("cpu"))
+    plain.backward()
+    want = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+    model.zero_grad()
+    chunked = loss_sum(model, batch, torch.device("cpu"), chunks=5)
+    chunked.backward()
+    torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-5)
+    for name, p in model.named_parameters():
+        got = p.grad.to_local()  # type: ignore[union-attr]
+        torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-5, msg=name)
+
     # activation checkpointing recomputes the same forward: identical loss and gradients
     ac_cfg = _cfg(Path(base), fsdp={"activation_checkpointing": True})
     ac = build_meta_model(ac_cfg)

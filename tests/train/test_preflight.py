@@ -33,6 +33,7 @@ def _bad(cfg: dict[str, Any], tmp: Path, name: str) -> dict[str, Any]:
         "stale": {"output_dir": str(_fake_checkpoint(tmp / "old", 8))},
         "fp16_on_cpu": {"fp16": True},
         "offload_on_cpu": {"fsdp": {"offload_params": True}},
+        "flex_on_cpu": {"flex_attention": True},  # Axolotl's flag
     }
     return {**cfg, "output_dir": str(tmp / "out"), **cases[name]}
 
@@ -56,6 +57,12 @@ CASES = [
     ("stale", "output_dir", "already holds checkpoints (checkpoint-8); set resume_from_checkpoint"),
     pytest.param("fp16_on_cpu", "fp16", "needs a GPU", marks=CPU_ONLY),
     pytest.param("offload_on_cpu", "fsdp.offload_params", "needs a GPU", marks=CPU_ONLY),
+    pytest.param(
+        "flex_on_cpu",
+        "attn_implementation",
+        "flex_attention cannot train without a CUDA GPU (torch has no CPU backward for it)",
+        marks=CPU_ONLY,
+    ),
 ]
 
 
@@ -206,6 +213,35 @@ def test_attn_implementation_is_checked(base_cfg: dict[str, Any]) -> None:
 def test_flash_attention_needs_a_gpu(base_cfg: dict[str, Any], impl: str) -> None:
     text = _preflight_problem({**base_cfg, "attn_implementation": impl})
     assert f"attn_implementation: {impl} needs a CUDA GPU and the flash-attn package" in text
+
+
+@CPU_ONLY
+def test_flex_attention_needs_a_gpu_to_train(base_cfg: dict[str, Any]) -> None:
+    """Its forward runs on CPU, its backward does not: refused before any rank starts, instead
+    of torch's NotImplementedError in the first step's backward."""
+    text = _preflight_problem({**base_cfg, "attn_implementation": "flex_attention"})
+    assert "attn_implementation: flex_attention cannot train without a CUDA GPU" in text
+    assert "use sdpa or eager" in text
+
+
+def test_chunked_cross_entropy_true_needs_a_model_it_is_exact_for(tmp_path: Path) -> None:
+    """Gemma2 soft-caps its logits after the head: `true` is refused before launch, null
+    trains with the plain loss."""
+    from transformers import AutoConfig
+
+    from shardforge.train.preflight import check_model
+
+    base = tmp_path / "gemma2"
+    AutoConfig.for_model("gemma2", num_hidden_layers=1, hidden_size=32).save_pretrained(base)
+    (base / "model.safetensors").write_bytes(b"")  # only its presence is checked here
+    cfg = {
+        "base_model": str(base),
+        "fsdp": {"transformer_layer_cls_to_wrap": ["Gemma2DecoderLayer"]},
+    }
+    [(key, problem)] = check_model(validate_cfg({**cfg, "chunked_cross_entropy": True}))
+    assert key == "chunked_cross_entropy"
+    assert "not be exact for Gemma2ForCausalLM: its forward changes the logits after" in problem
+    assert check_model(validate_cfg(cfg)) == []
 
 
 def test_mesh_sizes_are_checked_before_launch(base_cfg: dict[str, Any], tmp_path: Path) -> None:

@@ -208,11 +208,18 @@ EVALUATED = {
     "save_steps": None,
 }
 
+# 10 steps that save nothing (no checkpoint, no final model), in windows of 96 tokens that each
+# hold several samples or padding (so every micro-batch has an attention mask: see
+# test_compile.py)
+UNSAVED_10 = {"max_steps": 10, "save_steps": None, "save_strategy": "no", "sequence_len": 96}
+
 
 def _shared_runs(base: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
     """The 2-rank runs tests compare with: name -> what it changes in the shared base's config.
 
     reference: 6 steps, a checkpoint every 2; evaluated: `EVALUATED`; async: async_save;
+    eager-10 / compiled-10: 10 steps saving nothing (save_strategy: no), the second with
+    torch_compile (backend aot_eager: inductor's C++ compile would take minutes here);
     merging: merge_on_save, save_total_limit 2; packed: windows of 96 tokens (several samples
     each); full-state-dict: FULL_STATE_DICT; lora-llama: `LORA`; lora-qwen: a tied-embedding
     Qwen2 (root/qwen-base) with every linear layer adapted and the embedding trained (4 steps).
@@ -225,6 +232,8 @@ def _shared_runs(base: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
         "merging": {"merge_on_save": True, "save_total_limit": 2},
         "packed": {"sequence_len": 96, "save_steps": None},
         "full-state-dict": {"fsdp": {**fsdp, "state_dict_type": "FULL_STATE_DICT"}},
+        "eager-10": UNSAVED_10,
+        "compiled-10": {**UNSAVED_10, "torch_compile": True, "torch_compile_backend": "aot_eager"},
         "lora-llama": LORA,
         "lora-qwen": {
             **LORA,

@@ -141,8 +141,10 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "chat_template": _i(),
     "chat_template_jinja": _i(),
     "chat_template_kwargs": _u("extra chat template arguments"),
-    "chunked_cross_entropy": _u("chunked cross-entropy loss"),
-    "chunked_cross_entropy_num_chunks": _u("chunked cross-entropy loss"),
+    "chunked_cross_entropy": _i(
+        "null (Axolotl: off) means on where exact: the same loss without the full logits"
+    ),
+    "chunked_cross_entropy_num_chunks": _i(),
     "cls_model_config": _u("custom model config class"),
     "comet_api_key": _g(_TRACKING),
     "comet_experiment_config": _g(_TRACKING),
@@ -261,7 +263,7 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "flash_optimum": _u("BetterTransformer (optimum)"),
     "flex_attention": _i(
         "true means attn_implementation: flex_attention (packed batches: a BlockMask from the "
-        "document ids, docs/train.md)",
+        "document ids, docs/train.md; train needs a CUDA GPU for it)",
         ours="attn_implementation",
     ),
     "flex_attn_compile_kwargs": _g("compile settings of flex attention; speed only"),
@@ -537,7 +539,11 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "save_only_model": _u("model-only checkpoints (no optimizer state)"),
     "save_safetensors": _g("shardforge always saves safetensors"),
     "save_steps": _i(),
-    "save_strategy": _u("save_strategy (use save_steps or saves_per_epoch)"),
+    # `no` saves nothing, not even the final model (which Axolotl still saves)
+    "save_strategy": _i(
+        "keeping the checkpoint with the best eval metric (save_strategy: best)",
+        refused=("best",),
+    ),
     "save_total_limit": _i(),
     "saves_per_epoch": _i(),
     "scaling_softmax": _u("scalable softmax attention (SSMax)"),
@@ -589,11 +595,11 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "tokenizer_use_fast": _u("legacy/slow tokenizer options"),
     "tokenizer_use_mistral_common": _u("mistral-common tokenizers"),
     "tokens": _i(),
-    "torch_compile": _g(_SPEED),
-    "torch_compile_backend": _g(_SPEED),
-    "torch_compile_mode": _g(_SPEED),
-    "torch_compile_options": _g(_SPEED),
-    "torch_compile_regional": _g(_SPEED),
+    "torch_compile": _i("each transformer block compiled in place"),
+    "torch_compile_backend": _i(),
+    "torch_compile_mode": _i(),
+    "torch_compile_options": _i(),
+    "torch_compile_regional": _g("shardforge always compiles block by block (regionally)"),
     "torch_empty_cache_steps": _g(_MEMORY),
     "torchdistx_path": _g("only used by the adamw_anyprecision optimizer, which is unsupported"),
     "total_num_tokens": _g(_INTERNAL),

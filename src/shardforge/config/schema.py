@@ -319,6 +319,38 @@ class ShardforgeConfig(ConfigView):
         description="Recompute activations in backward (same as fsdp.activation_checkpointing).",
     )
 
+    # -- speed -----------------------------------------------------------------------------------
+    torch_compile: bool | Literal["auto"] = Field(
+        False,
+        description="Compile each transformer block in place with torch.compile (after "
+        "activation checkpointing, before FSDP2 shards it); the first step compiles, later "
+        "steps reuse the graphs. `auto`: on (as Axolotl with torch >= 2.5.1).",
+    )
+    torch_compile_backend: str | None = Field(
+        None, description="torch.compile backend (null: inductor; aot_eager, eager, ...)."
+    )
+    torch_compile_mode: Literal["default", "reduce-overhead", "max-autotune"] | None = Field(
+        None,
+        description="torch.compile mode (null: default). Exclusive with torch_compile_options.",
+    )
+    torch_compile_options: dict[str, bool | int | float | str] | None = Field(
+        None,
+        description="torch.compile backend options (inductor's config keys, e.g. "
+        "{max_autotune: true}). Exclusive with torch_compile_mode.",
+    )
+    chunked_cross_entropy: bool | None = Field(
+        None,
+        description="The loss computes the output head and the cross-entropy over chunks of "
+        "the sequence (each chunk's logits recomputed in backward), so the full logits "
+        "(tokens x vocabulary, float32) never exist at once; same loss and gradients. null: "
+        "on where exact (the model's forward ends in `logits = lm_head(hidden_states)`, no "
+        "soft-capping or scaling after it), else the plain loss; true: on, refused where not "
+        "exact; false: the plain loss.",
+    )
+    chunked_cross_entropy_num_chunks: int | None = Field(
+        None, gt=0, description="Chunks of the sequence the chunked loss uses (null: 8)."
+    )
+
     # -- checkpoints and logging -----------------------------------------------------------------
     save_steps: int | None = Field(
         None, gt=0, description="Save a checkpoint every N optimizer steps (and always at the end)."
@@ -328,6 +360,13 @@ class ShardforgeConfig(ConfigView):
         gt=0,
         description="Save this many checkpoints per epoch (evenly spaced; sets the save "
         "interval from the number of steps per epoch). Exclusive with save_steps.",
+    )
+    save_strategy: Literal["no", "steps", "epoch", "best"] | None = Field(
+        None,
+        description="`no`: the run saves nothing, neither checkpoints nor the final model or "
+        "adapter (a benchmark or a throwaway run; metrics are still written). `epoch`: a "
+        "checkpoint at the end of each epoch (saves_per_epoch: 1). `steps` or null: as "
+        "save_steps / saves_per_epoch say (and always at the end). `best` is not supported.",
     )
     save_total_limit: int | None = Field(
         None, gt=0, description="Keep at most this many checkpoints; older ones are deleted."
@@ -536,7 +575,28 @@ class ShardforgeConfig(ConfigView):
             ("bf16", "fp16", self.bf16 is True and self.fp16),
             ("warmup_steps", "warmup_ratio", None not in (self.warmup_steps, self.warmup_ratio)),
             ("save_steps", "saves_per_epoch", None not in (self.save_steps, self.saves_per_epoch)),
+            (
+                "torch_compile_mode",
+                "torch_compile_options",
+                self.torch_compile_mode is not None and self.torch_compile_options,
+            ),
         ):
             if conflict:
                 raise ValueError(f"{first} and {second} are both set; choose one")
+        self._consistent_saves()
         return self
+
+    def _consistent_saves(self) -> None:
+        """save_strategy against the keys that say when to save."""
+        if self.save_strategy == "no":
+            for key in ("save_steps", "saves_per_epoch", "merge_on_save"):
+                if getattr(self, key):
+                    raise ValueError(
+                        f"save_strategy: no saves nothing, but {key} is set; remove one of them"
+                    )
+        if self.save_strategy == "epoch":
+            for key in ("save_steps", "saves_per_epoch"):
+                if getattr(self, key) is not None:
+                    raise ValueError(
+                        f"save_strategy: epoch saves once per epoch, but {key} is set; choose one"
+                    )

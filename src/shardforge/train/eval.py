@@ -13,7 +13,8 @@ of target tokens. The sequences are cut into chunks of `eval_batch_size`; chunk 
 pass on rank k mod world size, so every chunk is computed as the same batch at any world size.
 Each sequence's loss is summed in float64 into its own slot of a vector that one all-reduce
 completes (the other ranks add zeros, which is exact), and the vector is summed in slot order:
-for the same weights the eval loss is the same number, bit for bit, at any world size.
+for the same weights the eval loss is the same number, bit for bit, at any world size (with the
+same number of CPU threads per rank: see docs/train.md).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError, ShardforgeError
@@ -38,6 +38,7 @@ from shardforge.train.data import (
     pad_token_id,
     to_sequences,
 )
+from shardforge.train.loss import loss_chunks, token_losses
 from shardforge.train.readers import data_files
 from shardforge.train.runtime import Runtime
 
@@ -143,19 +144,13 @@ def perplexity(loss: float) -> float:
 
 
 def _sequence_losses(
-    model: torch.nn.Module, batch: Sequences, device: torch.device
+    model: torch.nn.Module, batch: Sequences, device: torch.device, chunks: int = 0
 ) -> tuple[torch.Tensor, int]:
     """Each sequence's summed token loss (float64) and the batch's number of target tokens."""
-    logits = model(**model_inputs(batch, device)).logits
-    labels = batch.labels.to(device)[:, 1:]
-    token = F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-        labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    )
-    per_sequence = token.view(labels.shape).double().sum(dim=1)
-    return per_sequence.cpu(), int((labels != IGNORE_INDEX).sum())
+    labels = batch.labels.to(device)
+    token = token_losses(model, model_inputs(batch, device), labels, chunks)
+    per_sequence = token.double().sum(dim=1)
+    return per_sequence.cpu(), int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
 def eval_batch_size(cfg: ShardforgeConfig) -> int:
@@ -163,9 +158,12 @@ def eval_batch_size(cfg: ShardforgeConfig) -> int:
     return cfg.eval_batch_size or cfg.micro_batch_size
 
 
-def evaluate(model: torch.nn.Module, seqs: Sequences, batch_size: int, rt: Runtime) -> EvalResult:
+def evaluate(
+    model: torch.nn.Module, seqs: Sequences, batch_size: int, rt: Runtime, chunks: int = 0
+) -> EvalResult:
     """The global eval loss over all of `seqs` (every rank calls this with the same `seqs`; a
-    single process without a process group is world size 1)."""
+    single process without a process group is world size 1). `chunks` > 0: the chunked loss
+    (`train.loss`), without the full logits."""
     n = len(seqs)
     rounds = math.ceil(math.ceil(n / batch_size) / rt.world_size)
     slots = torch.zeros(n + 1, dtype=torch.float64)  # a loss per sequence, then the tokens
@@ -178,7 +176,8 @@ def evaluate(model: torch.nn.Module, seqs: Sequences, batch_size: int, rt: Runti
                 index = list(range(start, min(start + batch_size, n)))
                 # a rank without a chunk in this round still runs a forward pass: FSDP's
                 # all-gathers are collectives; its result is dropped
-                losses, tokens = _sequence_losses(model, seqs.select(index or [0]), rt.device)
+                batch = seqs.select(index or [0])
+                losses, tokens = _sequence_losses(model, batch, rt.device, chunks)
                 if index:
                     slots[index] = losses
                     slots[n] += tokens
@@ -205,6 +204,7 @@ class Evaluator:
         every: int | None,
         total_steps: int,
     ) -> None:
+        self.cfg = cfg
         self.seqs = seqs
         self.rt = rt
         self.every = every
@@ -256,7 +256,8 @@ class Evaluator:
 
     def run(self, model: torch.nn.Module, step: int) -> dict[str, Any]:
         assert self.seqs is not None
-        result = evaluate(model, self.seqs, self.batch_size, self.rt)
+        chunks = loss_chunks(self.cfg, model)
+        result = evaluate(model, self.seqs, self.batch_size, self.rt, chunks)
         if self.rt.is_main:
             log.info(
                 "eval at step %d  loss %.4f  perplexity %.4g  (%d tokens)",

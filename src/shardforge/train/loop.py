@@ -33,11 +33,13 @@ from shardforge.io.dist import finish_together
 from shardforge.io.mirror import public_name
 from shardforge.train import checkpointing as ckpt
 from shardforge.train.attention import use_packed_attention
+from shardforge.train.compile import CompileWatch
 from shardforge.train.data import GlobalOrder, load_tokenizer
 from shardforge.train.diagnostics import StepMemory, report_sharding
 from shardforge.train.eval import Evaluator
 from shardforge.train.full_save import save_full_model
 from shardforge.train.lora import prepare_lora, save_adapter
+from shardforge.train.loss import describe as describe_loss
 from shardforge.train.model import (
     build_meta_model,
     load_model_config,
@@ -337,6 +339,7 @@ class Trainer:
         del weights
         report_sharding(model, cfg, rt, self.mesh)
         if rt.is_main:
+            log.info("%s", describe_loss(cfg, model))
             self.out.mkdir(parents=True, exist_ok=True)
             write_output_metadata(self.out, cfg, self.model_config, self.tokenizer)
             self._upload()
@@ -372,6 +375,7 @@ class Trainer:
         steps_per_epoch = math.ceil(len(self.seqs) / self.global_batch)
         self.evaluator = Evaluator.of(cfg, self.data, rt, steps_per_epoch, self.total_steps)
         self.memory = StepMemory.of(cfg, rt)
+        self.compiled = CompileWatch.of(cfg, rt)  # torch_compile: compile time, recompiles
         # async, rotation, merges
         self.saver = self.result.saver = Saver(cfg, self.remote or self.out, rt)
         self.callbacks = [Tracking(trackers), StepLog(self), *self.extra]
@@ -394,10 +398,12 @@ class Trainer:
         started = time.perf_counter()
         batches = micro_batches(self.seqs, self.order, self.consumed, self.cfg, self.rt)
         self.memory.start()
+        self.compiled.before_step()
         record = train_step(
             self.model, self.optimizer, self.scheduler, batches, self.cfg, self.rt, self.memory.mark
         )
         self.global_step += 1
+        self.compiled.after_step(self.global_step)
         self.consumed += self.global_batch
         record = {
             "step": self.global_step,
@@ -415,8 +421,12 @@ class Trainer:
     def save(self) -> None:
         """The save due after this step: at the end the PEFT adapter directory (LoRA) and,
         with FULL_STATE_DICT, the Hugging Face weights; else a checkpoint every `every` steps
-        and at the end."""
+        and at the end. `save_strategy: no`: nothing."""
         cfg, final = self.cfg, self.final
+        if cfg.save_strategy == "no":
+            if final and self.rt.is_main:
+                log.info("save_strategy: no: the trained model is not saved")
+            return
         if final and cfg.adapter:
             save_adapter(self.out, self.model, cfg)  # the PEFT adapter directory in output_dir
         if final and cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
@@ -456,11 +466,13 @@ def write_output_metadata(
 
 def save_interval(cfg: ShardforgeConfig, num_sequences: int, global_batch: int) -> int | None:
     """Steps between periodic checkpoints: `save_steps`, or `saves_per_epoch` evenly spaced
-    checkpoints per epoch (at least one step apart); None: only the final save."""
-    if cfg.saves_per_epoch is None:
+    checkpoints per epoch (at least one step apart; `save_strategy: epoch`: one); None: only
+    the final save."""
+    per_epoch = 1 if cfg.save_strategy == "epoch" else cfg.saves_per_epoch
+    if per_epoch is None:
         return cfg.save_steps
     steps_per_epoch = math.ceil(num_sequences / global_batch)
-    return max(1, steps_per_epoch // cfg.saves_per_epoch)
+    return max(1, steps_per_epoch // per_epoch)
 
 
 def _continuation(

@@ -2,7 +2,8 @@
 
 build_meta_model(cfg)        parameters on the meta device, buffers real (rotary inv_freq ...)
 wrap_classes(model, names)   the transformer block classes to shard one by one
-shard_model(model, cfg, ...) fully_shard per block and the root; mixed precision, offload
+shard_model(model, cfg, ...) fully_shard per block and the root; mixed precision, offload;
+                             activation checkpointing and torch_compile per block
 load_base_weights(model, ..) rank 0 reads the safetensors, FSDP scatters the slices
 """
 
@@ -22,6 +23,7 @@ from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
 from shardforge.io.dtypes import torch_dtype
 from shardforge.io.files import read_json
+from shardforge.train.compile import compile_blocks
 
 log = logging.getLogger("shardforge")
 
@@ -171,6 +173,7 @@ def shard_model(model: nn.Module, cfg: ShardforgeConfig, mesh: Any) -> nn.Module
             raise ConfigError("fsdp.activation_checkpointing", ["the model does not support it"])
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     blocks = [m for m in model.modules() if type(m) in classes]
+    compile_blocks(blocks, cfg)  # torch_compile: in place, inside checkpointing, under FSDP
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

@@ -16,6 +16,7 @@ from shardforge.errors import ConfigError, ShardforgeError, StorageError
 from shardforge.io.remote import is_remote
 from shardforge.train import checkpointing as ckpt
 from shardforge.train.eval import check_eval
+from shardforge.train.loss import loss_chunks
 from shardforge.train.model import (
     WEIGHT_FILES,
     WEIGHT_INDEX_FILES,
@@ -65,6 +66,7 @@ def check_model(cfg: ShardforgeConfig) -> list[Problem]:
         model = build_meta_model(cfg, model_config)
         wrap_classes(model, cfg.fsdp.transformer_layer_cls_to_wrap)
         check_packing(cfg, model)
+        loss_chunks(cfg, model)  # chunked_cross_entropy: true needs a model it is exact for
     except ConfigError as exc:
         return _problems_of(exc)
     max_pos = getattr(model_config, "max_position_embeddings", None)
@@ -163,7 +165,8 @@ def check_output(cfg: ShardforgeConfig) -> list[Problem]:
 
 
 def check_attention(cfg: ShardforgeConfig) -> list[Problem]:
-    """attn_implementation is one transformers knows, and flash attention has a GPU."""
+    """attn_implementation is one transformers knows, and flash and flex attention have a
+    GPU."""
     import torch
 
     impl = cfg.attn_implementation
@@ -182,6 +185,17 @@ def check_attention(cfg: ShardforgeConfig) -> list[Problem]:
             (
                 "attn_implementation",
                 f"{impl} needs a CUDA GPU and the flash-attn package; use sdpa or eager",
+            )
+        ]
+    if impl == "flex_attention" and not torch.cuda.is_available():
+        # torch's flex_attention runs forward on CPU but has no CPU backward: the first
+        # backward of the first step would fail ("FlexAttention does not support backward on
+        # CPU")
+        return [
+            (
+                "attn_implementation",
+                "flex_attention cannot train without a CUDA GPU (torch has no CPU backward "
+                "for it); use sdpa or eager",
             )
         ]
     return []

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.train.data import IGNORE_INDEX, GlobalOrder, Sequences, model_inputs, rank_slice
+from shardforge.train.loss import loss_chunks, token_loss_sum
 from shardforge.train.runtime import Runtime
 
 
@@ -32,16 +32,12 @@ def micro_batches(
     return out
 
 
-def loss_sum(model: torch.nn.Module, batch: Sequences, device: torch.device) -> torch.Tensor:
-    """The sum of the token losses of `batch` (float32)."""
-    logits = model(**model_inputs(batch, device)).logits
-    labels = batch.labels.to(device)[:, 1:]
-    return F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-        labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+def loss_sum(
+    model: torch.nn.Module, batch: Sequences, device: torch.device, chunks: int = 0
+) -> torch.Tensor:
+    """The sum of the token losses of `batch` (float32); `chunks` > 0: the chunked loss, which
+    never holds the full logits (`train.loss`)."""
+    return token_loss_sum(model, model_inputs(batch, device), batch.labels.to(device), chunks)
 
 
 def grad_norm_and_clip(model: torch.nn.Module, max_norm: float | None) -> float:
@@ -73,10 +69,11 @@ def train_step(
     )
     dist.all_reduce(counts)  # target and input tokens of the whole global batch
     targets = max(counts[0].item(), 1.0)
+    chunks = loss_chunks(cfg, model)
     loss_total = torch.zeros((), device=rt.device)
     for micro, batch in enumerate(batches):
         model.set_requires_gradient_sync(micro == len(batches) - 1)  # type: ignore[operator]
-        loss = loss_sum(model, batch, rt.device)
+        loss = loss_sum(model, batch, rt.device, chunks)
         mark("forward")
         # FSDP averages gradients over all ranks (under HSDP: reduce-scatter within a shard
         # group, all-reduce across replicas, divided by both sizes); scale back so they are
