@@ -41,7 +41,6 @@ from shardforge.merge.lora_checkpoint import adapter_sources, open_lora
 from shardforge.merge.request import MergeRequest
 from shardforge.sinks.base import Companions, Output, Sink
 from shardforge.sinks.cast import CastRules, Decision, cast_rules
-from shardforge.sinks.engine import TransformersSink
 from shardforge.sinks.hf_dir import AdapterDirectorySink
 from shardforge.sinks.object_store import ObjectStoreSink
 from shardforge.sinks.plan import OutputPlan, default_max_shard_size, plan_output
@@ -263,6 +262,9 @@ def deliverable(
     elif adapter:
         sink = AdapterDirectorySink()
     elif request.engine != "stream":
+        # imported here: it brings torch.distributed.checkpoint, which a streamed merge never uses
+        from shardforge.sinks.engine import TransformersSink
+
         shard = request.max_shard_size or default_max_shard_size()
         sink = TransformersSink(
             prep.sources.checkpoint.model_dir, prep.keymap.to_hf, shard, cfg.trust_remote_code
