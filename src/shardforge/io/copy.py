@@ -413,9 +413,10 @@ def read_ahead_depth(threads: int) -> int:
     return max(READ_AHEAD_PIECES, 2 * threads)
 
 
-def pieces(jobs: Sequence[CopyJob], size: int = READ_PIECE) -> list[CopyJob]:
-    """The jobs cut into pieces of at most `size` bytes, in order (a stored object's stand-in
-    is left whole: its ranged requests are sized by `io.remote`)."""
+def pieces(jobs: Sequence[CopyJob], size: int | None = None) -> list[CopyJob]:
+    """The jobs cut into pieces of at most `size` bytes (`READ_PIECE`), in order (a stored
+    object's stand-in is left whole: its ranged requests are sized by `io.remote`)."""
+    size = READ_PIECE if size is None else size
     out: list[CopyJob] = []
     for job in jobs:
         if job.nbytes <= size or remote_of_path(job.src) is not None:
@@ -442,15 +443,14 @@ class ReadAhead:
 
     def started(self, index: int) -> None:
         """Job `index` starts: ask for every job up to `depth` after it."""
-        with self._lock:
+        with self._lock:  # held while asking: no piece is copied before it was asked for
             end = min(len(self._jobs), index + 1 + self._depth)
-            todo = range(self._next, end)
+            for job in self._jobs[self._next : end]:
+                fd = self._fd(job.src)
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(fd, job.src_offset, job.nbytes, os.POSIX_FADV_WILLNEED)
             self._next = max(self._next, end)
-            asks = [(self._fd(self._jobs[i].src), self._jobs[i]) for i in todo]
-        for fd, job in asks:
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(fd, job.src_offset, job.nbytes, os.POSIX_FADV_WILLNEED)
 
     def _fd(self, path: Path) -> int | None:
         if path not in self._fds:
