@@ -186,11 +186,12 @@ def test_a_bf16_base_trained_in_bf16_merges_to_bf16_unless_dtype_says_otherwise(
 
     merge_cfg = load_cfg(config, command="merge")
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="shardforge"):
+    with caplog.at_level(logging.DEBUG, logger="shardforge"):
         merge_fsdp_weights(merge_cfg, tmp_path / "default", quiet=True)
     assert "output dtype: bfloat16 (the base model's stored dtype, recorded by train)" in (
         caplog.text
     )
+    assert "early copy accepted" in caplog.text  # its guess chose the same dtype
     merge_fsdp_weights(merge_cfg, tmp_path / "fp32", dtype="float32", quiet=True)
     assert _stored_dtypes(tmp_path / "fp32") == {torch.float32}
     assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
