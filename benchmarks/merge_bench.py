@@ -32,6 +32,7 @@ and to the copy.
     python benchmarks/merge_bench.py --size 4GB --dtype float32 --cache cold
     python benchmarks/merge_bench.py --size 4GB --ranks 1 --cache cold --contenders copy,shardforge,accelerate
     python benchmarks/merge_bench.py --node                      # a GPU node: 5 GB, one rank, cold
+    python benchmarks/merge_bench.py --node --threads 4          # the same with 4 copy threads
     python benchmarks/merge_bench.py --node --size 8GB --ranks 4  # the same node, 4 ranks
     python benchmarks/merge_bench.py --size 4GB --contenders shardforge --baseline /tmp/old  # vs. a checkout
     python benchmarks/merge_bench.py --size 4GB --contenders shardforge,shardforge_nomanifest  # the manifest
@@ -51,8 +52,8 @@ only.
 does: one process, whole tensors, one `__0_0.distcp` data file (written in parts of about 1 GiB,
 joined into that one file). `--threads N` sets the merge's copy threads
 (`SHARDFORGE_COPY_THREADS`); `--node` makes a GPU node's standard run the defaults (5 GB, one
-rank, cold, 3 repeats, copy / shardforge / shardforge_nomanifest / accelerate, threads: the
-cores less one).
+rank, cold, 3 repeats, copy / shardforge / shardforge_nomanifest / accelerate; the copy
+threads are the merge's own: the cores less one, up to 8).
 
 `--cache cold` evicts the checkpoint's files from the page cache before every run
 (posix_fadvise DONTNEED after an fsync, no root needed; not a system-wide drop_caches);
@@ -592,7 +593,8 @@ def main() -> None:
         action="store_true",
         help="a GPU node's standard run in one command: the defaults become "
         + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in NODE_PROFILE.items())
-        + " (the threads: this machine's cores less one); options given still win",
+        + " (the copy threads: the merge's own, the cores less one up to 8); options given "
+        "still win",
     )
     parser.add_argument(
         "--format",
@@ -633,7 +635,7 @@ def main() -> None:
         "of the commit measured) instead of the installed package",
     )
     if "--node" in sys.argv[1:]:
-        parser.set_defaults(**NODE_PROFILE, threads=max(1, (os.cpu_count() or 2) - 1))
+        parser.set_defaults(**NODE_PROFILE)
     args = parser.parse_args()
     if args.threads is not None:
         if args.threads < 1:
