@@ -94,6 +94,7 @@ def _touch(block: memoryview) -> None:
 def install() -> None:
     import shardforge.io.copy as copy
     import shardforge.io.digest as digest
+    import shardforge.io.readahead as readahead
     from shardforge.io.copy import CheckpointError
 
     real_feed_in_turn = digest.FileHash.feed_in_turn
@@ -101,10 +102,11 @@ def install() -> None:
         "hash", real_feed_in_turn, lambda self, off, data: len(data)
     )
     copy._kernel_copy = timed("kernel_copy", copy._kernel_copy, lambda s, d, so, do, n: n)
-    copy.prefetch = timed("prefetch", copy.prefetch)
-    for name in ("read_ahead", "_read_ahead"):
-        if hasattr(copy, name):
-            setattr(copy, name, timed("read_ahead", getattr(copy, name)))
+    readahead.prefetch = timed("prefetch", readahead.prefetch)
+    if hasattr(readahead, "ReadAhead"):
+        readahead.ReadAhead.started = timed(  # type: ignore[method-assign]
+            "read_ahead", readahead.ReadAhead.started
+        )
     os.fsync = timed("fsync", os.fsync)
 
     if os.environ.get("BYTE_PROFILE_SPLIT_FAULTS", "1") == "1":

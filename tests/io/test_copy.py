@@ -13,7 +13,6 @@ from shardforge.io.copy import (
     copy_jobs,
     copy_range,
     copy_threads,
-    prefetch,
 )
 
 
@@ -115,9 +114,10 @@ def test_large_jobs_run_in_pieces_each_read_ahead_before_it_is_copied(
     one starting are asked of the kernel (posix_fadvise WILLNEED, each once, in the order the
     pieces run, at most READ_PIECE per request) before they are copied."""
     import shardforge.io.copy as copy_module
+    import shardforge.io.readahead as readahead
 
     monkeypatch.setattr(copy_module, "READ_PIECE", 5000)
-    monkeypatch.setattr(copy_module, "READ_AHEAD_PIECES", 2)
+    monkeypatch.setattr(readahead, "READ_AHEAD_PIECES", 2)
     a, b = _files(tmp_path, 2, 30000)
     asked: list[tuple[str, int, int]] = []
     copied: list[tuple[str, int]] = []
@@ -148,13 +148,6 @@ def test_large_jobs_run_in_pieces_each_read_ahead_before_it_is_copied(
     want += [(str(b), 1000 + at, min(5000, 22000 - at)) for at in range(0, 22000, 5000)]
     assert asked == want  # a first: read order; every piece once, none larger than a piece
     assert sorted(copied) == sorted((p, o) for p, o, _ in want)
-
-
-def test_prefetch_respects_its_budget(tmp_path: Path) -> None:
-    files = _files(tmp_path, 3, 10_000)
-    assert prefetch(files, budget=25_000) == 25_000
-    assert prefetch(files, budget=10**9) == 30_000
-    assert prefetch([tmp_path / "missing"], budget=100) == 0
 
 
 def _hashed_copy(tmp_path: Path, jobs_spec: list[tuple[Path, int, int, int]], threads: int) -> str:

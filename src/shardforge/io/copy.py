@@ -7,10 +7,6 @@
 - `copy_range`, `pwrite_all`, `pwrite_then_hash`, `tensor_bytes`, `FileSlab`: bytes file to
   file in the kernel (`copy_file_range`) or through a bounded buffer; positional writes.
 
-- `prefetch`: ask the kernel to start reading the checkpoint's data files into the page cache
-  (`posix_fadvise(WILLNEED)`, asynchronous, no memory held by this process) while the merge is
-  still importing transformers and checking the architecture. Bounded by a budget so that a
-  checkpoint larger than RAM does not evict its own first bytes.
 - `copy_jobs`: run many `copy_file_range` copies in the order of their source bytes (each data
   file read front to back, as `cp` reads it), on `copy_threads()` threads: the cores less one
   (one core is left to the start-up the copy overlaps: on a 2-core machine 4 threads slowed it
@@ -24,26 +20,19 @@
   one hashes while the others map the next block and copy the last), and no byte is copied
   twice (measured against reading each block into a buffer and writing it:
   benchmarks/README.md, "The integrity manifest").
-- Read-ahead (`ReadAhead`): jobs are cut into pieces of at most `READ_PIECE` bytes, and as each
-  piece starts, the source bytes of the pieces `read_ahead_depth()` places after it are asked
-  of the kernel (`posix_fadvise(WILLNEED)`, one request per piece, in the order the pieces
-  run): the disk reads in requests of several MB with several in flight, while the copies and
-  the hash work on what is already read. Without it a mapped block of cold data is read as its
-  pages are touched, in the kernel's small read-around steps, one at a time, and the hash
-  waited on every one (benchmarks/README.md, "Issue 28"). Page cache only: nothing is held in
-  this process, so the bounded memory stays.
+- Read-ahead: jobs are cut into `pieces` of at most `READ_PIECE` bytes, each asked of the
+  kernel ahead of its copy (`io.readahead.ReadAhead`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import mmap
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +43,7 @@ from shardforge.errors import CheckpointError
 from shardforge.io.digest import FileHash, HashAbandoned, hash_of
 from shardforge.io.dtypes import torch_ready
 from shardforge.io.files import open_regular
+from shardforge.io.readahead import ReadAhead, read_ahead_depth
 from shardforge.io.remote import remote_of, remote_of_path
 
 if TYPE_CHECKING:
@@ -68,15 +58,11 @@ HASHED_COPY_THREADS = 3
 THREADS_ENV = "SHARDFORGE_COPY_THREADS"  # the copy threads, chosen (a positive integer)
 # a copy job's largest piece, and one read-ahead request: several MB per request
 READ_PIECE = 8 << 20
-# pieces asked ahead of the one starting, at least (more with more threads: `read_ahead_depth`)
-READ_AHEAD_PIECES = 8
 # one copy_file_range call (or one bounded read + write where it is unsupported) moves at most this
 COPY_BLOCK = 64 << 20
 # a copy into a hashed output file is hashed from a mapping of its source, this many bytes at a
 # time per thread (what one thread holds mapped)
 HASH_BLOCK = 4 << 20
-# Never prefetch more than this share of the memory the kernel reports as available.
-PREFETCH_SHARE_OF_AVAILABLE = 0.5
 
 
 @dataclass(frozen=True)
@@ -308,42 +294,6 @@ def _write_plain(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def available_memory() -> int:
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:  # pragma: no cover - psutil is a dependency; be safe anyway
-        return 0
-
-
-def prefetch(files: Iterable[Path], budget: int | None = None) -> int:
-    """Start asynchronous read-ahead of `files` (in order) up to `budget` bytes; return bytes
-    requested. Errors are ignored: this is only a hint."""
-    if not hasattr(os, "posix_fadvise"):
-        return 0
-    if budget is None:
-        budget = int(available_memory() * PREFETCH_SHARE_OF_AVAILABLE)
-    asked = 0
-    for path in files:
-        if asked >= budget:
-            break
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: no wait
-        except OSError:
-            continue
-        try:
-            size = os.fstat(fd).st_size
-            length = min(size, budget - asked)
-            os.posix_fadvise(fd, 0, length, os.POSIX_FADV_WILLNEED)
-            asked += length
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return asked
-
-
 def _run(job: CopyJob, copy: Callable[[int, int, int, int, int], None]) -> None:
     # Each job opens its own descriptor: a checkpoint may have thousands of data files, and
     # an open() costs microseconds next to a copy of megabytes.
@@ -407,12 +357,6 @@ def copy_threads(hashed: bool = False) -> int:
     return min(n, HASHED_COPY_THREADS) if hashed else n
 
 
-def read_ahead_depth(threads: int) -> int:
-    """Pieces asked ahead of the one starting: enough requests in flight for a fast disk
-    (`READ_AHEAD_PIECES`, two per thread when more)."""
-    return max(READ_AHEAD_PIECES, 2 * threads)
-
-
 def pieces(jobs: Sequence[CopyJob], size: int | None = None) -> list[CopyJob]:
     """The jobs cut into pieces of at most `size` bytes (`READ_PIECE`), in order (a stored
     object's stand-in is left whole: its ranged requests are sized by `io.remote`)."""
@@ -426,50 +370,6 @@ def pieces(jobs: Sequence[CopyJob], size: int | None = None) -> list[CopyJob]:
             n = min(size, job.nbytes - at)
             out.append(CopyJob(job.src, job.src_offset + at, job.dst_fd, job.dst_offset + at, n))
     return out
-
-
-class ReadAhead:
-    """`posix_fadvise(WILLNEED)` of the source bytes of `jobs`, in their order, `depth` pieces
-    ahead of the latest one started (`started`): the kernel reads them in the background, in
-    requests of a piece each, several in flight. A hint: errors are ignored; a stored object's
-    stand-in is skipped (its bytes come by ranged requests)."""
-
-    def __init__(self, jobs: Sequence[CopyJob], depth: int) -> None:
-        self._jobs = jobs
-        self._depth = depth
-        self._next = 0  # the first job not asked for yet
-        self._lock = threading.Lock()
-        self._fds: dict[Path, int | None] = {}
-
-    def started(self, index: int) -> None:
-        """Job `index` starts: ask for every job up to `depth` after it."""
-        with self._lock:  # held while asking: no piece is copied before it was asked for
-            end = min(len(self._jobs), index + 1 + self._depth)
-            for job in self._jobs[self._next : end]:
-                fd = self._fd(job.src)
-                if fd is not None:
-                    with contextlib.suppress(OSError):
-                        os.posix_fadvise(fd, job.src_offset, job.nbytes, os.POSIX_FADV_WILLNEED)
-            self._next = max(self._next, end)
-
-    def _fd(self, path: Path) -> int | None:
-        if path not in self._fds:
-            try:
-                fd: int | None = open_regular(path)
-            except (OSError, CheckpointError):
-                fd = None
-            if fd is not None and remote_of(fd) is not None:
-                os.close(fd)
-                fd = None
-            self._fds[path] = fd
-        return self._fds[path]
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                if fd is not None:
-                    os.close(fd)
-            self._fds.clear()
 
 
 def copy_jobs(

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError
-from shardforge.io.copy import prefetch
 from shardforge.io.mirror import staging
+from shardforge.io.readahead import prefetch
 from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import LAST, Candidate, list_checkpoints, resolve_checkpoint
 from shardforge.layouts.layout import layout_named
