@@ -30,6 +30,10 @@ and to the copy.
 
     python benchmarks/merge_bench.py --size 1GB --repeats 3
     python benchmarks/merge_bench.py --size 4GB --dtype float32 --cache cold
+    python benchmarks/merge_bench.py --size 4GB --ranks 1 --cache cold --contenders copy,shardforge,accelerate
+    python benchmarks/merge_bench.py --node                      # a GPU node: 5 GB, one rank, cold
+    python benchmarks/merge_bench.py --node --threads 4          # the same with 4 copy threads
+    python benchmarks/merge_bench.py --node --size 8GB --ranks 4  # the same node, 4 ranks
     python benchmarks/merge_bench.py --size 4GB --contenders shardforge --baseline /tmp/old  # vs. a checkout
     python benchmarks/merge_bench.py --size 4GB --contenders shardforge,shardforge_nomanifest  # the manifest
     python benchmarks/merge_bench.py --size 4GB --contenders copy,shardforge,shardforge_cast,\
@@ -43,6 +47,13 @@ every format (`shardforge@accelerate-bin`, the plain name on `dcp`), alternating
 and the ratios to the same contender on `dcp` are printed, with whether the merged weights files
 are the same bytes (from each output's manifest). The peers, `copy` and `baseline` read `dcp`
 only.
+
+`--ranks 1` writes the checkpoint as a single-GPU run (or any `dcp.save` without a process group)
+does: one process, whole tensors, one `__0_0.distcp` data file (written in parts of about 1 GiB,
+joined into that one file). `--threads N` sets the merge's copy threads
+(`SHARDFORGE_COPY_THREADS`); `--node` makes a GPU node's standard run the defaults (5 GB, one
+rank, cold, 3 repeats, copy / shardforge / shardforge_nomanifest / accelerate; the copy
+threads are the merge's own: the cores less one, up to 8).
 
 `--cache cold` evicts the checkpoint's files from the page cache before every run
 (posix_fadvise DONTNEED after an fsync, no root needed; not a system-wide drop_caches);
@@ -78,6 +89,7 @@ from bench_formats import FORMATS, checkpoint_files, make_format
 UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 PART_BYTES = 1 << 30  # tensors written per dcp.save call, per part (bounds the generator's memory)
+SINGLE_DATA_FILE = "__0_0.distcp"  # the one data file of a --ranks 1 checkpoint
 
 
 def parse_size(text: str) -> int:
@@ -182,8 +194,43 @@ def make_checkpoints(
     return write_bench_config(root, base), ckpts
 
 
+def _write_single_part(
+    part_dir: str, names: list[str], shapes: list[list[int]], dtype: str
+) -> None:
+    """One process, no process group: this part's whole tensors, written by dcp.save (what a
+    single-GPU run and every `dcp.save` without a process group write: one `.distcp`)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from bench_formats import fill, rank_block
+
+    block = rank_block(0, dtype)
+    state: dict[str, Any] = {}
+    for name, shape in zip(names, shapes, strict=True):
+        state[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+        fill(state[name], block)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": state}, checkpoint_id=part_dir, no_dist=True)
+
+
+def _append_data_file(src: Path, dst: Path) -> int:
+    """Append `src` to `dst` (created when missing); return the offset `src` starts at."""
+    start = dst.stat().st_size if dst.exists() else 0
+    with src.open("rb") as fin, dst.open("ab") as fout:
+        shutil.copyfileobj(fin, fout, 64 << 20)
+    src.unlink()
+    return start
+
+
 def make_checkpoint(root: Path, cfg: dict[str, Any], dtype: str, ranks: int) -> Path:
-    """Write `out/checkpoint-1/pytorch_model_fsdp_0/` (DCP, in parts) unless it exists."""
+    """Write `out/checkpoint-1/pytorch_model_fsdp_0/` (DCP, in parts) unless it exists.
+
+    `ranks` 1: each part is written by `dcp.save` in this process without a process group,
+    and the parts' data files are joined into one `__0_0.distcp` (their records' offsets
+    shifted in the metadata): a one-rank checkpoint of one data file, as a single-GPU run
+    writes it, with the generator's memory bounded as for several ranks."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     from helpers.dist import run_on_ranks
@@ -216,22 +263,24 @@ def make_checkpoint(root: Path, cfg: dict[str, Any], dtype: str, ranks: int) -> 
     for index, part in enumerate(parts):
         part_dir = root / f"part-{index}"
         shutil.rmtree(part_dir, ignore_errors=True)
-        run_on_ranks(
-            _write_part,
-            ranks,
-            str(part_dir),
-            [n for n, _ in part],
-            [list(s) for _, s in part],
-            dtype,
-        )
+        names, part_shapes = [n for n, _ in part], [list(s) for _, s in part]
+        if ranks == 1:
+            _write_single_part(str(part_dir), names, part_shapes, dtype)
+        else:
+            run_on_ranks(_write_part, ranks, str(part_dir), names, part_shapes, dtype)
         # even our own file goes through the allow-list reader (torch's classes, for re-saving)
         meta = load_metadata_pickle(part_dir / ".metadata", as_torch=True)
-        renames = {}
+        renames, shifts = {}, {}
         for src in part_dir.glob("*.distcp"):
+            if ranks == 1:  # one data file: this part's appended to it
+                renames[src.name] = SINGLE_DATA_FILE
+                shifts[src.name] = _append_data_file(src, ckpt / SINGLE_DATA_FILE)
+                continue
             new = src.name.replace(".distcp", f"_p{index}.distcp")
             src.rename(ckpt / new)
             renames[src.name] = new
         for info in meta.storage_data.values():
+            info.offset += shifts.get(info.relative_path, 0)
             info.relative_path = renames[info.relative_path]
         if merged is None:
             merged = meta
@@ -257,6 +306,16 @@ def write_bench_config(root: Path, base: Path) -> Path:
     cfg_path.write_text(f"base_model: {base}\noutput_dir: {root / 'out'}\n")
     return cfg_path
 
+
+# what --node makes the defaults: a cold one-rank checkpoint against the copy and accelerate
+NODE_PROFILE: dict[str, Any] = {
+    "size": "5GB",
+    "ranks": 1,
+    "cache": "cold",
+    "repeats": 3,
+    "contenders": "copy,shardforge,shardforge_nomanifest,accelerate",
+}
+THREADS_ENV = "SHARDFORGE_COPY_THREADS"  # io.copy.THREADS_ENV (not imported: no torch here)
 
 # ----------------------------------------------------------------------------- the contenders
 
@@ -515,7 +574,28 @@ def main() -> None:
         "--size", default="1GB", help="checkpoint size, decimal units (1GB = 10^9 B)"
     )
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
-    parser.add_argument("--ranks", type=int, default=2, help="ranks writing the checkpoint")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=2,
+        help="ranks writing the checkpoint (1: one process without a process group, one "
+        ".distcp data file, as a single-GPU run writes it)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="the merge's copy threads (SHARDFORGE_COPY_THREADS for the shardforge "
+        "contenders; default: what the merge sizes itself, io.copy.copy_threads)",
+    )
+    parser.add_argument(
+        "--node",
+        action="store_true",
+        help="a GPU node's standard run in one command: the defaults become "
+        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in NODE_PROFILE.items())
+        + " (the copy threads: the merge's own, the cores less one up to 8); options given "
+        "still win",
+    )
     parser.add_argument(
         "--format",
         default="dcp",
@@ -554,7 +634,13 @@ def main() -> None:
         help="run the shardforge contenders from this checkout's src/ (e.g. a `git worktree` "
         "of the commit measured) instead of the installed package",
     )
+    if "--node" in sys.argv[1:]:
+        parser.set_defaults(**NODE_PROFILE)
     args = parser.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads: at least 1")
+        os.environ[THREADS_ENV] = str(args.threads)
 
     size = parse_size(args.size)
     root = Path(args.workdir).resolve() / f"llama-{args.size}-{args.dtype}-{args.ranks}r"
@@ -647,8 +733,9 @@ def main() -> None:
     for fmt in formats:
         print(f"\ncheckpoint {fmt}: {human(fmt_bytes[fmt])} {args.dtype}, {len(files[fmt])} "
               f"files, {args.ranks} ranks", end="")  # fmt: skip
+    threads = f"{args.threads} copy threads" if args.threads else "copy threads: the merge's own"
     print(f"\ncache: {table['cache']}; repeats: {args.repeats}; "
-          f"{os.cpu_count()} cores; disk settled + {args.pause:g} s rest before every run")  # fmt: skip
+          f"{os.cpu_count()} cores, {threads}; disk settled + {args.pause:g} s rest before every run")  # fmt: skip
     w = max(22, *(len(n) + 2 for n in names))
     print(f"{'contender':<{w}}{'median s':>10}{'best s':>8}{'CPU s':>7}{'MB/s':>8}{'peak RSS':>11}"
           f"{'RSS/ckpt':>10}{'tree RSS':>11}{'output':>11}{'/copy':>8}{'load':>7}")  # fmt: skip
@@ -727,6 +814,8 @@ def summarize(
         "dtype": args.dtype,
         "cache": cache,
         "cores": os.cpu_count(),
+        "copy_threads": os.environ.get(THREADS_ENV, "the merge's own"),
+        "ranks": args.ranks,
         "pause_s": args.pause,
         "source": args.source or "installed package",
         "results": {},

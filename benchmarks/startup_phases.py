@@ -2,18 +2,25 @@
 
 Each repeat is a fresh process (cold imports, as a real merge starts) that times, in order:
 
-1. `import torch`;
-2. `import shardforge.merge.prepare` (the rest of shardforge's merge modules);
-3. reading the checkpoint: finding it, the `.metadata` through the allow-list unpickler, the
+1. the config: `shardforge.config` imported (pydantic, the schema) and the YAML loaded and
+   validated, as the command line does before anything else (torch-free);
+2. the head start's plan (`merge.overlap`): the checkpoint found, its `.metadata` read without
+   torch, the output planned - when the console command's early copy can start copying
+   (checked: torch is not imported yet);
+3. `import torch`;
+4. `import shardforge.merge.prepare` (the rest of shardforge's merge modules; whether
+   `torch.distributed.checkpoint` came with them is printed: a streamed merge never uses it);
+5. reading the checkpoint: finding it, the `.metadata` through the allow-list unpickler, the
    data files' bounds and tiling checks (`open_checkpoint`) - what a plan needs besides names;
-4. the architecture: transformers' config and model classes imported, the model built on the
+6. the architecture: transformers' config and model classes imported, the model built on the
    meta device (`merge.prepare._architecture`);
-5. the rest of what `merge.prepare.prepare` does: keys mapped and checked against the
+7. the rest of what `merge.prepare.prepare` does: keys mapped and checked against the
    architecture, tied copies compared, the output plan (with the default shard size of the
    installed transformers).
 
-Phases 4 and 5 need transformers and are what an overlap of the byte copy with start-up could
-hide (issue 12, item 1); phases 1 to 3 come before any copy can start.
+The console command's copy starts after phase 2 and runs on its thread through phases 3 to 7
+(the head start: docs/merge.md); phases 3 to 7 are what it hides, phases 1 and 2 come before any
+byte moves. On a loaded machine the wall seconds of each phase move with the load.
 
     python benchmarks/startup_phases.py CFG CHECKPOINT_DIR --repeats 3
     python benchmarks/startup_phases.py .bench/llama-4GB-float32-2r/bench.yml \\
@@ -29,18 +36,29 @@ import subprocess
 import sys
 
 CHILD = r"""
-import json, sys, time
+import json, os, sys, tempfile, time
 t0 = time.perf_counter()
 marks = {}
+from shardforge.config import load_cfg
+cfg = load_cfg(sys.argv[1], command="merge")
+marks["config (torch-free)"] = time.perf_counter()
+from shardforge.merge import overlap
+scratch = tempfile.mkdtemp()
+early = overlap._head_start_copy(cfg, os.path.join(scratch, "out"), {"checkpoint": sys.argv[2]})
+assert "torch" not in sys.modules, "the head start imported torch"
+marks["head start planned (torch-free)"] = time.perf_counter()
+if early is not None:
+    early.discard()
+import shutil
+shutil.rmtree(scratch, ignore_errors=True)
 import torch
 marks["import torch"] = time.perf_counter()
-from shardforge.config import load_cfg
 from shardforge.merge import prepare as api
 from shardforge.merge.request import MergeRequest
 from shardforge.merge.locate import merge_sources, pick_inputs
 from shardforge.formats.registry import open_checkpoint
 marks["import shardforge.merge.prepare"] = time.perf_counter()
-cfg = load_cfg(sys.argv[1], command="merge")
+dcp_imported = "torch.distributed.checkpoint" in sys.modules
 request = MergeRequest(output_path=None, checkpoint=sys.argv[2], output_format="torch")
 inputs = pick_inputs(sys.argv[2], request)
 opened = open_checkpoint(inputs[0].kind, inputs[0].model_dir)
@@ -63,6 +81,8 @@ for k, v in marks.items():
     out[k] = v - prev
     prev = v
 out["total"] = prev - t0
+out["planned early"] = early is not None
+out["torch.distributed.checkpoint imported"] = dcp_imported
 print(json.dumps(out))
 """
 
@@ -88,6 +108,9 @@ def main() -> None:
     print(f"{'phase':<36}{'median s':>10}  runs")
     for phase in runs[0]:
         values = [r[phase] for r in runs]
+        if isinstance(values[0], bool):
+            print(f"{phase:<36}{values[0]!s:>10}")
+            continue
         listed = ", ".join(f"{v:.2f}" for v in values)
         print(f"{phase:<36}{statistics.median(values):>10.2f}  {listed}")
 

@@ -6,7 +6,14 @@ from pathlib import Path
 import pytest
 
 from shardforge.errors import CheckpointError, MergeError
-from shardforge.io.copy import CopyJob, copy_jobs, copy_range, copy_threads, prefetch
+from shardforge.io.copy import (
+    HASHED_COPY_THREADS,
+    THREADS_ENV,
+    CopyJob,
+    copy_jobs,
+    copy_range,
+    copy_threads,
+)
 
 
 def _files(tmp_path: Path, n: int, size: int) -> list[Path]:
@@ -80,20 +87,67 @@ def test_copy_jobs_read_each_file_front_to_back_and_stop_when_asked(tmp_path: Pa
 def test_copy_threads_leave_a_core_and_keep_to_the_thread_share(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The cores less one, at most 8 (a many-core node copies on 8 threads, not 4), within
+    OMP_NUM_THREADS; SHARDFORGE_COPY_THREADS chooses; a hashed output file's jobs at most 3."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    for cores, threads in ((1, 1), (2, 1), (3, 2), (16, 4)):
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    for cores, threads in ((1, 1), (2, 1), (3, 2), (5, 4), (16, 8), (64, 8)):
         monkeypatch.setattr(os, "cpu_count", lambda n=cores: n)
         assert copy_threads() == threads
-    for share, threads in (("1", 1), ("2", 2), ("8", 4), ("0", 1), ("many", 4)):
+        assert copy_threads(hashed=True) == min(threads, HASHED_COPY_THREADS)
+    for share, threads in (("1", 1), ("2", 2), ("12", 8), ("0", 1), ("many", 8)):
         monkeypatch.setenv("OMP_NUM_THREADS", share)
         assert copy_threads() == threads
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for chosen, threads in (("12", 12), ("1", 1), ("0", 1), ("x", 1)):
+        monkeypatch.setenv(THREADS_ENV, chosen)
+        assert copy_threads() == threads  # not chosen ("0", "x"): OMP_NUM_THREADS's share
+    monkeypatch.setenv(THREADS_ENV, "6")
+    assert copy_threads(hashed=True) == HASHED_COPY_THREADS
 
 
-def test_prefetch_respects_its_budget(tmp_path: Path) -> None:
-    files = _files(tmp_path, 3, 10_000)
-    assert prefetch(files, budget=25_000) == 25_000
-    assert prefetch(files, budget=10**9) == 30_000
-    assert prefetch([tmp_path / "missing"], budget=100) == 0
+@pytest.mark.parametrize("threads", [1, 3])
+def test_large_jobs_run_in_pieces_each_read_ahead_before_it_is_copied(
+    tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job longer than READ_PIECE runs as pieces; the source bytes of the pieces after the
+    one starting are asked of the kernel (posix_fadvise WILLNEED, each once, in the order the
+    pieces run, at most READ_PIECE per request) before they are copied."""
+    import shardforge.io.copy as copy_module
+    import shardforge.io.readahead as readahead
+
+    monkeypatch.setattr(copy_module, "READ_PIECE", 5000)
+    monkeypatch.setattr(readahead, "READ_AHEAD_PIECES", 2)
+    a, b = _files(tmp_path, 2, 30000)
+    asked: list[tuple[str, int, int]] = []
+    copied: list[tuple[str, int]] = []
+    real = os.posix_fadvise
+
+    def fadvise(fd: int, offset: int, n: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            asked.append((os.readlink(f"/proc/self/fd/{fd}"), offset, n))
+        real(fd, offset, n, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+
+    def copy(src: int, dst: int, src_off: int, dst_off: int, n: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{src}")
+        copied.append((path, src_off))
+        assert (path, src_off, n) in asked  # read ahead before its copy
+        copy_range(src, dst, src_off, dst_off, n)
+
+    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        jobs = [CopyJob(b, 1000, fd, 0, 22000), CopyJob(a, 0, fd, 22000, 30000)]
+        assert copy_jobs(jobs, copy, threads=threads)
+    finally:
+        os.close(fd)
+    out = (tmp_path / "out.bin").read_bytes()
+    assert out == b.read_bytes()[1000:23000] + a.read_bytes()
+    want = [(str(a), at, min(5000, 30000 - at)) for at in range(0, 30000, 5000)]
+    want += [(str(b), 1000 + at, min(5000, 22000 - at)) for at in range(0, 22000, 5000)]
+    assert asked == want  # a first: read order; every piece once, none larger than a piece
+    assert sorted(copied) == sorted((p, o) for p, o, _ in want)
 
 
 def _hashed_copy(tmp_path: Path, jobs_spec: list[tuple[Path, int, int, int]], threads: int) -> str:
@@ -123,11 +177,13 @@ def _hashed_copy(tmp_path: Path, jobs_spec: list[tuple[Path, int, int, int]], th
 def test_a_hashed_output_is_hashed_as_the_copy_threads_write_it(
     tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Contiguous jobs hand their blocks over in turn (blocks smaller than the jobs here);
-    jobs that leave a gap are kept until the gap is filled; the bytes are never read back."""
+    """Contiguous jobs hand their blocks over in turn (blocks smaller than the jobs here, and
+    jobs cut into pieces of 3000 bytes); jobs that leave a gap are kept until the gap is
+    filled; the bytes are never read back."""
     import shardforge.io.copy as copy_module
 
     monkeypatch.setattr(copy_module, "HASH_BLOCK", 1000)
+    monkeypatch.setattr(copy_module, "READ_PIECE", 3000)
     srcs = _files(tmp_path, 3, 1 << 16)
     contiguous = [(srcs[i % 3], (i // 3) * 4096, (47 - i) * 4096, 4096) for i in range(48)]
     _hashed_copy(tmp_path, contiguous, threads)

@@ -16,15 +16,21 @@ from shardforge.errors import MergeError
 from shardforge.io.dtypes import DtypeName
 from shardforge.merge.api import merge_fsdp_weights
 from shardforge.sinks.cast import (
+    WHY_ASKED,
+    WHY_CONFIG,
+    WHY_NONE,
+    WHY_RECORDED,
     CastRules,
     as_json,
     cast_rules,
+    choose_target,
     decide,
     decide_all,
     describe,
     keep_pattern,
     model_keep_patterns,
     parse_dtype_name,
+    target_line,
 )
 
 BF16 = torch.bfloat16
@@ -77,6 +83,20 @@ def test_the_scales_of_quantized_weights_are_kept_with_them() -> None:
         "kept: the scales of FP8/FP4 and MXFP4 weights: 1 tensor "
         "(layers.0.mlp.down_proj.weight_scale_inv)"
     ) in describe(decided)
+
+
+def test_the_output_dtype_is_asked_else_recorded_by_train_else_the_configs() -> None:
+    """--dtype wins (as_saved too); without it the base dtype train recorded, then the
+    config's; a recorded value that names no floating dtype is passed over."""
+    assert choose_target("float32", "bfloat16", "float16") == ("float32", WHY_ASKED)
+    assert choose_target(None, "bfloat16", "float16") == (None, WHY_ASKED)
+    assert choose_target("config", "bfloat16", "float32") == ("bfloat16", WHY_RECORDED)
+    assert choose_target("config", "torch.float16", None) == ("float16", WHY_RECORDED)
+    assert choose_target("config", "int64", "float32") == ("float32", WHY_CONFIG)
+    assert choose_target("config", None, None) == (None, WHY_NONE)
+    line = target_line("bfloat16", WHY_RECORDED)
+    assert line == "output dtype: bfloat16 (the base model's stored dtype, recorded by train)"
+    assert target_line(None, WHY_ASKED) == "output dtype: as stored (--dtype)"
 
 
 def test_rules_work_before_torch_on_dtype_names() -> None:
@@ -204,6 +224,7 @@ def test_keep_dtype_keeps_more_and_the_dry_run_says_why(
     merge_fsdp_weights(cfg, tmp_path / "plan", dry_run=True, **options)
     text = capsys.readouterr().out
     assert not (tmp_path / "plan").exists()
+    assert "\noutput dtype: bfloat16 (--dtype)\ndtypes: " in text
     rules = text[text.index("dtype rules:") :].splitlines()[1:6]
     norms = [n for n in saved if "norm" in n]
     cast = len(saved) - len(norms) - 3

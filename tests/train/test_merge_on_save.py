@@ -140,3 +140,65 @@ def test_a_lora_run_merges_its_final_checkpoint_to_an_adapter(
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=torch.tensor([[5, 17, 42]])).logits).all()
     assert "merge_on_save: merged checkpoint-4" in caplog.text
+
+
+def _stored_dtypes(folder: Path) -> set[torch.dtype]:
+    from safetensors.torch import load_file
+
+    return {t.dtype for f in folder.glob("*.safetensors") for t in load_file(str(f)).values()}
+
+
+def test_a_bf16_base_trained_in_bf16_merges_to_bf16_unless_dtype_says_otherwise(
+    base_cfg: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bfloat16 base trained with `bf16: true` (float32 master weights in the checkpoint):
+    the run's config.json and each checkpoint record bfloat16, and its merges, merge_on_save's
+    and the command's, are bfloat16 by default, saying why; `--dtype float32` still gives
+    float32, and the bfloat16 merge is that float32 merge cast."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from helpers.tiny import make_model
+    from shardforge.config import load_cfg
+    from shardforge.merge.api import merge_fsdp_weights
+
+    base = make_model(tmp_path / "base", "llama", vocab_size=320, seed=0, dtype="bfloat16")
+    out = tmp_path / "out"
+    cfg = {
+        **base_cfg,
+        "base_model": str(base),
+        "output_dir": str(out),
+        "bf16": True,
+        "micro_batch_size": 6,
+        "max_steps": 2,
+        "merge_on_save": "final",
+    }
+    config = tmp_path / "cfg.yml"
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        _train_here(cfg, config)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    state = json.loads((out / "checkpoint-2" / ckpt.STATE_FILE).read_text())
+    assert state["base_dtype"] == "bfloat16"
+    on_save = out / "merged" / "checkpoint-2"
+    assert _stored_dtypes(on_save) == {torch.bfloat16}
+    assert json.loads((on_save / "config.json").read_text())["dtype"] == "bfloat16"
+
+    merge_cfg = load_cfg(config, command="merge")
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="shardforge"):
+        merge_fsdp_weights(merge_cfg, tmp_path / "default", quiet=True)
+    assert "output dtype: bfloat16 (the base model's stored dtype, recorded by train)" in (
+        caplog.text
+    )
+    assert "early copy accepted" in caplog.text  # its guess chose the same dtype
+    merge_fsdp_weights(merge_cfg, tmp_path / "fp32", dtype="float32", quiet=True)
+    assert _stored_dtypes(tmp_path / "fp32") == {torch.float32}
+    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
+    bf16 = load_file(str(tmp_path / "default" / "model.safetensors"))
+    fp32 = load_file(str(tmp_path / "fp32" / "model.safetensors"))
+    assert bf16.keys() == fp32.keys()
+    for key, tensor in fp32.items():
+        assert torch.equal(bf16[key], tensor.to(torch.bfloat16)), key
+    on_save_weights = load_file(str(on_save / "model.safetensors"))
+    assert all(torch.equal(on_save_weights[k], t) for k, t in bf16.items())

@@ -7,21 +7,21 @@
 - `copy_range`, `pwrite_all`, `pwrite_then_hash`, `tensor_bytes`, `FileSlab`: bytes file to
   file in the kernel (`copy_file_range`) or through a bounded buffer; positional writes.
 
-- `prefetch`: ask the kernel to start reading the checkpoint's data files into the page cache
-  (`posix_fadvise(WILLNEED)`, asynchronous, no memory held by this process) while the merge is
-  still importing transformers and checking the architecture. Bounded by a budget so that a
-  checkpoint larger than RAM does not evict its own first bytes.
 - `copy_jobs`: run many `copy_file_range` copies in the order of their source bytes (each data
-  file read front to back, as `cp` reads it), on up to 4 threads. The copies happen in the
+  file read front to back, as `cp` reads it), on `copy_threads()` threads: the cores less one
+  (one core is left to the start-up the copy overlaps: on a 2-core machine 4 threads slowed it
+  more than they sped up the copy, benchmarks/README.md, "Session F: the byte-path profile"),
+  at most `MAX_COPY_THREADS`, `SHARDFORGE_COPY_THREADS` to choose. The copies happen in the
   kernel, the GIL released, so the merge goes on importing and checking meanwhile; no tensor
-  bytes pass through Python. The threads leave one core to that start-up: the copy takes kernel
-  CPU, and on a 2-core machine 4 threads slowed the overlapped start-up more than they sped
-  up the copy (benchmarks/README.md, "Session F: the byte-path profile"), so there it runs on 1.
-  Into an output file whose SHA-256 is computed as it is written (`io.digest.hashing`), the
-  jobs instead run in the order of their output bytes, each block of the source mapped
-  (`mmap`, no copy in this process), handed to the hash in turn and then copied in the kernel:
-  the hash runs on the copy's threads, and no byte is copied twice (measured against reading
-  each block into a buffer and writing it: benchmarks/README.md, "The integrity manifest").
+  bytes pass through Python. Into an output file whose SHA-256 is computed as it is written
+  (`io.digest.hashing`), the jobs instead run in the order of their output bytes, each block of
+  the source mapped (`mmap`, no copy in this process), handed to the hash in turn and then
+  copied in the kernel: the hash runs on the copy's threads (at most `HASHED_COPY_THREADS`:
+  one hashes while the others map the next block and copy the last), and no byte is copied
+  twice (measured against reading each block into a buffer and writing it:
+  benchmarks/README.md, "The integrity manifest").
+- Read-ahead: jobs are cut into `pieces` of at most `READ_PIECE` bytes, each asked of the
+  kernel ahead of its copy (`io.readahead.ReadAhead`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,21 +43,26 @@ from shardforge.errors import CheckpointError
 from shardforge.io.digest import FileHash, HashAbandoned, hash_of
 from shardforge.io.dtypes import torch_ready
 from shardforge.io.files import open_regular
-from shardforge.io.remote import remote_of
+from shardforge.io.readahead import ReadAhead, read_ahead_depth
+from shardforge.io.remote import remote_of, remote_of_path
 
 if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
 
-MAX_COPY_THREADS = 4
+# copy threads: at most this many, on the cores less one (`copy_threads`)
+MAX_COPY_THREADS = 8
+# ... and at most this many on the jobs of one hashed output file (each maps a HASH_BLOCK)
+HASHED_COPY_THREADS = 3
+THREADS_ENV = "SHARDFORGE_COPY_THREADS"  # the copy threads, chosen (a positive integer)
+# a copy job's largest piece, and one read-ahead request: several MB per request
+READ_PIECE = 8 << 20
 # one copy_file_range call (or one bounded read + write where it is unsupported) moves at most this
 COPY_BLOCK = 64 << 20
 # a copy into a hashed output file is hashed from a mapping of its source, this many bytes at a
 # time per thread (what one thread holds mapped)
 HASH_BLOCK = 4 << 20
-# Never prefetch more than this share of the memory the kernel reports as available.
-PREFETCH_SHARE_OF_AVAILABLE = 0.5
 
 
 @dataclass(frozen=True)
@@ -289,42 +294,6 @@ def _write_plain(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def available_memory() -> int:
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:  # pragma: no cover - psutil is a dependency; be safe anyway
-        return 0
-
-
-def prefetch(files: Iterable[Path], budget: int | None = None) -> int:
-    """Start asynchronous read-ahead of `files` (in order) up to `budget` bytes; return bytes
-    requested. Errors are ignored: this is only a hint."""
-    if not hasattr(os, "posix_fadvise"):
-        return 0
-    if budget is None:
-        budget = int(available_memory() * PREFETCH_SHARE_OF_AVAILABLE)
-    asked = 0
-    for path in files:
-        if asked >= budget:
-            break
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: no wait
-        except OSError:
-            continue
-        try:
-            size = os.fstat(fd).st_size
-            length = min(size, budget - asked)
-            os.posix_fadvise(fd, 0, length, os.POSIX_FADV_WILLNEED)
-            asked += length
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return asked
-
-
 def _run(job: CopyJob, copy: Callable[[int, int, int, int, int], None]) -> None:
     # Each job opens its own descriptor: a checkpoint may have thousands of data files, and
     # an open() costs microseconds next to a copy of megabytes.
@@ -365,15 +334,42 @@ def read_order(job: CopyJob) -> tuple[str, int]:
     return str(job.src), job.src_offset
 
 
-def copy_threads() -> int:
-    """Copies in flight at once: up to `MAX_COPY_THREADS`, one core left to the rest of the
-    merge (1 on a 2-core machine), and no more than `OMP_NUM_THREADS` where that is set (a
-    merge rank's share of the cores; 1 for the merge that runs beside training)."""
+def _env_int(name: str) -> int | None:
     try:
-        share = int(os.environ.get("OMP_NUM_THREADS", MAX_COPY_THREADS))
-    except ValueError:
-        share = MAX_COPY_THREADS
-    return max(1, min(MAX_COPY_THREADS, share, (os.cpu_count() or 1) - 1))
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def copy_threads(hashed: bool = False) -> int:
+    """Copies in flight at once: `SHARDFORGE_COPY_THREADS` when set; else the cores less one
+    (one left to the rest of the merge: 1 on a 2-core machine), at most `MAX_COPY_THREADS`, and
+    no more than `OMP_NUM_THREADS` where that is set (a merge rank's share of the cores; 1 for
+    the merge that runs beside training). `hashed`: the jobs of one hashed output file, at most
+    `HASHED_COPY_THREADS` (its hash is one stream; each thread maps a block of the source)."""
+    chosen = _env_int(THREADS_ENV)
+    if chosen is not None and chosen > 0:
+        n = chosen
+    else:
+        share = _env_int("OMP_NUM_THREADS")
+        share = MAX_COPY_THREADS if share is None else share
+        n = max(1, min(MAX_COPY_THREADS, share, (os.cpu_count() or 1) - 1))
+    return min(n, HASHED_COPY_THREADS) if hashed else n
+
+
+def pieces(jobs: Sequence[CopyJob], size: int | None = None) -> list[CopyJob]:
+    """The jobs cut into pieces of at most `size` bytes (`READ_PIECE`), in order (a stored
+    object's stand-in is left whole: its ranged requests are sized by `io.remote`)."""
+    size = READ_PIECE if size is None else size
+    out: list[CopyJob] = []
+    for job in jobs:
+        if job.nbytes <= size or remote_of_path(job.src) is not None:
+            out.append(job)
+            continue
+        for at in range(0, job.nbytes, size):
+            n = min(size, job.nbytes - at)
+            out.append(CopyJob(job.src, job.src_offset + at, job.dst_fd, job.dst_offset + at, n))
+    return out
 
 
 def copy_jobs(
@@ -383,9 +379,10 @@ def copy_jobs(
     stop: Callable[[], bool] | None = None,
     threads: int | None = None,
 ) -> bool:
-    """Run `copy(src_fd, dst_fd, src_offset, dst_offset, nbytes)` for every job, started in
-    `read_order` on `threads` threads (default `copy_threads()`), reporting each job's bytes to
-    `progress` once it is done (in that order). `stop` is asked before every job: True skips
+    """Run `copy(src_fd, dst_fd, src_offset, dst_offset, nbytes)` for every job, cut into
+    `pieces`, started in `read_order` on `threads` threads (default `copy_threads()`), each
+    piece's source read ahead (`ReadAhead`), reporting each piece's bytes to `progress` once it
+    is done (in that order). `stop` is asked before every job: True skips
     the jobs not started yet, and then this returns False. The first error is raised once the
     copies already running have finished.
 
@@ -393,15 +390,35 @@ def copy_jobs(
     `write_order`, each block of the source mapped, handed to the file's hash in turn and
     copied in the kernel (the hash runs on these threads, as the bytes are copied)."""
     in_turn = _in_turn(jobs)
-    ordered = sorted(jobs, key=read_order if in_turn is None else write_order)
-    n = copy_threads() if threads is None else threads
+    ordered = pieces(sorted(jobs, key=read_order if in_turn is None else write_order))
+    n = copy_threads(hashed=in_turn is not None) if threads is None else threads
     runner = copy if in_turn is None else functools.partial(_hash_and_copy, h=in_turn, in_turn=True)
+    ahead = ReadAhead(ordered, read_ahead_depth(n)) if hasattr(os, "posix_fadvise") else None
+    try:
+        return _run_all(ordered, runner, n, in_turn, ahead, progress, stop)
+    finally:
+        if ahead is not None:
+            ahead.close()
 
-    def one(job: CopyJob) -> bool:
+
+def _run_all(
+    ordered: Sequence[CopyJob],
+    runner: Callable[[int, int, int, int, int], None],
+    n: int,
+    in_turn: FileHash | None,
+    ahead: ReadAhead | None,
+    progress: Callable[[int], None] | None,
+    stop: Callable[[], bool] | None,
+) -> bool:
+    """`copy_jobs` of its ordered pieces on `n` threads (the read-ahead told of each start)."""
+
+    def one(index: int, job: CopyJob) -> bool:
         if stop is not None and stop():
             if in_turn is not None:
                 in_turn.abort("the copy was stopped")
             return False
+        if ahead is not None:
+            ahead.started(index)
         try:
             _run(job, runner)
         except BaseException as exc:
@@ -411,15 +428,15 @@ def copy_jobs(
         return True
 
     if n <= 1 or len(ordered) <= 1:
-        for job in ordered:
-            if not one(job):
+        for i, job in enumerate(ordered):
+            if not one(i, job):
                 return False
             if progress is not None:
                 progress(job.nbytes)
         return True
     done = True
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="shardforge-copy") as pool:
-        futures = [pool.submit(one, job) for job in ordered]
+        futures = [pool.submit(one, i, job) for i, job in enumerate(ordered)]
         try:
             for job, fut in zip(ordered, futures, strict=True):
                 if not fut.result():

@@ -12,9 +12,11 @@ from shardforge.sinks.cast import (
     Decision,
     KeepPattern,
     cast_rules,
+    choose_target,
     config_dtype_name,
     decide_all,
     parse_dtype_name,
+    target_line,
 )
 from shardforge.sinks.plan import TensorSpec
 
@@ -29,20 +31,16 @@ def dtype_choice_name(value: str | torch.dtype | None) -> str | Literal["config"
     return parse_dtype_name(value)
 
 
-def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | Literal["config"] | None:
-    if value is not None and not isinstance(value, str):
-        return value  # a torch dtype, from Python
-    name = parse_dtype_name(value)
-    if name is None:
-        return None
-    return "config" if name == "config" else torch_dtype(name)
-
-
-def config_dtype(config: Any) -> torch.dtype | None:
-    """The model config's floating dtype (`dtype`, else `torch_dtype`), None when it names
-    none or a non-floating one."""
-    name = config_dtype_name(config)
-    return None if name is None else torch_dtype(name)
+def output_target(
+    value: str | torch.dtype | None, config: Any, recorded: str | None = None
+) -> tuple[torch.dtype | None, str]:
+    """The merge's output dtype (None: as stored) and its plan line: `--dtype` (`value`),
+    else the base dtype train `recorded`, else the config's (`sinks.cast.choose_target`)."""
+    name, why = choose_target(dtype_choice_name(value), recorded, config_dtype_name(config))
+    target = value if value is not None and not isinstance(value, str) else None
+    if target is None and name is not None:
+        target = torch_dtype(name)
+    return target, target_line(name, why)
 
 
 def output_rules(
@@ -50,11 +48,11 @@ def output_rules(
     config: Any,
     keep: Sequence[str] = (),
     model: Sequence[KeepPattern] = (),
+    recorded: str | None = None,
 ) -> CastRules:
-    """The cast rules of a merge: `--dtype` (`value`; the config's dtype when None), the
-    `--keep_dtype` patterns and the model class's own (`sinks.cast.model_keep_patterns`)."""
-    wanted = parse_dtype(value)
-    return cast_rules(config_dtype(config) if wanted == "config" else wanted, keep, model)
+    """The cast rules of a merge: the output dtype (`output_target`), the `--keep_dtype`
+    patterns and the model class's own (`sinks.cast.model_keep_patterns`)."""
+    return cast_rules(output_target(value, config, recorded)[0], keep, model)
 
 
 def planned_specs(

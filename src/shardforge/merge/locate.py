@@ -7,6 +7,7 @@ Torch-free (finding files and reading folder names only), so that the merge's he
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -14,10 +15,11 @@ from pathlib import Path
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError
-from shardforge.io.copy import prefetch
 from shardforge.io.mirror import staging
+from shardforge.io.readahead import prefetch
 from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import LAST, Candidate, list_checkpoints, resolve_checkpoint
+from shardforge.layouts.layout import layout_named
 from shardforge.merge.options import one_error
 from shardforge.merge.request import MergeRequest
 from shardforge.sinks.companions import has_tokenizer
@@ -34,6 +36,29 @@ class MergeSources:
     tokenizer: str
     generation: list[str]
     inputs: tuple[Candidate, ...] = ()
+    recorded_dtype: str | None = None  # the base model's stored dtype, recorded by train
+
+
+# a shardforge checkpoint's trainer state (`train.checkpointing.STATE_FILE`, the layout's marker)
+STATE_FILE = layout_named("shardforge").marker or "trainer_state.json"
+STATE_FILE_LIMIT = 1 << 20  # larger is not a trainer state this reads
+
+
+def recorded_dtype(candidate: Candidate) -> str | None:
+    """The base model's stored dtype that `shardforge train` recorded in the checkpoint
+    (`base_dtype` of the trainer_state.json beside its model folder), None when there is none
+    (another trainer's checkpoint, a run of an older shardforge)."""
+    path = candidate.model_dir.parent / STATE_FILE
+    try:
+        if not path.is_file() or path.stat().st_size > STATE_FILE_LIMIT:
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != "shardforge":
+        return None
+    value = data.get("base_dtype")
+    return value if isinstance(value, str) else None
 
 
 # what `locate` finds: the checkpoint(s), oldest first, and the sources of the rest
@@ -61,7 +86,8 @@ def merge_sources(cfg: ShardforgeConfig, candidates: list[Candidate]) -> MergeSo
     else:
         tokenizer = cfg.base_model
     generation = list(dict.fromkeys([config, cfg.base_model]))
-    return MergeSources(candidate, config, tokenizer, generation, tuple(candidates))
+    recorded = recorded_dtype(candidate)
+    return MergeSources(candidate, config, tokenizer, generation, tuple(candidates), recorded)
 
 
 def label(c: Candidate) -> str:

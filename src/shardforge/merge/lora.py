@@ -40,13 +40,14 @@ from shardforge.formats.safetensors.reader import (
     open_safetensors_file,
 )
 from shardforge.formats.sources import TensorSource
-from shardforge.io.copy import ReadCache, prefetch
+from shardforge.io.copy import ReadCache
 from shardforge.io.files import open_regular, read_exact_into
 from shardforge.io.publish import (
     check_free_space,
     check_output_path,
     sigterm_as_interrupt,
 )
+from shardforge.io.readahead import prefetch
 from shardforge.keymap.keys import check_tied_copies
 from shardforge.keymap.lora import LoraNames, split_adapter_names
 from shardforge.keymap.lora_settings import LoraSettings

@@ -9,8 +9,9 @@ checkpoint alone tells:
    every module it uses is torch-free, and a dtype read then is a `DtypeName`), else before
    transformers is imported, it reads the DCP metadata (the same checked reader as the
    merge), guesses the output names (the checkpoint keys without their common
-   wrapper prefix), the output dtype (`--dtype`, else `dtype`/`torch_dtype` of the local
-   `config.json`, else as stored) and the shard size (`--max_shard_size`, else the installed
+   wrapper prefix), the output dtype (`--dtype`, else the base dtype train recorded in the
+   checkpoint, else `dtype`/`torch_dtype` of the local `config.json`, else as stored:
+   `sinks.cast.choose_target`) and the shard size (`--max_shard_size`, else the installed
    transformers' default), and plans the output files as the merge's planner does;
 2. on a thread, it creates a hidden sibling of the output path (named after this process, so a
    killed merge's is removed by the next one) and copies every tensor that is a file-to-file
@@ -78,9 +79,15 @@ from shardforge.keymap.keys import clean_name, is_optimizer_key, looks_like_torc
 from shardforge.keymap.lora import has_lora
 from shardforge.layouts.catalog import Candidate
 from shardforge.merge.dtypes import dtype_choice_name
-from shardforge.merge.locate import checkpoint_root, merge_sources, pick_inputs
+from shardforge.merge.locate import checkpoint_root, merge_sources, pick_inputs, recorded_dtype
 from shardforge.merge.request import OPTION_NAMES, MergeRequest
-from shardforge.sinks.cast import CONFIG_DTYPE_KEYS, cast_rules, config_dtype_name, decide_all
+from shardforge.sinks.cast import (
+    CONFIG_DTYPE_KEYS,
+    cast_rules,
+    choose_target,
+    config_dtype_name,
+    decide_all,
+)
 from shardforge.sinks.manifest import new_hashes
 from shardforge.sinks.plan import OutputPlan, PlannedFile, TensorSpec, layout_files
 
@@ -172,8 +179,9 @@ def _guess(
     config = _read_config_json(config_source)
     if config is None:
         return None
-    if dtype == "config":  # read as the merge reads it (a wrong guess is caught in `accept`)
-        dtype = config_dtype_name(SimpleNamespace(**{k: config.get(k) for k in CONFIG_DTYPE_KEYS}))
+    # chosen as the merge chooses it (a wrong guess is caught in `accept`)
+    configured = config_dtype_name(SimpleNamespace(**{k: config.get(k) for k in CONFIG_DTYPE_KEYS}))
+    dtype = choose_target(dtype, recorded_dtype(candidate), configured)[0]
     target = lookup_dtype(dtype) if dtype is not None else None
     tied = config.get("tie_word_embeddings")
     if not isinstance(tied, bool) or (dtype is not None and target is None):

@@ -24,9 +24,11 @@ def describe_plan(
     out: Path,
     removal: RemovalPlan | None = None,
     casts: Mapping[str, Decision] | None = None,
+    dtype_line: str = "",
 ) -> str:
     """Human-readable plan of a prepared merge; nothing is written. `casts`: what the output
-    dtype casts and keeps (one line per rule, with examples)."""
+    dtype casts and keeps (one line per rule, with examples); `dtype_line`: the output dtype
+    and why (`merge.dtypes.output_target`)."""
     lines = ["dry run: nothing is written", "input:"]
     for c in sources.inputs:
         step = f"step {c.step}" if 0 <= c.step < LAST else "single checkpoint"
@@ -38,8 +40,8 @@ def describe_plan(
     described = sink.describe(output, out)
     dtypes = Counter(str(t.spec.dtype).removeprefix("torch.") for _, t in output.plan.tensors())
     at = next(i for i, line in enumerate(described) if line.startswith("parameters:"))
-    dtype_line = "dtypes: " + ", ".join(f"{d} ({n} tensors)" for d, n in sorted(dtypes.items()))
-    lines += [*described[:at], dtype_line]
+    dtypes_line = "dtypes: " + ", ".join(f"{d} ({n} tensors)" for d, n in sorted(dtypes.items()))
+    lines += [*described[:at], *([dtype_line] if dtype_line else []), dtypes_line]
     if casts:
         lines += ["dtype rules:", *(f"  {line}" for line in describe(casts))]
     lines += described[at:]

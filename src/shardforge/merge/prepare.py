@@ -35,13 +35,12 @@ from shardforge.keymap.names import adapt_names
 from shardforge.layouts.catalog import Candidate, check_model_keys
 from shardforge.merge.check import ExpectedModel, build_expected, check_against
 from shardforge.merge.check import load_config as load_model_config
-from shardforge.merge.dtypes import main_dtype, output_rules, planned_specs
+from shardforge.merge.dtypes import main_dtype, output_rules, output_target, planned_specs
 from shardforge.merge.locate import Located, MergeSources, label, locate
 from shardforge.merge.lora_checkpoint import adapter_sources, open_lora
 from shardforge.merge.request import MergeRequest
 from shardforge.sinks.base import Companions, Output, Sink
-from shardforge.sinks.cast import Decision
-from shardforge.sinks.engine import TransformersSink
+from shardforge.sinks.cast import CastRules, Decision, cast_rules
 from shardforge.sinks.hf_dir import AdapterDirectorySink
 from shardforge.sinks.object_store import ObjectStoreSink
 from shardforge.sinks.plan import OutputPlan, default_max_shard_size, plan_output
@@ -61,6 +60,7 @@ class Prepared:
     plain_dcp: bool  # one DCP checkpoint with HF names (what --engine transformers reads)
     adapter_config: dict[str, Any] | None = None  # a PEFT adapter directory is written
     casts: Mapping[str, Decision] = field(default_factory=dict)  # what --dtype casts and keeps
+    dtype_line: str = ""  # the output dtype and why ('output dtype: bfloat16 (--dtype)')
 
 
 def _open_named(candidate: Candidate, config: Any) -> dict[str, NamedSource]:
@@ -124,13 +124,26 @@ def prepare(
         for key, src in ((k, by_name[hf]) for k, hf in keymap.to_hf.items())
     )
     by_name = expected.to_saved(by_name)  # under the names save_pretrained writes
-    rules = output_rules(request.dtype, config, request.keep_dtype, expected.keep)
+    rules, line = _rules(request, config, expected, sources)
     specs, casts = planned_specs(
         ((n, by_name[n].dtype, by_name[n].shape) for n in expected.saved_names), rules
     )
     shard = None if request.single_file else request.max_shard_size or default_max_shard_size()
     plan = plan_output(specs, shard, expected.total_parameters)
-    return Prepared(sources, expected, keymap, by_name, plan, main_dtype(specs), plain, casts=casts)
+    dtype = main_dtype(specs)
+    return Prepared(
+        sources, expected, keymap, by_name, plan, dtype, plain, casts=casts, dtype_line=line
+    )
+
+
+def _rules(
+    request: MergeRequest, config: Any, expected: ExpectedModel, sources: MergeSources
+) -> tuple[CastRules, str]:
+    """The cast rules of a merge to a complete model, and its plan line for the output dtype
+    (logged): `--dtype`, else the base dtype train recorded, else the config's."""
+    target, line = output_target(request.dtype, config, sources.recorded_dtype)
+    log.info("%s", line)
+    return cast_rules(target, request.keep_dtype, expected.keep), line
 
 
 def prepare_lora(
@@ -169,14 +182,15 @@ def prepare_lora(
     fused = fuse_sources(base, lora.names, lora.tensors, lora.settings, expected, str(model_dir))
     empty = KeyMap({}, "", (), ())
     if request.merge_lora:
-        rules = output_rules(request.dtype, config, request.keep_dtype, expected.keep)
+        rules, line = _rules(request, config, expected, sources)
         specs, casts = planned_specs(
             ((n, _stored_dtype(fused[n]), fused[n].shape) for n in expected.saved_names), rules
         )
         shard = None if request.single_file else request.max_shard_size or default_max_shard_size()
         plan = plan_output(specs, shard, expected.total_parameters)
+        dtype = main_dtype(specs)
         return Prepared(
-            sources, expected, empty, fused, plan, main_dtype(specs), False, casts=casts
+            sources, expected, empty, fused, plan, dtype, False, casts=casts, dtype_line=line
         )
     if request.single_file:
         raise MergeError(
@@ -248,6 +262,9 @@ def deliverable(
     elif adapter:
         sink = AdapterDirectorySink()
     elif request.engine != "stream":
+        # imported here: it brings torch.distributed.checkpoint, which a streamed merge never uses
+        from shardforge.sinks.engine import TransformersSink
+
         shard = request.max_shard_size or default_max_shard_size()
         sink = TransformersSink(
             prep.sources.checkpoint.model_dir, prep.keymap.to_hf, shard, cfg.trust_remote_code

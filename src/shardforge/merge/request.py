@@ -83,9 +83,12 @@ class MergeRequest:
     step: int | None = optional("Merge this step instead of the latest.", type=int, metavar="N")
     dtype: str | torch.dtype | None = optional(
         "Output dtype of floating tensors: bfloat16, float16, float32 or as_saved (default: "
-        "the config's dtype/torch_dtype, else as saved).",
+        "the base model's stored dtype that shardforge train recorded, else the config's "
+        "dtype/torch_dtype, else as saved).",
         metavar="DTYPE",
-        doc="Also `bf16`, `fp16`, `fp32`. Cast while streaming; integer, bool and FP8/FP4 "
+        doc="Also `bf16`, `fp16`, `fp32`. The merge logs which dtype and why (`output dtype: "
+        "bfloat16 (the base model's stored dtype, recorded by train)`). Cast while streaming; "
+        "integer, bool and FP8/FP4 "
         "tensors are never cast, nor the modules the model class keeps in float32 "
         "(`_keep_in_fp32_modules`, `_keep_in_fp32_modules_strict`) or `--keep_dtype` names: "
         "[merge.md](merge.md#which-tensors---dtype-casts).",

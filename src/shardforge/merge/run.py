@@ -146,7 +146,7 @@ def _run_prepared(
     out = _checked(config, request, prep, removal)
     output, sink = deliverable(prep, request, config)
     if request.dry_run:
-        plan = describe_plan(prep.sources, sink, output, out, removal, prep.casts)
+        plan = describe_plan(prep.sources, sink, output, out, removal, prep.casts, prep.dtype_line)
         sys.stdout.write(public_name(plan) + "\n")  # s3:// inputs as their URIs
         return out
     used = early is not None and isinstance(sink, HfDirectorySink)

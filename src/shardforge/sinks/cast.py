@@ -8,9 +8,18 @@ imported: dtypes may be `io.dtypes.DtypeName`s), `--dry_run` and `shardforge ins
     rules = CastRules(torch.bfloat16, keep=(keep_pattern("router", KEEP_OPTION),))
     decide("model.layers.0.mlp.router.weight", torch.float32, rules).dtype   # float32: kept
 
+The target dtype (`choose_target`): ``--dtype`` when given; else the base model's stored dtype
+that ``shardforge train`` recorded when the run started (``base_dtype`` in the checkpoint's
+trainer_state.json), else the model config's ``dtype`` / ``torch_dtype``, else none. Each
+choice comes with its reason, which the merge logs and ``--dry_run`` prints:
+
+    choose_target("config", "bfloat16", "float32")
+    # ("bfloat16", "the base model's stored dtype, recorded by train")
+
 The rules, in order (the first that applies decides):
 
-1. no target dtype (``--dtype as_saved``, or none given and the config names none): as stored;
+1. no target dtype (``--dtype as_saved``, or none given and neither a recorded base dtype nor
+   the config names one): as stored;
 2. integer and bool tensors (and complex, quantized): never cast;
 3. FP8 / FP4 tensors (`io.dtypes` kinds ``float8`` and ``float4``): kept, since their scales
    are other tensors a cast would not apply (packed MXFP4 blocks are uint8: rule 2); and those
@@ -91,6 +100,41 @@ def config_dtype_name(config: Any) -> str | None:
         return None
     known = DTYPE_NAMES.get(dtype_name(raw))
     return known.name if known is not None and known.is_floating_point else None
+
+
+# why the output has its dtype (`choose_target`), as the merge's plan line says it
+WHY_ASKED = "--dtype"
+WHY_RECORDED = "the base model's stored dtype, recorded by train"
+WHY_CONFIG = "the config's dtype"
+WHY_NONE = "no --dtype, and the config names no dtype"
+
+
+def floating_name(value: object) -> str | None:
+    """A recorded dtype's name (``"bfloat16"``, ``"torch.float16"``) as a floating dtype name
+    of `DTYPE_CHOICES`, None when it names none."""
+    if not isinstance(value, str):
+        return None
+    return DTYPE_CHOICES.get(value.strip().lower().removeprefix("torch."))
+
+
+def choose_target(
+    asked: str | Literal["config"] | None, recorded: str | None, configured: str | None
+) -> tuple[str | None, str]:
+    """The output dtype's name (None: as stored) and why: `asked` (`parse_dtype_name` of
+    ``--dtype``) when given; else `recorded` (the base model's stored dtype that train wrote
+    into the checkpoint), else `configured` (the model config's), else none."""
+    if asked != "config":
+        return asked, WHY_ASKED
+    if floating_name(recorded) is not None:
+        return floating_name(recorded), WHY_RECORDED
+    if configured is not None:
+        return configured, WHY_CONFIG
+    return None, WHY_NONE
+
+
+def target_line(name: str | None, why: str) -> str:
+    """The merge's plan line for the output dtype: 'output dtype: bfloat16 (--dtype)'."""
+    return f"output dtype: {name or 'as stored'} ({why})"
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,9 @@ class TrainerState:
     seed: int
     scheduler: dict[str, Any] = field(default_factory=dict)
     mesh_shape: list[int] = field(default_factory=list)  # [world] or [replicate, shard] (HSDP)
+    # the base model's stored dtype, recorded when the run started: a merge's default output
+    # dtype (`sinks.cast.choose_target`); None when the base config names none
+    base_dtype: str | None = None
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     torch_version: str = ""

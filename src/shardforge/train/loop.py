@@ -31,6 +31,7 @@ from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ShardforgeError
 from shardforge.io.dist import finish_together
 from shardforge.io.mirror import public_name
+from shardforge.sinks.cast import config_dtype_name
 from shardforge.train import checkpointing as ckpt
 from shardforge.train.attention import use_packed_attention
 from shardforge.train.compile import CompileWatch
@@ -309,6 +310,9 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         self.tokenizer = load_tokenizer(cfg)
         self.model_config = load_model_config(cfg)
+        # the base model's stored dtype: the run's config.json keeps it (the model is built in
+        # float32 from a copy) and each checkpoint records it, the merge's default output dtype
+        self.base_dtype = config_dtype_name(self.model_config)
         grow_vocab_size(self.model_config, self.tokenizer)  # before the model is built
         # training (and held-out / test) ones; through dataset_prepared_path when it is set
         self.data = prepared_datasets(cfg, self.tokenizer, rt)
@@ -448,6 +452,7 @@ class Trainer:
             seed=self.cfg.seed,
             scheduler=scheduler_state(self.scheduler),
             mesh_shape=list(self.mesh),
+            base_dtype=self.base_dtype,
         )
 
 

@@ -10,6 +10,7 @@ load_base_weights(model, ..) rank 0 reads the safetensors, FSDP scatters the sli
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import re
 from collections.abc import Iterator
@@ -84,9 +85,12 @@ def _parameters_on_meta() -> Iterator[None]:
 
 
 def build_meta_model(cfg: ShardforgeConfig, model_config: Any | None = None) -> nn.Module:
-    """The causal LM of `base_model` with all parameters on the meta device (no memory)."""
+    """The causal LM of `base_model` with all parameters on the meta device (no memory), in
+    float32, built from a copy of `model_config`: transformers sets the dtype it builds in on
+    the config it is given, and the caller's keeps the base model's (the run's config.json)."""
     from transformers import AutoModelForCausalLM
 
+    model_config = copy.deepcopy(model_config) if model_config is not None else None
     model_config = model_config if model_config is not None else load_model_config(cfg)
     extra: dict[str, Any] = {}
     if cfg.attn_implementation is not None:
