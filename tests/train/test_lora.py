@@ -162,7 +162,7 @@ def test_target_linear_with_names_is_saved_as_it_was_trained(tmp_path: Path) -> 
     from shardforge.config import validate_cfg
     from shardforge.config.peft import lora_config
     from shardforge.merge.check import build_expected
-    from shardforge.train.lora import add_lora
+    from shardforge.train.lora import _peft_config, add_lora
 
     base = make_model(tmp_path / "base", "llama")
     cfg = validate_cfg(
@@ -178,6 +178,9 @@ def test_target_linear_with_names_is_saved_as_it_was_trained(tmp_path: Path) -> 
     injected = set(add_lora(model, cfg).target_modules)
     linear = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert injected == linear
+    # the config saved at the end is made from the injected model: the same targets, not the
+    # LoRA layers' parts (base_layer, lora_A's "default"), which peft would target on loading
+    assert set(_peft_config(model, cfg).target_modules) == linear
     expected = build_expected(AutoConfig.from_pretrained(base), False)
     assert set(lora_config(cfg, None, False, expected.linear_names).target_modules) == linear
     with pytest.raises(ValueError, match="linear_names"):

@@ -98,7 +98,11 @@ def test_a_failing_merge_does_not_stop_training(
         _train_here(cfg, tmp_path / "cfg.yml")
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and not r.getMessage().startswith("notice: sample_packing")
+    ]  # (the dense-mask notice of packing on a CPU aside)
     assert len(warned) == 2, warned
     for step, line in zip((2, 4), warned, strict=True):
         assert f"merge_on_save: merging checkpoint-{step} failed (exit status" in line

@@ -15,19 +15,29 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
+# the parts of a peft-wrapped layer that are not layers of the model: the wrapped linear, the
+# adapters (lora_A.<adapter>, ...) and a modules_to_save copy
+_PEFT_PARTS = ("base_layer", "original_module", "modules_to_save")
+
+
 def linear_layer_names(model: Any) -> list[str]:
     """The last name segment of every linear layer of `model` but its output layer: what
-    `lora_target_linear` targets (peft's "all-linear")."""
+    `lora_target_linear` targets (peft's "all-linear"). A model with the adapter injected
+    gives the same names: a LoRA layer counts as the linear layer it wraps, its parts not."""
     import torch.nn as nn
 
     output = model.get_output_embeddings()
-    return sorted(
-        {
-            name.rsplit(".", 1)[-1]
-            for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and m is not output
-        }
-    )
+    outputs = {name for name, m in model.named_modules() if m is output}
+    found = set()
+    for name, m in model.named_modules():
+        parts = name.split(".")
+        if any(p in _PEFT_PARTS or p.startswith("lora_") for p in parts):
+            continue
+        base = getattr(m, "base_layer", None)
+        linear = isinstance(m, nn.Linear) or isinstance(base, nn.Linear)
+        if linear and m is not output and base is not output and name not in outputs:
+            found.add(parts[-1])
+    return sorted(found)
 
 
 def lora_config(

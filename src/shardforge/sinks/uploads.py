@@ -242,13 +242,18 @@ def _finished(fs: Any, method: str, kwargs: Mapping[str, Any]) -> Any:
 class Cleanup:
     """The requests of a cleanup after a failure: each tried `CLEANUP_TRIES` times (while
     `CLEANUP_S` have not passed), a failed one recorded and the next made; a missing object or
-    upload counts as done."""
+    upload counts as done. Once a request found the store unreachable through all its tries,
+    the rest are recorded as not tried (a store that is down is not asked again and again)."""
 
     def __init__(self, seconds: float | None = None) -> None:
         self.deadline = time.monotonic() + (CLEANUP_S if seconds is None else seconds)
         self.failed: list[str] = []
+        self.unreachable = ""  # the store could not be reached through a request's every try
 
     def __call__(self, what: str, request: Callable[[], object]) -> None:
+        if self.unreachable:  # a store that is down: the next requests are not tried
+            self.failed.append(f"{what}: not tried ({self.unreachable})")
+            return
         last = ""
         for attempt in range(CLEANUP_TRIES):
             try:
@@ -266,6 +271,8 @@ class Cleanup:
             log.info("cleanup: %s failed (%s); trying again", what, last)
             time.sleep(min(0.5 * 2**attempt, 4.0, max(0.0, self.deadline - time.monotonic())))
         self.failed.append(f"{what}: {last}")
+        if "cannot be reached" in last:
+            self.unreachable = "the object store cannot be reached"
 
     def report(self, where: object) -> None:
         """One notice listing what the cleanup could not do (a later merge removes it)."""
