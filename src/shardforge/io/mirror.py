@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from shardforge.errors import CheckpointError, ShardforgeError
+from shardforge.io.model_files import TOKENIZER_FILES
 from shardforge.io.remote import (
     RemoteObject,
     RemoteURI,
@@ -52,19 +53,9 @@ DATA_SUFFIXES = (".distcp", ".safetensors", ".bin", ".pt", ".pth")
 # a data file at most this large is downloaded whole (fewer requests for tiny shards)
 DOWNLOAD_LIMIT = 1 << 20
 # the files a command reads whole, by name: the cap of each kind (a larger one is a stand-in,
-# refused by its reader's own cap); anything else is never downloaded
-TOKENIZER_FILES = frozenset(
-    {
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "added_tokens.json",
-        "vocab.json",
-        "vocab.txt",
-        "merges.txt",
-        "chat_template.json",
-    }
-)  # and every *.model (sentencepiece), *.jinja (chat templates) and *.tiktoken file
+# refused by its reader's own cap); anything else is never downloaded. Tokenizer files: those
+# of `io.model_files.TOKENIZER_FILES`, and every *.model (sentencepiece), *.jinja (chat
+# templates) and *.tiktoken file
 FETCH_LIMITS = {
     "metadata": 1 << 30,  # a DCP .metadata: the allow-list unpickler's cap for it
     "json": 16 << 20,  # trainer_state.json, config.json, an index (`io.files.MAX_JSON_BYTES`)

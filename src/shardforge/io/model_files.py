@@ -18,6 +18,18 @@ from pathlib import Path
 
 from shardforge.errors import MergeError
 
+# the names transformers' tokenizers save their files under (and *.model, *.tiktoken,
+# *.jinja): what a model folder holds, and what staging fetches for a tokenizer (`io.mirror`)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.json",
+)
 # the files a Hugging Face model folder holds, as a merge or `save_pretrained` writes them
 MODEL_FILES = (
     # weights and their indexes (the merge; save_pretrained's older .bin form; PEFT adapters)
@@ -32,14 +44,8 @@ MODEL_FILES = (
     "generation_config.json",
     "preprocessor_config.json",
     "processor_config.json",
-    # tokenizers (the names transformers' tokenizers save their vocabularies under)
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
+    # tokenizers
+    *TOKENIZER_FILES,
     "tokenizer.model",
     "spiece.model",
     "sentencepiece.bpe.model",
@@ -48,7 +54,6 @@ MODEL_FILES = (
     "bpe.codes",
     "*.tiktoken",
     "chat_template.jinja",
-    "chat_template.json",
     # trust_remote_code models save their code beside the weights
     "configuration_*.py",
     "modeling_*.py",

@@ -22,9 +22,7 @@ checkpoint.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,14 +32,14 @@ import torch
 
 from shardforge.config import coerce_cfg
 from shardforge.config.schema import ShardforgeConfig, names_object_storage
-from shardforge.errors import CheckpointError, MergeError, printable, shown
+from shardforge.errors import CheckpointError, MergeError, shown
 from shardforge.formats.safetensors.reader import (
     open_safetensors_dir,
     open_safetensors_file,
 )
 from shardforge.formats.sources import TensorSource
 from shardforge.io.copy import ReadCache
-from shardforge.io.files import open_regular, read_exact_into
+from shardforge.io.files import read_json
 from shardforge.io.publish import (
     check_free_space,
     check_output_path,
@@ -87,25 +85,6 @@ class Adapter:
     base_model_name: str | None
 
 
-def _read_json(path: Path, root: Path) -> Any:
-    fd = open_regular(path, root)
-    try:
-        size = os.fstat(fd).st_size
-        if size > MAX_ADAPTER_CONFIG_BYTES:
-            raise CheckpointError(
-                f"{path}: {size} bytes, more than an adapter config holds "
-                f"({MAX_ADAPTER_CONFIG_BYTES}); is it the right file?"
-            )
-        data = bytearray(size)
-        read_exact_into(fd, data, 0, str(path))
-    finally:
-        os.close(fd)
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({printable(str(exc))[:120]})") from None
-
-
 def read_adapter(directory: str | Path) -> Adapter:
     """Open a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)
     without loading a tensor; CheckpointError naming the file for anything missing, unsafe or
@@ -130,7 +109,7 @@ def read_adapter(directory: str | Path) -> Adapter:
                 "save_pretrained(..., safe_serialization=True))"
             )
         raise CheckpointError(f"{root}: no {ADAPTER_WEIGHTS}; the adapter has no weights")
-    data = _read_json(config_path, root)
+    data = read_json(config_path, root, MAX_ADAPTER_CONFIG_BYTES)
     settings = LoraSettings.from_adapter_config(data, str(config_path))
     tensors: dict[str, TensorSource] = dict(open_safetensors_file(weights, root))
     names = split_adapter_names(tensors, str(weights))
