@@ -35,6 +35,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,6 +48,8 @@ LOCK_SUFFIX = ".shardforge.lock"
 LOCK_NAME = ".shardforge.lock"
 # what is read of a lock file (it is one short JSON line)
 MAX_LOCK_BYTES = 4096
+# how long a lock whose holder has ended may stay flocked (its last threads exiting)
+EXITING_S = 5.0
 
 
 # the error a caller gives for an OSError of making the lock file (None: the generic one)
@@ -126,7 +129,7 @@ def _take(
         except OSError as exc:
             raise _unusable(lock, output, exc, unusable) from None
         try:
-            _flock(fd, output)
+            _flock_unless_running(fd, output)
         except OSError:
             previous = _read(fd)
             os.close(fd)
@@ -143,6 +146,24 @@ def _take(
     raise OutputLocked(
         f"{output}: its lock file {lock} keeps changing; is another writer starting?"
     )
+
+
+def _flock_unless_running(fd: int, output: Path | str) -> None:
+    """`_flock`; while the holder the file names is a process of this host that has ended (a
+    killed process's last threads still exiting hold its files for a moment after it shows as
+    a zombie), tried again for up to `EXITING_S`. OSError: a running process holds it."""
+    deadline = time.monotonic() + EXITING_S
+    while True:
+        try:
+            _flock(fd, output)
+            return
+        except OSError:
+            previous, here = _read(fd), me("")
+            ended = previous is not None and previous.host == here.host
+            ended = ended and previous is not None and not _runs(previous, here)
+            if not ended or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _flock(fd: int, output: Path | str) -> None:
