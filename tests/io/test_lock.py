@@ -66,6 +66,25 @@ def test_a_lock_of_a_dead_pid_is_taken_over_with_a_notice(
     assert not path.exists()
 
 
+def test_a_lock_still_flocked_by_a_writer_that_has_ended_is_taken_once_it_lets_go(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A killed writer shows as ended (a zombie) while its last threads still hold its files,
+    and so its flock, for a moment: the next writer waits for that moment, not refuses."""
+    import fcntl
+    import threading
+
+    out = tmp_path / "merged"
+    path = lock_beside(out)
+    _left(path, pid=_pid_max() + 1)  # the holder named has ended ...
+    held = os.open(path, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # ... but its files are not closed yet
+    threading.Timer(0.5, os.close, (held,)).start()
+    with caplog.at_level(logging.WARNING, logger="shardforge"), output_lock(path, out, "next"):
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert any("taking over the lock" in r.getMessage() for r in caplog.records)
+
+
 def test_a_reused_pid_or_another_boot_is_a_writer_that_has_ended(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
