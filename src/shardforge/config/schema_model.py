@@ -1,0 +1,89 @@
+"""The model keys: base model, tokenizer, chat template, output folder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_serializer
+
+from shardforge.config.view import ConfigView
+
+# the keys of `storage_options` whose values are secrets (never shown, never dumped)
+STORAGE_SECRET_KEYS = ("secret", "token", "aws_secret_access_key", "aws_session_token", "password")
+
+
+class ModelKeys(ConfigView):
+    """The model, its tokenizer and where the run writes."""
+
+    # -- model -----------------------------------------------------------------------------------
+    base_model: str = Field(
+        description="Local directory or Hugging Face hub id of the base model (weights, config, "
+        "tokenizer)."
+    )
+    base_model_config: str | None = Field(
+        None, description="Where to read config.json from, when not from base_model."
+    )
+    tokenizer_config: str | None = Field(
+        None, description="Where to read the tokenizer from, when not from base_model."
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="Allow model/tokenizer code shipped with the model to run. Off by default.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Chat template for chat_template data sets and the saved tokenizer: a name "
+        "of Axolotl's (see docs/config.md: chatml, llama3, gemma3, qwen3, tokenizer_default, "
+        "tokenizer_default_fallback_<name>, jinja, ...) or Jinja text (containing `{%` or "
+        "`{{`). null: the tokenizer's own. train refuses an unknown name; the merge keeps the "
+        "tokenizer's own template then.",
+    )
+    chat_template_jinja: str | None = Field(
+        None,
+        description="The Jinja text (or a file holding it) used when `chat_template: jinja` or "
+        "unset.",
+    )
+    attn_implementation: str | None = Field(
+        None,
+        description="Attention kernel passed to transformers: eager, sdpa, flex_attention, "
+        "flash_attention_2, ..., or varlen_attention (shardforge's: torch's variable-length "
+        "attention, GPU, bf16/fp16) (null: the transformers default). With sample_packing, "
+        "sdpa switches to one without a dense mask where one runs (docs/train.md). Axolotl's "
+        "flash_attention / sdp_attention / eager_attention / flex_attention flags set it.",
+    )
+    special_tokens: dict[str, str] | None = Field(
+        None,
+        description="Tokenizer special tokens to set, e.g. {pad_token: '<|pad|>', eos_token: "
+        "'<|im_end|>'}; new ones are added to the vocabulary (embeddings resized before "
+        "sharding) and saved with the tokenizer.",
+    )
+    tokens: list[str] | None = Field(
+        None,
+        description="Extra tokens added to the tokenizer's vocabulary (embeddings resized "
+        "before sharding).",
+    )
+    eot_tokens: list[str] | None = Field(
+        None,
+        description="End-of-turn tokens of the chat template: each must be a single token; in "
+        "trained turns they are trained on (added as special tokens when missing).",
+    )
+    output_dir: str = Field(
+        "./model-out",
+        description="Where training writes checkpoints; where the merge looks for them.",
+    )
+    storage_options: dict[str, Any] | None = Field(
+        None,
+        description="Options of the object store for s3:// paths (output_dir, --checkpoint, "
+        "--output_path): s3fs keywords such as endpoint_url, key, secret, client_kwargs; what "
+        "is not set comes from the AWS environment variables (AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL). Secrets are never shown: a dump of the "
+        "config (validate, tracking) has *** in their place; prefer the environment for them.",
+    )
+    seed: int = Field(42, description="Random seed for model init, data order and dropout.")
+
+    @field_serializer("storage_options")
+    def _secrets_hidden(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A dump (validate, tracking, a saved config) never holds a secret."""
+        if value is None:
+            return None
+        return {k: "***" if k in STORAGE_SECRET_KEYS and v else v for k, v in value.items()}

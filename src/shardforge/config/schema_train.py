@@ -1,0 +1,213 @@
+"""The training-run keys: precision, speed, checkpoints, evaluation and tracking."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from shardforge.config.schema_data import DatasetConfig
+from shardforge.config.view import ConfigView
+
+# what a value of 1 or more must be instead (below 1 it is a fraction), per key
+_WHOLE_OR_FRACTION = {
+    "val_set_size": "a fraction below 1 (0.05) nor a whole number of samples (200)",
+    "eval_steps": "a number of steps (50) nor a fraction of all steps below 1 (0.1)",
+}
+
+
+class PrecisionKeys(ConfigView):
+    """Precision and speed."""
+
+    # -- precision -------------------------------------------------------------------------------
+    bf16: bool | Literal["auto"] = Field(
+        False, description="Train in bfloat16 mixed precision (`auto`: when the GPU supports it)."
+    )
+    fp16: bool = Field(False, description="Train in float16 mixed precision.")
+    tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere+ GPUs.")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in backward (same as fsdp.activation_checkpointing).",
+    )
+
+    # -- speed -----------------------------------------------------------------------------------
+    torch_compile: bool | Literal["auto"] = Field(
+        False,
+        description="Compile each transformer block in place with torch.compile (after "
+        "activation checkpointing, before FSDP2 shards it); the first step compiles, later "
+        "steps reuse the graphs. `auto`: on (as Axolotl with torch >= 2.5.1).",
+    )
+    torch_compile_backend: str | None = Field(
+        None, description="torch.compile backend (null: inductor; aot_eager, eager, ...)."
+    )
+    torch_compile_mode: Literal["default", "reduce-overhead", "max-autotune"] | None = Field(
+        None,
+        description="torch.compile mode (null: default). Exclusive with torch_compile_options.",
+    )
+    torch_compile_options: dict[str, bool | int | float | str] | None = Field(
+        None,
+        description="torch.compile backend options (inductor's config keys, e.g. "
+        "{max_autotune: true}). Exclusive with torch_compile_mode.",
+    )
+    chunked_cross_entropy: bool | None = Field(
+        None,
+        description="The loss computes the output head and the cross-entropy over chunks of "
+        "the sequence (each chunk's logits recomputed in backward), so the full logits "
+        "(tokens x vocabulary, float32) never exist at once; same loss and gradients. null: "
+        "on where exact (the model's forward ends in `logits = lm_head(hidden_states)`, no "
+        "soft-capping or scaling after it), else the plain loss; true: on, refused where not "
+        "exact; false: the plain loss.",
+    )
+    chunked_cross_entropy_num_chunks: int | None = Field(
+        None, gt=0, description="Chunks of the sequence the chunked loss uses (null: 8)."
+    )
+
+
+class CheckpointKeys(ConfigView):
+    """When and how the run saves."""
+
+    # -- checkpoints and logging -----------------------------------------------------------------
+    save_steps: int | None = Field(
+        None, gt=0, description="Save a checkpoint every N optimizer steps (and always at the end)."
+    )
+    saves_per_epoch: int | None = Field(
+        None,
+        gt=0,
+        description="Save this many checkpoints per epoch (evenly spaced; sets the save "
+        "interval from the number of steps per epoch). Exclusive with save_steps.",
+    )
+    save_strategy: Literal["no", "steps", "epoch", "best"] | None = Field(
+        None,
+        description="`no`: the run saves nothing, neither checkpoints nor the final model or "
+        "adapter (a benchmark or a throwaway run; metrics are still written). `epoch`: a "
+        "checkpoint at the end of each epoch (saves_per_epoch: 1). `steps` or null: as "
+        "save_steps / saves_per_epoch say (and always at the end). `best` is not supported.",
+    )
+    save_total_limit: int | None = Field(
+        None, gt=0, description="Keep at most this many checkpoints; older ones are deleted."
+    )
+    logging_steps: int = Field(1, gt=0, description="Log loss, lr, grad norm every N steps.")
+    resume_from_checkpoint: str | None = Field(
+        None,
+        description="`auto` resumes from the latest complete checkpoint in output_dir; a path "
+        "resumes from that checkpoint.",
+    )
+    take_over_lock: bool = Field(
+        False,
+        description="Take over output_dir's lock file (output_dir/.shardforge.lock) when it "
+        "names a run on another host that no longer runs (shardforge cannot tell from here). "
+        "One run at a time writes an output_dir: a second is refused, naming the first; the "
+        "lock of a run of this host that has ended is taken over with a notice.",
+    )
+
+
+class EvalKeys(ConfigView):
+    """Evaluation and tracking."""
+
+    # -- evaluation and tracking -----------------------------------------------------------------
+    val_set_size: float = Field(
+        0.0,
+        ge=0,
+        description="Hold out part of the training samples for evaluation: a fraction below 1 "
+        "(0.05: 5%, rounded up) or a whole number of samples (200). Chosen by `seed`, before "
+        "packing; the same split at any world size. 0: none. Exclusive with test_datasets.",
+    )
+    test_datasets: list[DatasetConfig] = Field(
+        default_factory=list,
+        description="Evaluation data sets (entries like `datasets`). Exclusive with val_set_size.",
+    )
+    eval_steps: float | None = Field(
+        None,
+        gt=0,
+        description="Evaluate every N optimizer steps (a value below 1: every ceil(value x "
+        "total steps)), and before the first step. With evaluation data, training always "
+        "ends with an evaluation. Exclusive with evals_per_epoch.",
+    )
+    evals_per_epoch: int | None = Field(
+        None,
+        ge=0,
+        description="Evaluate this many times per epoch (every max(1, steps_per_epoch // N) "
+        "steps), and before the first step. 0 or null: only at the end. Exclusive with "
+        "eval_steps.",
+    )
+    eval_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Evaluation sequences per rank per forward pass (default: "
+        "micro_batch_size). Does not change the eval loss beyond float rounding.",
+    )
+    eval_sequence_len: int | None = Field(
+        None, gt=0, description="Tokens per evaluation sequence (default: sequence_len)."
+    )
+    eval_sample_packing: bool | None = Field(
+        None,
+        description="Pack the evaluation samples into eval_sequence_len windows (default: "
+        "as sample_packing).",
+    )
+    use_tensorboard: bool = Field(
+        False,
+        description="Write TensorBoard event files (rank 0) to output_dir/runs (or "
+        "$TENSORBOARD_LOGGING_DIR). Needs `pip install 'shardforge[tracking]'`.",
+    )
+    wandb_project: str | None = Field(
+        None,
+        description="Log to Weights & Biases under this project (rank 0; W&B is on when this "
+        "is set). Needs `pip install 'shardforge[tracking]'`.",
+    )
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user).")
+    wandb_name: str | None = Field(None, description="W&B run name (display name).")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None,
+        description="W&B mode: online, offline (no network: the run is kept under "
+        "output_dir/wandb, or $WANDB_DIR, for `wandb sync`), disabled. null: W&B's default "
+        "($WANDB_MODE, else online).",
+    )
+    wandb_run_id: str | None = Field(
+        None,
+        description="W&B run id. Default: a new id, kept in output_dir/tracking.json so a "
+        "resumed run continues the same W&B run.",
+    )
+    fsdp_diagnostics: bool = Field(
+        False,
+        description="Also log per-phase peak memory (after forward, after backward, after the "
+        "optimizer step) for the first fsdp_diagnostics_steps steps. The sharding summary is "
+        "logged at every start.",
+    )
+    fsdp_diagnostics_steps: int = Field(
+        3, gt=0, description="Steps whose per-phase memory fsdp_diagnostics logs."
+    )
+
+    @field_validator("val_set_size", "eval_steps")
+    @classmethod
+    def _whole_or_fraction(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and value >= 1 and not float(value).is_integer():
+            raise ValueError(f"{value} is neither {_WHOLE_OR_FRACTION[str(info.field_name)]}")
+        return value
+
+
+class SaveExtrasKeys(ConfigView):
+    """Async saves and merges on save."""
+
+    # -- packing, async saves, merge on save ------------------------------------------------------
+    async_save: bool = Field(
+        False,
+        description="Write checkpoints in the background (torch.distributed.checkpoint."
+        "async_save): the shards are copied to CPU memory, then training continues while "
+        "they are written; the checkpoint is renamed complete once written. At most one save "
+        "in flight (the next save and the end of training wait for it). Needs CPU memory for "
+        "one more copy of each rank's model and optimizer shards.",
+    )
+    merge_on_save: bool | Literal["final"] = Field(
+        False,
+        description="Merge each new checkpoint (true) or only the final one (`final`) into "
+        "output_dir/merged/checkpoint-<step> with merge-sharded-fsdp-weights (a LoRA run: the "
+        "PEFT adapter directory), in a separate low-priority process on rank 0 while training "
+        "continues. A failed merge is logged and does not stop training; the run ends when "
+        "its merges have finished.",
+    )
+    merge_on_save_max_running: int = Field(
+        1,
+        gt=0,
+        description="Most merge_on_save merges running at once; later checkpoints wait in a "
+        "queue (and are not pruned by save_total_limit until merged).",
+    )
