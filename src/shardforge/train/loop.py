@@ -334,7 +334,7 @@ class Trainer:
         """The sharded model with its weights (and LoRA); rank 0 writes the run's config and
         tokenizer into output_dir."""
         cfg, rt = self.cfg, self.rt
-        model = build_meta_model(cfg, self.model_config)
+        model = build_meta_model(cfg, self.model_config, announce=rt.is_main)
         check_packing(cfg, model)  # sample_packing needs attention that keeps samples apart
         use_packed_attention(model, cfg, rt.device, rt.is_main)  # packed: no dense mask
         weights = prepare_lora(model, cfg, rt.is_main) if cfg.adapter else None
