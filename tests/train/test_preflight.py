@@ -224,7 +224,9 @@ def test_an_attention_that_cannot_run_here_is_replaced_with_a_notice(
         model = build_meta_model(cfg, announce=True)
     assert model.config._attn_implementation == "sdpa"
     notices = [r.getMessage() for r in caplog.records]
-    assert notices == [f"notice: attn_implementation: {impl} {why}; sdpa runs instead (same attention)"]
+    assert notices == [
+        f"notice: attn_implementation: {impl} {why}; sdpa runs instead (same attention)"
+    ]
 
 
 def test_an_attention_the_model_lacks_is_replaced_by_one_it_has(tmp_path: Path) -> None:

@@ -104,12 +104,13 @@ def loaded_state_dict(
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     prefix = getattr(model, "base_model_prefix", None) or None
+    known = dict(expected)
     out: dict[str, torch.Tensor] = {}
     groups: dict[str, Any] = {}
     for key in sorted(stored, key=dot_natural_key):
-        name, pattern = rename_source_key(key, renamings, converters, prefix, expected)
+        name, pattern = rename_source_key(key, renamings, converters, prefix, known)
         if name not in expected and key in expected:  # as from_pretrained: only the prefix
-            name, pattern = rename_source_key(key, [], [], prefix, expected)
+            name, pattern = rename_source_key(key, [], [], prefix, known)
         if name not in expected:
             continue
         if pattern is None:

@@ -110,14 +110,14 @@ def _attention_missing(impl: str, cls: Any) -> str | None:
     """Why `impl` cannot run for model class `cls` here (None: it can)."""
     import importlib.util
 
-    from shardforge.train.attention import flash_attn_installed
+    from transformers.utils import is_flash_attn_2_available
 
     cuda = torch.cuda.is_available()
     flags = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
     if impl.startswith("flash_attention"):
         if not getattr(cls, "_supports_flash_attn", False):
             return f"is not supported by {cls.__name__}"
-        if not (cuda and flash_attn_installed()):
+        if not (cuda and is_flash_attn_2_available()):
             return "needs a CUDA GPU and the flash-attn package"
     elif impl in flags and not getattr(cls, flags[impl], False):
         return f"is not supported by {cls.__name__}"

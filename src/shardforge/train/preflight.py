@@ -16,6 +16,7 @@ from shardforge.errors import ConfigError, ShardforgeError, StorageError
 from shardforge.io.remote import is_remote
 from shardforge.train import checkpointing as ckpt
 from shardforge.train.eval import check_eval
+from shardforge.train.kernels import plan as kernel_plan
 from shardforge.train.loss import loss_chunks
 from shardforge.train.model import (
     WEIGHT_FILES,
@@ -67,6 +68,7 @@ def check_model(cfg: ShardforgeConfig) -> list[Problem]:
         wrap_classes(model, cfg.fsdp.transformer_layer_cls_to_wrap)
         check_packing(cfg, model)
         loss_chunks(cfg, model)  # chunked_cross_entropy: true needs a model it is exact for
+        kernel_plan(cfg)  # plugins: one fused loss at most
     except ConfigError as exc:
         return _problems_of(exc)
     max_pos = getattr(model_config, "max_position_embeddings", None)
