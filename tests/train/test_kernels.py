@@ -34,8 +34,9 @@ def _cfg(**extra: Any) -> Any:
 
 
 def _model() -> Any:
-    from helpers.tiny import make_config
     from transformers import AutoModelForCausalLM
+
+    from helpers.tiny import make_config
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(make_config("llama", num_hidden_layers=1))
