@@ -165,7 +165,8 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "cpo_alpha": _u(_RL),
     "curriculum_sampling": _u("sequential (curriculum) sampling"),
     "cut_cross_entropy": _i(
-        "with CutCrossEntropyPlugin: cce on CUDA, else the chunked cross-entropy (one notice)"
+        "with CutCrossEntropyPlugin: cce on CUDA, else the chunked cross-entropy (one notice)",
+        default=False,
     ),
     "cut_cross_entropy_accum_c_fp32": _u("Cut Cross Entropy (plugin)"),
     "cut_cross_entropy_c_grad_chunk_size": _u("Cut Cross Entropy (plugin)"),
