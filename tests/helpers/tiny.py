@@ -122,6 +122,40 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
 }
+_SMALL: dict[str, Any] = {**TINY_CONFIGS["llama"], "head_dim": 16}
+# more families, for the mixture-of-experts base models (saved per expert, fused at load) and
+# the Axolotl example configs of tests/config/axolotl_corpus
+TINY_CONFIGS.update(
+    {
+        "mistral": _SMALL,
+        "qwen3": {**_SMALL, "tie_word_embeddings": True},
+        "phi3": _SMALL,
+        "gemma3_text": {**_SMALL, "sliding_window": 16, "tie_word_embeddings": True},
+        "mixtral": {**_SMALL, "num_local_experts": 4, "num_experts_per_tok": 2},
+        "qwen3_moe": {
+            **_SMALL,
+            "moe_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+        "deepseek_v2": {
+            **_SMALL,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "kv_lora_rank": 16,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    }
+)
+MOE_TYPES = ("mixtral", "qwen3_moe", "deepseek_v2")
 
 
 def make_config(model_type: str = "llama", vocab_size: int = 320, **overrides: Any) -> Any:

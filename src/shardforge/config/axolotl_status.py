@@ -88,6 +88,10 @@ _LORA = "LoRA/QLoRA adapters"
 _RL = "reinforcement learning (DPO/KTO/ORPO/GRPO)"
 _REWARD = "reward model training"
 _LIGER = "Liger kernels"
+_LIGER_ON = (
+    "with LigerPlugin: liger-kernel on CUDA, else the model's own modules (one notice); the "
+    "fused loss: else the chunked cross-entropy"
+)
 _DEEPSPEED = "DeepSpeed (shardforge uses FSDP2)"
 _MOE_PLUGIN = "MoE kernels and quantization (plugin)"
 _EXPERT_PARALLEL = "expert parallelism (plugin)"
@@ -160,7 +164,10 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "cosine_min_lr_ratio": _u(_LR_EXTRAS),
     "cpo_alpha": _u(_RL),
     "curriculum_sampling": _u("sequential (curriculum) sampling"),
-    "cut_cross_entropy": _u("Cut Cross Entropy (plugin)", default=False),
+    "cut_cross_entropy": _i(
+        "with CutCrossEntropyPlugin: cce on CUDA, else the chunked cross-entropy (one notice)",
+        default=False,
+    ),
     "cut_cross_entropy_accum_c_fp32": _u("Cut Cross Entropy (plugin)"),
     "cut_cross_entropy_c_grad_chunk_size": _u("Cut Cross Entropy (plugin)"),
     "dataloader_drop_last": _u("dropping the last partial batch"),
@@ -344,15 +351,15 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "large_head_attention": _u("large-head attention kernels"),
     "layer_offloading": _g(_MEMORY),
     "learning_rate": _i(),
-    "liger_cross_entropy": _u(_LIGER),
-    "liger_fused_linear_cross_entropy": _u(_LIGER),
-    "liger_glu_activation": _u(_LIGER),
+    "liger_cross_entropy": _i(_LIGER_ON),
+    "liger_fused_linear_cross_entropy": _i(_LIGER_ON),
+    "liger_glu_activation": _i(_LIGER_ON),
     "liger_kernel_impl": _u(_LIGER),
-    "liger_layer_norm": _u(_LIGER),
-    "liger_rms_norm": _u(_LIGER),
+    "liger_layer_norm": _i(_LIGER_ON),
+    "liger_rms_norm": _i(_LIGER_ON),
     "liger_rms_norm_gated": _u(_LIGER),
-    "liger_rope": _u(_LIGER),
-    "liger_swiglu": _u(_LIGER),
+    "liger_rope": _i(_LIGER_ON),
+    "liger_swiglu": _i(_LIGER_ON),
     "liger_use_token_scaling": _u(_LIGER),
     "lisa_layers_attribute": _u("LISA layer sampling"),
     "lisa_n_layers": _u("LISA layer sampling"),
@@ -474,7 +481,10 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "peft_use_dora": _i("DoRA adapters", refused=(True,)),
     "peft_use_rslora": _i(),
     "ple_cpu_offload": _g(_MEMORY),
-    "plugins": _u("Axolotl plugins"),
+    "plugins": _i(
+        "LigerPlugin, CutCrossEntropyPlugin, KernelsPlugin (their kernels on CUDA with their "
+        "package, else the same math and one notice); any other plugin is refused"
+    ),
     "pose_max_context_len": _u("PoSE context extension"),
     "pose_num_chunks": _u("PoSE context extension"),
     "pose_split_on_token_ids": _u("PoSE context extension"),
@@ -618,7 +628,10 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "use_dsv4_kernels": _u(_MOE_PLUGIN),
     "use_eaft": _u("entropy-aware focal training loss (EAFT)"),
     "use_glm_dsa_kernels": _u(_MOE_PLUGIN),
-    "use_kernels": _u("hub kernels (e.g. MegaBlocks)"),
+    "use_kernels": _i(
+        "transformers' set_use_kernels on CUDA with the kernels package, else the model's own "
+        "modules (one notice)"
+    ),
     "use_mlflow": _g(_TRACKING),
     "use_onebitllms": _u("1.58-bit (BitNet) training"),
     "use_otel_metrics": _g(_TRACKING),

@@ -16,6 +16,15 @@ _WHOLE_OR_FRACTION = {
 }
 
 
+# Axolotl's plugins that shardforge runs: name -> what it brings (train.kernels applies them)
+PLUGINS = {
+    "axolotl.integrations.liger.LigerPlugin": "Liger kernels (the liger_* keys)",
+    "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin": "Cut Cross Entropy",
+    "axolotl.integrations.kernels.KernelsPlugin": "hub kernels (use_kernels)",
+}
+_LIGER_HELP = " (LigerPlugin; on CUDA with liger-kernel, else the model's own math, one notice)"
+
+
 class PrecisionKeys(ConfigView):
     """Precision and speed."""
 
@@ -61,6 +70,55 @@ class PrecisionKeys(ConfigView):
     chunked_cross_entropy_num_chunks: int | None = Field(
         None, gt=0, description="Chunks of the sequence the chunked loss uses (null: 8)."
     )
+
+    # -- kernels (Axolotl's plugins) ---------------------------------------------------------------
+    plugins: list[str] | None = Field(
+        None,
+        description="Axolotl plugins: axolotl.integrations.liger.LigerPlugin, "
+        "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin, "
+        "axolotl.integrations.kernels.KernelsPlugin. Their kernels run on CUDA with their "
+        "package (the `kernels` extra); elsewhere the run goes on with the same math and one "
+        "notice naming what runs instead. Any other plugin is refused.",
+    )
+    liger_rope: bool | None = Field(None, description="Liger's rotary embedding" + _LIGER_HELP)
+    liger_rms_norm: bool | None = Field(None, description="Liger's RMSNorm" + _LIGER_HELP)
+    liger_layer_norm: bool | None = Field(None, description="Liger's LayerNorm" + _LIGER_HELP)
+    liger_glu_activation: bool | None = Field(
+        None, description="Liger's SwiGLU / GeGLU MLP" + _LIGER_HELP
+    )
+    liger_swiglu: bool | None = Field(
+        None, description="Older name of liger_glu_activation" + _LIGER_HELP
+    )
+    liger_cross_entropy: bool | None = Field(
+        None, description="Liger's cross-entropy over the logits" + _LIGER_HELP
+    )
+    liger_fused_linear_cross_entropy: bool | None = Field(
+        None,
+        description="Liger's fused output head + cross-entropy (no full logits); elsewhere "
+        "the chunked cross-entropy, which has the same aim" + _LIGER_HELP,
+    )
+    cut_cross_entropy: bool | None = Field(
+        None,
+        description="Cut Cross Entropy's fused output head + cross-entropy "
+        "(CutCrossEntropyPlugin; null: on with the plugin). On CUDA with cut-cross-entropy; "
+        "elsewhere the chunked cross-entropy, which has the same aim, with one notice.",
+    )
+    use_kernels: bool | None = Field(
+        None,
+        description="transformers' hub kernels (`set_use_kernels`; KernelsPlugin): on CUDA with "
+        "the kernels package and the kernels in the local hub cache; elsewhere the model's "
+        "own modules, with one notice.",
+    )
+
+    @field_validator("plugins")
+    @classmethod
+    def _known_plugins(cls, value: list[str] | None) -> list[str] | None:
+        unknown = [p for p in value or [] if p not in PLUGINS]
+        if unknown:
+            raise ValueError(
+                f"unknown plugin {', '.join(unknown)}; shardforge runs {', '.join(PLUGINS)}"
+            )
+        return value
 
 
 class CheckpointKeys(ConfigView):

@@ -80,6 +80,50 @@ def _conversions(model: Any) -> list[Any] | None:
     return list(found) or None
 
 
+def loaded_state_dict(
+    model: Any, stored: Mapping[str, torch.Tensor], expected: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The tensors of a saved model as ``from_pretrained`` puts them into `model`: its load-time
+    conversions applied (renamed modules, per-expert weights fused into ``gate_up_proj`` /
+    ``down_proj``, the base model prefix added or dropped), with transformers' own renaming and
+    converters (``rename_source_key``, each group run by its ``WeightConverter``). Keyed like
+    `expected` (the model's state-dict names); a stored tensor that lands on no expected name
+    is left out, as ``from_pretrained`` leaves it."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
+    except ImportError:  # transformers 4.x: the stored names are the in-memory names
+        return {k: v for k, v in stored.items() if k in expected}
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    prefix = getattr(model, "base_model_prefix", None) or None
+    known = dict(expected)
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, Any] = {}
+    for key in sorted(stored, key=dot_natural_key):
+        name, pattern = rename_source_key(key, renamings, converters, prefix, known)
+        if name not in expected and key in expected:  # as from_pretrained: only the prefix
+            name, pattern = rename_source_key(key, [], [], prefix, known)
+        if name not in expected:
+            continue
+        if pattern is None:
+            out[name] = stored[key]
+            continue
+        group = groups.setdefault(name, copy.deepcopy(by_pattern[pattern]))
+        group.add_tensor(name, key, pattern, stored[key])
+    for first, group in groups.items():
+        for name, value in group.convert(first, model=model, config=model.config).items():
+            out[name] = (value[0] if isinstance(value, list) else value).contiguous()
+    return out
+
+
 @dataclass
 class _Pending:
     """One group while the state dict is sorted into groups."""

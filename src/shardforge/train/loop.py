@@ -39,6 +39,7 @@ from shardforge.train.data import GlobalOrder, load_tokenizer
 from shardforge.train.diagnostics import StepMemory, report_sharding
 from shardforge.train.eval import Evaluator
 from shardforge.train.full_save import save_full_model
+from shardforge.train.kernels import apply_kernels
 from shardforge.train.lora import prepare_lora, save_adapter
 from shardforge.train.loss import describe as describe_loss
 from shardforge.train.model import (
@@ -334,7 +335,8 @@ class Trainer:
         """The sharded model with its weights (and LoRA); rank 0 writes the run's config and
         tokenizer into output_dir."""
         cfg, rt = self.cfg, self.rt
-        model = build_meta_model(cfg, self.model_config)
+        model = build_meta_model(cfg, self.model_config, announce=rt.is_main)
+        apply_kernels(model, cfg, announce=rt.is_main)  # plugins: Liger, Cut Cross Entropy, ...
         check_packing(cfg, model)  # sample_packing needs attention that keeps samples apart
         use_packed_attention(model, cfg, rt.device, rt.is_main)  # packed: no dense mask
         weights = prepare_lora(model, cfg, rt.is_main) if cfg.adapter else None

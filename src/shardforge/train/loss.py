@@ -5,6 +5,8 @@ full logits.
     token_losses(model, inputs, labels, chunks)    each token's loss, [batch, seq - 1] (0 where
                                                    the label is ignored), for evaluation
     loss_chunks(cfg, model)                        the chunks the loss of `model` uses (0: plain)
+    use_fused_loss(model, kernel)                  a kernel's fused head + loss instead (Liger,
+                                                   Cut Cross Entropy: train.kernels)
     not_exact(model)                               why chunking would change this model's loss
                                                    (None: it would not)
 
@@ -50,6 +52,9 @@ from shardforge.train.data import IGNORE_INDEX
 DEFAULT_CHUNKS = 8  # Axolotl's chunked_cross_entropy_num_chunks default
 
 Head = Callable[[torch.Tensor], torch.Tensor]
+# a kernel's fused head + loss: (hidden [n, dim], head weight [vocab, dim], targets [n]) -> sum
+FusedLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+_FUSED = "_shardforge_fused_loss"
 
 # what a forward may do between the decoder's output and the head (transformers' causal LMs)
 _HIDDEN = re.compile(r"^hidden_states = (\w+)(\.last_hidden_state|\[0\])$")
@@ -92,6 +97,8 @@ def loss_chunks(cfg: ShardforgeConfig, model: nn.Module) -> int:
 
 def describe(cfg: ShardforgeConfig, model: nn.Module) -> str:
     """The loss `model` trains with, for the log."""
+    if _FUSED in model.__dict__:
+        return "loss: the kernel's fused output head + cross-entropy (plugins; no full logits)"
     chunks = loss_chunks(cfg, model)
     if chunks:
         return f"loss: chunked cross-entropy ({chunks} chunks of the sequence; no full logits)"
@@ -165,6 +172,11 @@ def token_loss_sum(
 ) -> torch.Tensor:
     """The sum of the token losses of a batch (float32): token t predicts labels[:, t + 1];
     IGNORE_INDEX labels count nothing. `chunks` > 0: without the full logits."""
+    fused = model.__dict__.get(_FUSED)
+    if fused is not None:  # a kernel's (train.kernels), in the head's place as the chunks are
+        with _head_replaced(model, functools.partial(_fused, labels=labels, loss=fused)):
+            summed: torch.Tensor = model(**inputs).logits
+        return summed.float()
     if chunks <= 0:
         logits = model(**inputs).logits
         return _cross_entropy(logits[:, :-1], labels[:, 1:], "sum")
@@ -217,6 +229,20 @@ def _chunked(
     if reduction == "sum":
         return torch.stack(parts).sum()
     return torch.cat(parts, dim=1)
+
+
+def use_fused_loss(model: nn.Module, loss: FusedLoss) -> None:
+    """Train `model` with a kernel's fused head + loss (Liger's, Cut Cross Entropy's) in place
+    of the chunked loss; evaluation keeps the chunked per-token losses (the same values)."""
+    model.__dict__[_FUSED] = loss
+
+
+def _fused(head: Head, hidden: torch.Tensor, *, labels: torch.Tensor, loss: FusedLoss) -> Any:
+    """The summed loss of the final hidden states through the head's own weight (gathered by
+    FSDP2 for this forward), by the kernel."""
+    weight = head.__self__.weight  # type: ignore[attr-defined]
+    targets = labels.to(hidden.device)[:, 1:].reshape(-1)
+    return loss(hidden[:, :-1].reshape(-1, hidden.shape[-1]), weight, targets)
 
 
 def _chunk_loss(head: Head, hidden: torch.Tensor, targets: torch.Tensor, reduction: str) -> Any:

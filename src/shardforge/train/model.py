@@ -4,7 +4,8 @@ build_meta_model(cfg)        parameters on the meta device, buffers real (rotary
 wrap_classes(model, names)   the transformer block classes to shard one by one
 shard_model(model, cfg, ...) fully_shard per block and the root; mixed precision, offload;
                              activation checkpointing and torch_compile per block
-load_base_weights(model, ..) rank 0 reads the safetensors, FSDP scatters the slices
+load_base_weights(model, ..) rank 0 reads the safetensors (converted as from_pretrained
+                             converts them), FSDP scatters the slices
 """
 
 from __future__ import annotations
@@ -84,17 +85,67 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def build_meta_model(cfg: ShardforgeConfig, model_config: Any | None = None) -> nn.Module:
+def runnable_attention(impl: str | None, model_config: Any) -> tuple[str | None, str | None]:
+    """`impl`, or the implementation that runs in its place, and the notice saying so: one the
+    model class lacks (gpt-oss has no sdpa), or a GPU kernel without a GPU or its package
+    (flash_attention_2 without flash-attn, flex_attention without CUDA: torch has no CPU
+    backward for it, a hub kernel `org/name` without the kernels package), is replaced by sdpa
+    where the model has it, else eager: the same attention, computed another way."""
+    from transformers import AutoModelForCausalLM
+
+    if impl is None or impl == "eager":
+        return impl, None
+    try:
+        cls: Any = AutoModelForCausalLM._model_mapping[type(model_config)]
+    except KeyError:  # remote code: transformers decides
+        return impl, None
+    why = _attention_missing(impl, cls)
+    if why is None:
+        return impl, None
+    instead = "sdpa" if impl != "sdpa" and getattr(cls, "_supports_sdpa", False) else "eager"
+    return instead, f"attn_implementation: {impl} {why}; {instead} runs instead (same attention)"
+
+
+def _attention_missing(impl: str, cls: Any) -> str | None:
+    """Why `impl` cannot run for model class `cls` here (None: it can)."""
+    import importlib.util
+
+    from transformers.utils import is_flash_attn_2_available
+
+    cuda = torch.cuda.is_available()
+    flags = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
+    if impl.startswith("flash_attention"):
+        if not getattr(cls, "_supports_flash_attn", False):
+            return f"is not supported by {cls.__name__}"
+        if not (cuda and is_flash_attn_2_available()):
+            return "needs a CUDA GPU and the flash-attn package"
+    elif impl in flags and not getattr(cls, flags[impl], False):
+        return f"is not supported by {cls.__name__}"
+    elif impl == "flex_attention" and not cuda:
+        return "cannot train without a CUDA GPU (torch has no CPU backward for it)"
+    elif "/" in impl and not (cuda and importlib.util.find_spec("kernels")):
+        return "(a hub kernel) needs a CUDA GPU and the kernels package"
+    return None
+
+
+def build_meta_model(
+    cfg: ShardforgeConfig, model_config: Any | None = None, announce: bool = False
+) -> nn.Module:
     """The causal LM of `base_model` with all parameters on the meta device (no memory), in
     float32, built from a copy of `model_config`: transformers sets the dtype it builds in on
-    the config it is given, and the caller's keeps the base model's (the run's config.json)."""
+    the config it is given, and the caller's keeps the base model's (the run's config.json).
+    An attention implementation that cannot run here is replaced (`runnable_attention`; its
+    notice logged where `announce`)."""
     from transformers import AutoModelForCausalLM
 
     model_config = copy.deepcopy(model_config) if model_config is not None else None
     model_config = model_config if model_config is not None else load_model_config(cfg)
     extra: dict[str, Any] = {}
-    if cfg.attn_implementation is not None:
-        extra["attn_implementation"] = cfg.attn_implementation
+    impl, notice = runnable_attention(cfg.attn_implementation, model_config)
+    if impl is not None:
+        extra["attn_implementation"] = impl
+    if notice and announce:
+        log.warning("notice: %s", notice)
     try:
         with _parameters_on_meta():
             model = AutoModelForCausalLM.from_config(
@@ -203,6 +254,7 @@ def read_full_state_dict(base_model: str, model: nn.Module) -> dict[str, torch.T
     """The base weights as float32 tensors keyed like `model`'s state dict (rank 0 only)."""
     from safetensors.torch import load_file
 
+    from shardforge.keymap.conversion import loaded_state_dict
     from shardforge.keymap.keys import tied_pairs
     from shardforge.train.vocab import extend_rows
 
@@ -211,17 +263,18 @@ def read_full_state_dict(base_model: str, model: nn.Module) -> dict[str, torch.T
         from huggingface_hub import snapshot_download
 
         base = Path(snapshot_download(base_model, allow_patterns=["*.safetensors", "*.json"]))
-    expected = set(model.state_dict().keys())
-    out: dict[str, torch.Tensor] = {}
+    expected = dict.fromkeys(model.state_dict(), True)
+    stored: dict[str, torch.Tensor] = {}
     for file in _weight_files(base):
-        for key, tensor in load_file(str(file)).items():
-            if key in expected:
-                out[key] = tensor.to(torch.float32)
+        stored.update(load_file(str(file)))
+    # as from_pretrained loads them: transformers' conversions (per-expert MoE weights fused)
+    out = {k: v.to(torch.float32) for k, v in loaded_state_dict(model, stored, expected).items()}
+    del stored
     extend_rows(out, model)  # rows for tokens the config added (vocab.grow_vocab_size)
     for target, source in tied_pairs(model, model.config).items():
         if target not in out and source in out:  # stored once by save_pretrained
             out[target] = out[source]
-    missing = sorted(expected - set(out))
+    missing = sorted(set(expected) - set(out))
     if missing:
         raise ConfigError("base_model", [f"weights missing from {base}: {', '.join(missing[:5])}"])
     return out

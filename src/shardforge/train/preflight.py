@@ -16,6 +16,7 @@ from shardforge.errors import ConfigError, ShardforgeError, StorageError
 from shardforge.io.remote import is_remote
 from shardforge.train import checkpointing as ckpt
 from shardforge.train.eval import check_eval
+from shardforge.train.kernels import plan as kernel_plan
 from shardforge.train.loss import loss_chunks
 from shardforge.train.model import (
     WEIGHT_FILES,
@@ -67,6 +68,7 @@ def check_model(cfg: ShardforgeConfig) -> list[Problem]:
         wrap_classes(model, cfg.fsdp.transformer_layer_cls_to_wrap)
         check_packing(cfg, model)
         loss_chunks(cfg, model)  # chunked_cross_entropy: true needs a model it is exact for
+        kernel_plan(cfg)  # plugins: one fused loss at most
     except ConfigError as exc:
         return _problems_of(exc)
     max_pos = getattr(model_config, "max_position_embeddings", None)
@@ -165,10 +167,7 @@ def check_output(cfg: ShardforgeConfig) -> list[Problem]:
 
 
 def check_attention(cfg: ShardforgeConfig) -> list[Problem]:
-    """attn_implementation is one transformers knows, and flash and flex attention have a
-    GPU."""
-    import torch
-
+    """attn_implementation is one transformers knows."""
     impl = cfg.attn_implementation
     if impl is None:
         return []
@@ -180,24 +179,8 @@ def check_attention(cfg: ShardforgeConfig) -> list[Problem]:
                 f"unknown value {impl!r}; transformers accepts {', '.join(known)}",
             )
         ]
-    if impl.startswith("flash_attention") and not torch.cuda.is_available():
-        return [
-            (
-                "attn_implementation",
-                f"{impl} needs a CUDA GPU and the flash-attn package; use sdpa or eager",
-            )
-        ]
-    if impl == "flex_attention" and not torch.cuda.is_available():
-        # torch's flex_attention runs forward on CPU but has no CPU backward: the first
-        # backward of the first step would fail ("FlexAttention does not support backward on
-        # CPU")
-        return [
-            (
-                "attn_implementation",
-                "flex_attention cannot train without a CUDA GPU (torch has no CPU backward "
-                "for it); use sdpa or eager",
-            )
-        ]
+    # one that cannot run here (flash or flex without a GPU, one the model lacks) is replaced
+    # when the model is built, with a notice (train.model.runnable_attention)
     return []
 
 
