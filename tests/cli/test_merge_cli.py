@@ -116,6 +116,17 @@ def test_merges_and_prints_the_output(env: Path) -> None:
     assert (env / "out" / "tokenizer.json").is_file()
 
 
+def test_without_output_path_it_writes_output_dir_merged_as_axolotl(env: Path) -> None:
+    result = invoke(env)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == str(env / "run" / "merged")
+    assert "the default, as Axolotl" in result.stderr
+    assert (env / "run" / "merged" / "model.safetensors").is_file()
+    # a second merge to the same default asks for --overwrite, naming the folder
+    again = invoke(env)
+    assert again.exit_code != 0 and str(env / "run" / "merged") in again.stderr
+
+
 def test_config_overrides_after_the_config(env: Path, pristine: Path) -> None:
     result = invoke(env, "--output_path", str(env / "out"), "--base_model", str(pristine / "other"))
     assert result.exit_code != 0  # the override took effect: the architecture does not match
