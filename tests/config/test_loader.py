@@ -169,3 +169,12 @@ def test_object_storage_is_refused_where_a_local_path_is_read(tmp_path: Path) ->
     ], problems
     assert all("(copy it down first)" in p and "give a local" in p for p in problems)
     assert load_cfg(write(tmp_path, "base_model: m\noutput_dir: s3://runs/run-1\n")).output_dir
+
+
+def test_an_unquoted_save_strategy_no_is_no(tmp_path: Path) -> None:
+    """YAML 1.1 reads `no` as false; Axolotl's configs write `save_strategy: no` unquoted."""
+    path = tmp_path / "c.yml"
+    path.write_text("base_model: m\nsave_strategy: no\n")
+    assert load_cfg(path).save_strategy == "no"
+    path.write_text("base_model: m\nsave_strategy: steps\nsave_steps: 2\n")
+    assert load_cfg(path).save_strategy == "steps"

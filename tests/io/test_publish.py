@@ -174,7 +174,7 @@ def test_two_concurrent_merges_to_one_path(built: Built, tmp_path: Path) -> None
     assert [p.name for p in tmp_path.iterdir()] == ["merged"]
 
 
-@pytest.mark.parametrize("umask,mode", [(0o022, 0o755), (0o027, 0o750)])
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o755), (0o027, 0o750), (0o002, 0o775)])
 def test_merged_and_prepared_folders_follow_the_umask(
     umask: int, mode: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -208,3 +208,8 @@ def test_merged_and_prepared_folders_follow_the_umask(
     (folder,) = [p for p in prepared.iterdir() if p.is_dir()]
     for path in (merged, folder):
         assert stat.S_IMODE(path.stat().st_mode) == mode, path
+    # every file in them too, the weights (written by the merge's own copy) included
+    files = [p for p in (*merged.iterdir(), *folder.iterdir()) if p.is_file()]
+    assert merged / "model.safetensors" in files
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) == mode & 0o666, path

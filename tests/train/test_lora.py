@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,9 @@ from train_helpers import losses, read_metrics, shared_run, write_config
 
 from helpers.tiny import make_model
 from shardforge.formats.dcp.metadata import read_metadata
+from shardforge.io.publish import current_umask
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 RTOL = 1e-6  # 1 vs 2 ranks, resumed vs uninterrupted, fp32 (see test_loop.py)
 
@@ -122,6 +126,9 @@ def test_the_exported_adapter_gives_the_trained_logits(
     base = AutoModelForCausalLM.from_pretrained(run.cfg["base_model"])
     loaded = PeftModel.from_pretrained(base, run.two).eval()
     config = json.loads((run.two / "adapter_config.json").read_text())
+    # the weights follow the umask as the config beside them does (save_file makes rw-------)
+    modes = {stat.S_IMODE((run.two / f).stat().st_mode) for f in ADAPTER_FILES}
+    assert modes == {0o666 & ~current_umask()}, modes
     assert config["r"] == 4 and config["lora_alpha"] == 8 and config["peft_type"] == "LORA"
     ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

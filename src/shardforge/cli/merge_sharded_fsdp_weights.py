@@ -6,6 +6,7 @@ point); they import the merge (and torch) only when called."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,12 @@ from shardforge.cli._common import (
 from shardforge.errors import CheckpointError
 from shardforge.merge.request import MergeRequest
 
+log = logging.getLogger("shardforge")
+
 EPILOG = """\b
 Examples:
   # latest complete checkpoint under the config's output_dir
+  shardforge merge-sharded-fsdp-weights examples/tiny-llama.yml    # to <output_dir>/merged
   shardforge merge-sharded-fsdp-weights examples/tiny-llama.yml --output_path outputs/merged
   # a given step, cast to bf16, verified, 5GB shards
   shardforge merge-sharded-fsdp-weights cfg.yml --output-path out --step 200 \\
@@ -76,10 +80,20 @@ def do_merge_sharded_fsdp_weights(
     from shardforge.merge.overlap import head_start
 
     cfg = load_config(config, override_args, "merge")
+    if output_path is None and options.get("output_format", "hf") == "hf":
+        output_path = default_output(cfg.output_dir)
     with head_start(cfg, output_path, options):
         from shardforge.merge.api import merge_fsdp_weights as merge
 
         return merge(cfg, output_path, **options)
+
+
+def default_output(output_dir: str) -> str:
+    """Where the command writes without --output_path: `<output_dir>/merged`, as Axolotl's
+    `merge-sharded-fsdp-weights` does (an s3:// output_dir: the prefix beside its steps)."""
+    out = f"{output_dir.rstrip('/')}/merged"
+    log.info("output: %s (the default, as Axolotl; --output_path to choose)", out)
+    return out
 
 
 def merge_fsdp_weights(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import click
@@ -29,7 +30,13 @@ def do_validate(
     train: every key, and Axolotl keys for features train lacks are errors; merge, merge-lora
     and inspect: only the keys that command reads (any Axolotl config passes).
     """
-    cfg = load_config(config, override_args, for_command)
+    logger = logging.getLogger("shardforge")
+    level = logger.level
+    logger.setLevel(min(logger.getEffectiveLevel(), logging.DEBUG))  # every notice: the verdict
+    try:
+        cfg = load_config(config, override_args, for_command)
+    finally:
+        logger.setLevel(level)
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 

@@ -26,7 +26,7 @@ from shardforge.config.axolotl_keys import AXOLOTL_VERSION
 from shardforge.config.chat_templates import template_problem
 from shardforge.config.dict_default import DictDefault, config_file
 from shardforge.config.errors import describe_validation_error
-from shardforge.config.normalize import normalize_axolotl
+from shardforge.config.normalize import Notice, how_read, normalize_axolotl
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
 
@@ -218,12 +218,14 @@ def _notices(found: Sorted, command: str, total: int) -> list[str]:
             return []
         others = "1 other key is" if unused == 1 else f"{unused} other keys are"
         return [
-            f"{command} uses {len(found.data)} of the config's {total} top-level keys "
-            f"({', '.join(found.data)}); {others} not used by this command"
+            how_read(
+                f"{command} uses {len(found.data)} of the config's {total} top-level keys "
+                f"({', '.join(found.data)}); {others} not used by this command"
+            )
         ]
     out: list[str] = []
     if found.renamed:
-        out.append(f"Axolotl keys read as shardforge's: {_listing(found.renamed)}")
+        out.append(how_read(f"Axolotl keys read as shardforge's: {_listing(found.renamed)}"))
     if found.ignored:
         out.append(
             f"{len(found.ignored)} key(s) cannot change the result here and are ignored: "
@@ -266,7 +268,7 @@ def _prepare(
         raise ValueError(f"command must be one of {', '.join(COMMANDS)}, got {command!r}")
     flat = _flatten(overrides)
     total = len(set(map(str, data)) | {k.split(".", 1)[0] for k in flat})
-    notices: list[str] = []
+    notices: list[Notice] = []
     problems: list[str] = []
     if command in SCOPED:
         normalized = dict(data)
@@ -280,10 +282,13 @@ def _prepare(
     if template and command == "train":
         problems.append(template)
     elif template and command == "all":
-        notices.append(f"{template} (train refuses it; the merge keeps the tokenizer's own)")
+        notices.append(
+            Notice(f"{template} (train refuses it; the merge keeps the tokenizer's own)")
+        )
     problems += [unsupported_problem(key, feature) for key, feature in found.unsupported]
     for notice in [*notices, *_notices(found, command, total)]:
-        log.warning("%s: notice: %s", source, notice)
+        level = logging.DEBUG if getattr(notice, "how_read", False) else logging.WARNING
+        log.log(level, "%s: notice: %s", source, notice)
     try:
         model = ShardforgeConfig.model_validate(found.data)
     except ValidationError as exc:

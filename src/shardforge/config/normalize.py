@@ -11,6 +11,21 @@ from typing import Any
 
 from shardforge.config.axolotl_status import FSDP_CONFIG_KEYS
 
+
+class Notice(str):
+    """A notice line; `how_read` for one that only says how a key was read (an Axolotl
+    spelling, a key FSDP2 makes moot, the keys a command leaves unread): what a normal config
+    does, so shown by `validate` and --debug rather than on every command."""
+
+    how_read: bool = False
+
+
+def how_read(text: str) -> Notice:
+    notice = Notice(text)
+    notice.how_read = True
+    return notice
+
+
 # FSDP1 `sharding_strategy` (fsdp_config) -> FSDP2 settings. FSDP2 has no NO_SHARD.
 SHARDING_STRATEGIES: dict[str, dict[str, Any]] = {
     "FULL_SHARD": {"reshard_after_forward": True},
@@ -63,10 +78,10 @@ def _strip_prefix(key: str) -> str:
     return key[len("fsdp_") :] if key.startswith("fsdp_") and key != "fsdp_version" else key
 
 
-def normalize_axolotl(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str]]:
+def normalize_axolotl(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Notice], list[str]]:
     """Return (config in shardforge spelling, notices, problems). Pure: `raw` is not modified."""
     data = dict(raw)
-    notices: list[str] = []
+    notices: list[Notice] = []
     problems: list[str] = []
     fsdp_value = data.get("fsdp")
     fsdp_config = data.pop("fsdp_config", None)
@@ -86,7 +101,7 @@ def normalize_axolotl(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str], l
                 problems.append(f"fsdp: unknown option {option!r} (known: {known})")
             else:
                 block.update(mapped)
-        notices.append(f"fsdp: {fsdp_value} (Axolotl list form) read as an fsdp block")
+        notices.append(how_read(f"fsdp: {fsdp_value} (Axolotl list form) read as an fsdp block"))
     elif isinstance(fsdp_value, dict):
         block.update(fsdp_value)
 
@@ -104,12 +119,13 @@ def normalize_axolotl(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str], l
                     problems.append(problem)
                 else:
                     block.update(settings or {})
-                    notices.append(f"{key}: {value} read as {settings}")
+                    notices.append(how_read(f"{key}: {value} read as {settings}"))
                 continue
             block[name] = value
-        notices.append("fsdp_config (Axolotl spelling) read as the fsdp block")
+        notices.append(how_read("fsdp_config (Axolotl spelling) read as the fsdp block"))
         if dropped:
-            notices.append(f"fsdp_config keys ignored under FSDP2: {', '.join(sorted(dropped))}")
+            moot = f"fsdp_config keys ignored under FSDP2: {', '.join(sorted(dropped))}"
+            notices.append(how_read(moot))
     elif fsdp_config is not None:
         problems.append(f"fsdp_config: expected a mapping, got {fsdp_config!r}")
     if top_version is not None:

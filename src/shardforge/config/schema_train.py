@@ -158,6 +158,12 @@ class CheckpointKeys(ConfigView):
         "lock of a run of this host that has ended is taken over with a notice.",
     )
 
+    @field_validator("save_strategy", mode="before")
+    @classmethod
+    def _unquoted_no(cls, value: object) -> object:
+        """YAML reads an unquoted `no` as false: `save_strategy: no` means "no"."""
+        return "no" if value is False else value
+
 
 class EvalKeys(ConfigView):
     """Evaluation and tracking."""

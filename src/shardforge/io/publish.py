@@ -369,6 +369,12 @@ def current_umask() -> int:
     return mask
 
 
+def follow_umask(path: Path) -> None:
+    """The mode open() gives a new file under the umask, for a file written by a library that
+    creates it private (safetensors' `save_file`: rw-------)."""
+    os.chmod(path, 0o666 & ~current_umask())
+
+
 def _as_umask_allows(tmp: Path) -> None:
     """The mode a directory made with mkdir would have: the temporary sibling is private
     (mkdtemp: 0o700) while it is written; the published folder follows the umask."""
@@ -410,6 +416,7 @@ def atomic_file(out: Path, overwrite: bool = False) -> Iterator[Path]:
         with _output_errors(out, tmp):
             yield tmp
             check_pins()  # every input still the version read (io.pins)
+            follow_umask(tmp / out.name)
             fsync_file(tmp / out.name)
             _publish_file(tmp / out.name, out, overwrite)
             fsync_dir(out.parent)

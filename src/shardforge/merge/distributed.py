@@ -116,7 +116,7 @@ def owner(
 def create_files(plan: OutputPlan, directory: Path) -> None:
     """Rank 0: every planned file at its full size with its header."""
     for pf in plan.files:
-        fd = os.open(directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             os.ftruncate(fd, pf.size)
             pwrite_all(fd, memoryview(pf.header), 0)

@@ -319,7 +319,7 @@ class EarlyCopy:
         hashed from their source once the merge has written what lies before them."""
         assert self.directory is not None
         copied: dict[str, list[FileSlab]] = {}
-        fd = os.open(self.directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(self.directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         h = FileHash() if self.hashes is not None else None
         try:
             preallocate(fd, pf.size)

@@ -61,8 +61,9 @@ class MergeRequest:
 
     output_path: Path | None = optional(
         "Directory (--format hf) or file (--format safetensors/torch) to create, written as a "
-        "temporary sibling and renamed when complete; required except with --format torch "
-        "(default <model dir>.consolidated). An s3://BUCKET/PREFIX (--format hf) is uploaded "
+        "temporary sibling and renamed when complete (default: <output_dir>/merged for "
+        "--format hf, as Axolotl; <model dir>.consolidated for --format torch; required "
+        "for --format safetensors and in Python). An s3://BUCKET/PREFIX (--format hf) is uploaded "
         "there, the index last (credentials: the AWS variables or the config's "
         "storage_options).",
         metavar="PATH",

@@ -56,7 +56,7 @@ def write_plan(
                 if hashes is not None:
                     hashes[pf.name] = journal.digest(pf.name)
                 continue
-            fd = os.open(directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             try:
                 preallocate(fd, pf.size)
                 h = None if hashes is None else FileHash()

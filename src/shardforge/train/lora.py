@@ -37,6 +37,7 @@ from shardforge.config.peft import (
 )
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
+from shardforge.io.publish import follow_umask
 
 log = logging.getLogger("shardforge")
 
@@ -207,6 +208,7 @@ def save_adapter(output_dir: Path, model: nn.Module, cfg: ShardforgeConfig) -> N
     config = adapter_config_json(_peft_config(model, cfg))
     tmp = output_dir / f".{ADAPTER_WEIGHTS}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    follow_umask(tmp)  # save_file makes it rw-------
     os.replace(tmp, output_dir / ADAPTER_WEIGHTS)
     tmp_config = output_dir / f".{ADAPTER_CONFIG}.tmp"
     tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True))
