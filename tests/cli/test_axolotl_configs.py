@@ -14,12 +14,13 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from config.test_axolotl import corpus, expectation, materialize
-from helpers.tiny import CHAT_TEMPLATE
+from helpers.corpus import CORPUS, corpus, expectation, materialize, write_data
+from helpers.tiny import CHAT_TEMPLATE, make_model
 from shardforge.cli.main import cli
+from shardforge.config import load_cfg
 from shardforge.config.chat_templates import CHAT_TEMPLATE_NAMES, CHAT_TEMPLATES
+from shardforge.errors import ConfigError
 
-CORPUS = Path(__file__).resolve().parents[1] / "config" / "axolotl_corpus"
 JINJA = "{% for message in messages %}{{ message['content'] }}{% endfor %}"  # the corpus's
 
 
@@ -27,12 +28,26 @@ def validate(cfg: Path, *args: str) -> Any:
     return CliRunner().invoke(cli, ["validate", str(cfg), *args])
 
 
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama and the data files the corpus names: what `validate` for train checks
+    exists, as train does before it starts."""
+    root = tmp_path_factory.mktemp("corpus")
+    make_model(root / "base", "llama", vocab_size=320, seed=0)
+    write_data(root)
+    return root
+
+
+def on_local(path: Path, local: Path, tmp_path: Path, **kw: Any) -> Path:
+    return materialize(path, tmp_path, local / "base", data=local, tiny_llama=True, **kw)
+
+
 @pytest.mark.parametrize("path", corpus(), ids=lambda p: p.stem)
-def test_validate_for_each_command(path: Path, tmp_path: Path) -> None:
+def test_validate_for_each_command(path: Path, local: Path, tmp_path: Path) -> None:
     """merge and inspect: every config passes; train: as the file's first line expects, each
-    refused key one line of one error."""
+    refused key one line of one error; a config train takes passes train's own checks too."""
     kind, keys = expectation(path)
-    cfg = materialize(path, tmp_path)
+    cfg = on_local(path, local, tmp_path)
     for command in ("merge", "inspect"):
         result = validate(cfg, "--for", command)
         assert result.exit_code == 0, (command, result.output)
@@ -47,8 +62,23 @@ def test_validate_for_each_command(path: Path, tmp_path: Path) -> None:
         assert f"{key}: " in error, (key, error)
 
 
-def test_legacy_keys_are_named_in_one_notice(tmp_path: Path) -> None:
-    result = validate(materialize(CORPUS / "legacy-keys.yml", tmp_path))
+def test_validate_runs_the_checks_train_runs_before_it_starts(local: Path, tmp_path: Path) -> None:
+    """What `train` refuses before starting a rank, `validate` refuses too, all at once: a
+    missing data file, a block class the model lacks, an output_dir holding a saved model."""
+    cfg = on_local(CORPUS / "alpaca-sdpa.yml", local, tmp_path)
+    assert validate(cfg).exit_code == 0
+    text = cfg.read_text().replace(str(local / "alpaca.jsonl"), str(tmp_path / "gone.jsonl"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "model.safetensors").write_bytes(b"")  # a saved model a run would replace
+    cfg.write_text(text.replace("LlamaDecoderLayer", "NoSuchLayer"))
+    result = validate(cfg)
+    assert result.exit_code == 2, result.output
+    for words in ("gone.jsonl", "NoSuchLayer", "output_dir"):
+        assert words in result.stderr, (words, result.stderr)
+
+
+def test_legacy_keys_are_named_in_one_notice(local: Path, tmp_path: Path) -> None:
+    result = validate(on_local(CORPUS / "legacy-keys.yml", local, tmp_path))
     assert result.exit_code == 0, result.output
     [notice] = [line for line in result.stderr.splitlines() if "are ignored" in line]
     for key in ("gptq_groupsize", "gptq_model_v1", "sample_packing_seq_len_multiplier"):
@@ -58,11 +88,10 @@ def test_legacy_keys_are_named_in_one_notice(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", CHAT_TEMPLATE_NAMES)
 def test_train_accepts_every_template_name(name: str, tmp_path: Path) -> None:
     cfg = materialize(CORPUS / "every-chat-template.yml", tmp_path, chat_template=name)
-    result = validate(cfg)
-    assert result.exit_code == 0, result.output
+    load_cfg(cfg, command="train")
     bad = materialize(CORPUS / "every-chat-template.yml", tmp_path, chat_template=name + "9")
-    refused = validate(bad)
-    assert refused.exit_code == 2 and "unknown template name" in refused.stderr
+    with pytest.raises(ConfigError, match="unknown template name"):
+        load_cfg(bad, command="train")
 
 
 # --- the merge of a real 2-rank checkpoint ------------------------------------------------------

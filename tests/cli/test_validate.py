@@ -24,12 +24,12 @@ def test_prints_resolved_config() -> None:
 
 def test_overrides_after_the_config_path() -> None:
     result = CliRunner().invoke(
-        command, [str(TINY), "--learning_rate", "2e-5", "--fsdp.offload_params", "true"]
+        command, [str(TINY), "--learning_rate", "2e-5", "--fsdp.reshard_after_forward", "false"]
     )
     assert result.exit_code == 0, result.output
     resolved = yaml.safe_load(result.output)
     assert resolved["learning_rate"] == 2e-5
-    assert resolved["fsdp"]["offload_params"] is True
+    assert resolved["fsdp"]["reshard_after_forward"] is False
 
 
 def test_bad_override_is_reported_like_a_bad_key() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers.corpus import corpus, expectation, materialize
 from shardforge.config import load_cfg
 from shardforge.config.axolotl import (
     COMMAND_KEYS,
@@ -25,7 +26,6 @@ from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
-CORPUS = Path(__file__).parent / "axolotl_corpus"
 
 
 def write(tmp_path: Path, data: dict[str, object]) -> Path:
@@ -216,36 +216,6 @@ def test_docs_table_is_generated_from_the_code() -> None:
     assert text[start:end].strip() == compatibility_table().strip(), (
         "docs/config.md is stale: regenerate with `shardforge config-schema --axolotl-table`"
     )
-
-
-def corpus() -> list[Path]:
-    return sorted(CORPUS.glob("*.yml"))
-
-
-def expectation(path: Path) -> tuple[str, list[str]]:
-    first = path.read_text().splitlines()[0]
-    m = re.match(r"#\s*expect:\s*(train-ok|train-unsupported:\s*(.*))$", first)
-    assert m, f"{path.name}: first line must be '# expect: ...'"
-    if m.group(1) == "train-ok":
-        return "ok", []
-    return "unsupported", [k.strip() for k in (m.group(2) or "").split(",") if k.strip()]
-
-
-def materialize(
-    path: Path,
-    tmp_path: Path,
-    base: Path | None = None,
-    output_dir: Path | None = None,
-    chat_template: str = "chatml",
-) -> Path:
-    """The corpus file with its placeholders filled in, written to `tmp_path`."""
-    text = path.read_text()
-    text = text.replace("TINY_MODEL", str(base or tmp_path / "base"))
-    text = text.replace("OUTPUT_DIR", str(output_dir or tmp_path / "out"))
-    text = text.replace("DATA_DIR", str(tmp_path)).replace("CHAT_TEMPLATE", chat_template)
-    out = tmp_path / path.name
-    out.write_text(text)
-    return out
 
 
 def test_the_corpus_exists() -> None:

@@ -16,78 +16,25 @@ import pytest
 from click.testing import CliRunner
 from train_helpers import ROOT, train_configs, train_env
 
+from helpers import corpus as axolotl
 from helpers.dist import run_on_ranks
-from helpers.tiny import make_model, tiny_conversations, tiny_texts, write_jsonl
-
-CORPUS = ROOT / "tests" / "config" / "axolotl_corpus"
+from helpers.tiny import make_model
 
 pytestmark = pytest.mark.slow
-
-
-def _expect(path: Path) -> tuple[str, list[str]]:
-    first = path.read_text().splitlines()[0]
-    m = re.match(r"#\s*expect:\s*(train-ok|train-unsupported:\s*(.*))$", first)
-    assert m, path
-    keys = [k.strip() for k in (m.group(2) or "").split(",") if k.strip()]
-    return ("ok" if m.group(1) == "train-ok" else "unsupported"), keys
-
-
-def _data(root: Path) -> None:
-    """The five data files the corpus configs name (tiny, deterministic)."""
-    texts = tiny_texts(24, seed=3)
-    chats = tiny_conversations(12, seed=3)
-    write_jsonl(root / "stories.jsonl", [{"text": t} for t in texts])
-    write_jsonl(root / "chats.jsonl", [{"messages": m, "thinking": ""} for m in chats])
-    write_jsonl(
-        root / "sharegpt.jsonl",
-        [
-            {
-                "conversations": [
-                    {"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
-                    for m in conv
-                ]
-            }
-            for conv in chats
-        ],
-    )
-    write_jsonl(
-        root / "alpaca.jsonl",
-        [
-            {"instruction": "Tell me a story.", "input": t[:20] if i % 2 else "", "output": t}
-            for i, t in enumerate(texts)
-        ],
-    )
-    write_jsonl(
-        root / "segments.jsonl",
-        [
-            {"segments": [{"text": "Q: story? ", "label": False}, {"text": t, "label": True}]}
-            for t in texts
-        ],
-    )
-
-
-def _materialize(path: Path, root: Path) -> Path:
-    text = path.read_text()
-    text = text.replace("TINY_MODEL", str(root / "base"))
-    text = text.replace("OUTPUT_DIR", str(root / "runs" / path.stem))
-    text = text.replace("DATA_DIR", str(root))
-    text = text.replace("CHAT_TEMPLATE", "chatml")  # every-chat-template.yml, read once here
-    # the tiny model is a Llama on a CPU: its block class, an attention kernel CPUs have
-    text = re.sub(r"\b\w+DecoderLayer\b", "LlamaDecoderLayer", text)
-    text = text.replace("flash_attention: true", "sdp_attention: true")
-    out = root / "configs" / path.name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    return out
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("axolotl")
     make_model(root / "base", "llama", vocab_size=320, seed=0)
-    _data(root)
-    configs = {p.stem: _materialize(p, root) for p in sorted(CORPUS.glob("*.yml"))}
-    expect = {p.stem: _expect(p) for p in sorted(CORPUS.glob("*.yml"))}
+    axolotl.write_data(root)
+    configs = {
+        p.stem: axolotl.materialize(
+            p, root / "configs", root, root / "runs" / p.stem, data=root, tiny_llama=True
+        )
+        for p in axolotl.corpus()
+    }
+    expect = {p.stem: axolotl.expectation(p) for p in axolotl.corpus()}
     return {"root": root, "configs": configs, "expect": expect}
 
 

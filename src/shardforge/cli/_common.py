@@ -107,6 +107,12 @@ def _set_transformers_state(state: tuple[int, bool]) -> None:
         (tlog.enable_progress_bar if state[1] else tlog.disable_progress_bar)()
 
 
+# loggers that warn at import time about optional kernels the machine lacks (torchao's
+# CUDA-only .so files and triton, imported by transformers' quantizers when torchao is
+# installed; torch's pytree deprecation notes for those kernels' enums): not the user's concern
+IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
 def setup_logging(quiet: bool = False) -> None:
     logging.basicConfig(
         level=logging.WARNING if quiet else logging.INFO,
@@ -114,6 +120,8 @@ def setup_logging(quiet: bool = False) -> None:
         stream=sys.stderr,
         force=True,
     )
+    for name in IMPORT_NOISE:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def fail(message: str, code: int = 1, details: Sequence[str] = ()) -> NoReturn:

@@ -27,8 +27,10 @@ def do_validate(
 ) -> str:
     """Validate `config` (plus overrides) for one command; return the resolved config as YAML.
 
-    train: every key, and Axolotl keys for features train lacks are errors; merge, merge-lora
-    and inspect: only the keys that command reads (any Axolotl config passes).
+    train: every key, and Axolotl keys for features train lacks are errors, then every check
+    train runs before it starts (base model, data files, tokenizer, wrap classes, attention,
+    output_dir); merge, merge-lora and inspect: only the keys that command reads (any Axolotl
+    config passes).
     """
     logger = logging.getLogger("shardforge")
     level = logger.level
@@ -37,6 +39,10 @@ def do_validate(
         cfg = load_config(config, override_args, for_command)
     finally:
         logger.setLevel(level)
+    if for_command == "train":  # the checks train runs before it starts a rank, all of them
+        from shardforge.train.preflight import preflight
+
+        preflight(cfg, str(config))
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
@@ -58,7 +64,8 @@ def command(config: str, for_command: str, overrides: list[str]) -> str:
     """Validate CONFIG for a command and print it with all defaults resolved (for merge,
     merge-lora and inspect: only the keys they read). Exit 0 when valid, 2 when not (every problem is
     listed). Axolotl configs are accepted: keys with no effect are named in a notice; for
-    train, keys of features it does not support are errors."""
+    train, keys of features it does not support are errors, and every check train runs before
+    starting runs too (base model, data files, wrap classes, attention, output_dir)."""
     return do_validate(config, overrides, for_command)
 
 
