@@ -26,6 +26,16 @@ class ModelKeys(ConfigView):
     tokenizer_config: str | None = Field(
         None, description="Where to read the tokenizer from, when not from base_model."
     )
+    tokenizer_use_fast: bool | None = Field(
+        None,
+        description="Load the fast (Rust tokenizers) tokenizer; false: the slow one (e.g. "
+        "sentencepiece) where the model has it. null: fast.",
+    )
+    tokenizer_legacy: bool | None = Field(
+        None,
+        description="The `legacy` flag of Llama/T5-style sentencepiece tokenizers (how text after "
+        "a special token is split). null: the tokenizer's own setting.",
+    )
     trust_remote_code: bool = Field(
         False,
         description="Allow model/tokenizer code shipped with the model to run. Off by default.",
