@@ -23,6 +23,12 @@ class ModelKeys(ConfigView):
     base_model_config: str | None = Field(
         None, description="Where to read config.json from, when not from base_model."
     )
+    model_config_overrides: dict[str, Any] | None = Field(
+        None,
+        description="Values set on the model's config before it is built, e.g. {rope_scaling: "
+        "{rope_type: linear, factor: 2.0}}; the saved config.json holds them. Axolotl's "
+        "model_config (and its older overrides_of_model_config) is read as this key.",
+    )
     tokenizer_config: str | None = Field(
         None, description="Where to read the tokenizer from, when not from base_model."
     )
