@@ -227,7 +227,9 @@ def test_load_samples_mixes_types_and_names_the_bad_row(tmp_path: Path, tok: Any
         {"path": str(write_jsonl(tmp_path / f"{t}.jsonl", rows)), "type": t}
         for t, rows in files.items()
     ]
-    cfg = validate_cfg({"base_model": "unused", "datasets": datasets})
+    cfg = validate_cfg(
+        {"base_model": "unused", "datasets": datasets, "shuffle_merged_datasets": False}
+    )
     samples = load_samples(cfg, tok)
     assert len(samples) == 4
     assert _trained(tok, samples[1]) == "Hello.</s>"

@@ -140,9 +140,9 @@ def test_eval_keys_are_validated_naming_the_key(extra: dict[str, Any], message: 
 
 def test_axolotl_test_datasets_entries_are_sorted_like_datasets(tmp_path: Path) -> None:
     """An Axolotl-only dataset key in a test_datasets entry is named under test_datasets[i]."""
-    with pytest.raises(ConfigError, match=r"test_datasets\[0\]\.shards: .*not supported"):
+    with pytest.raises(ConfigError, match=r"test_datasets\[0\]\.conversation: .*not supported"):
         validate_cfg(
-            {"base_model": "m", "test_datasets": [{"path": "t.jsonl", "shards": 4}]},
+            {"base_model": "m", "test_datasets": [{"path": "t.jsonl", "conversation": "vicuna"}]},
             command="train",
         )
     cfg = validate_cfg(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -10,6 +10,7 @@ from shardforge.config.paths import local_path
 from shardforge.config.view import ConfigView
 
 DatasetType = Literal["completion", "chat_template", "alpaca", "input_output"]
+EosPolicy = Literal["all", "turn", "last", "none"]
 
 
 class DatasetConfig(ConfigView):
@@ -54,6 +55,89 @@ class DatasetConfig(ConfigView):
         "train",
         description="Split to read, with an optional slice as in `datasets`: train, "
         "train[:20%], train[10:200], train[50%:]. A local file is the split `train`.",
+    )
+
+    data_files: str | list[str] | None = Field(
+        None,
+        description="Only these files of the folder `path` (names relative to it, or absolute "
+        "paths), in the order given; the format from ds_type or each file's extension.",
+    )
+    name: str | None = Field(
+        None,
+        description="The configuration of a local data set folder to read: a `configs:` entry "
+        "(config_name, data_files) of the YAML header of its README.md, as the Hub lays them "
+        "out. A folder without one is an error (nothing is downloaded).",
+    )
+    revision: str | None = Field(
+        None,
+        description="A Hub revision; a local path has none, so (as in Axolotl) it changes "
+        "nothing there; nothing is downloaded.",
+    )
+    shards: int | None = Field(
+        None,
+        gt=0,
+        description="Cut the rows (shuffled with `seed`) into this many contiguous shards and "
+        "keep shard `shards_idx`, as Axolotl's dataset.shuffle(seed).shard(shards, idx).",
+    )
+    shards_idx: int | None = Field(
+        None, ge=0, description="Which shard to keep (0 when unset), with `shards`."
+    )
+    weight: float | None = Field(
+        None,
+        gt=0,
+        description="Mixing weight of this entry: its rows are taken round(weight x rows) "
+        "times (2: every row twice; 0.5: half of them, drawn with `seed`). null: once.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="This entry's own chat template (a name, tokenizer_default, jinja with "
+        "chat_template_jinja, or Jinja text); null: the top-level one.",
+    )
+    chat_template_jinja: str | None = Field(
+        None, description="Jinja text (or a file) of this entry's chat template."
+    )
+    field_tools: str = Field(
+        "tools",
+        description="For chat_template: the column holding the tool definitions (a list of "
+        "dicts) passed to the template as `tools`; rows without it render without tools.",
+    )
+    field_thinking: str = Field(
+        "reasoning_content",
+        description="For chat_template: the key of a message holding its reasoning trace.",
+    )
+    template_thinking_key: str = Field(
+        "reasoning_content",
+        description="For chat_template: the message key the template reads the reasoning "
+        "trace from (field_thinking is copied to it).",
+    )
+    split_thinking: bool = Field(
+        False,
+        description="For chat_template: move a <think>...</think> (or <reasoning>, "
+        "<|begin_of_thought|>) block of an assistant's content to template_thinking_key.",
+    )
+    train_on_eos: EosPolicy | None = Field(
+        None,
+        description="For chat_template: which EOS tokens are targets: turn (null: the EOS "
+        "after each trained turn), all, last (only the conversation's last), none.",
+    )
+    train_on_eot: EosPolicy | None = Field(
+        None,
+        description="For chat_template: which end-of-turn tokens (eot_tokens, else EOS) are "
+        "targets, as train_on_eos; null: as train_on_eos.",
+    )
+    drop_system_message: bool = Field(
+        False, description="For chat_template: drop a conversation's leading system message."
+    )
+    message_field_training: str | None = Field(
+        None,
+        description="For chat_template: a message key whose true/false says whether that turn "
+        "is trained (over roles_to_train).",
+    )
+    message_field_training_detail: str | None = Field(
+        None,
+        description="For chat_template: a message key holding [{begin_offset, end_offset, "
+        "train}] character ranges of its content; only tokens inside a trained range are "
+        "targets.",
     )
 
     @field_validator("path")
@@ -116,4 +200,43 @@ class DataKeys(ConfigView):
     num_epochs: float = Field(1, gt=0, description="Passes over the data set (if max_steps unset).")
     max_steps: int | None = Field(
         None, gt=0, description="Stop after this many optimizer steps (overrides num_epochs)."
+    )
+    default_system_message: str | None = Field(
+        None,
+        description="Replaces the default system message of the chat template (its text "
+        "'You are a helpful assistant.', e.g. qwen2_vl's), as Axolotl does; a template "
+        "without it is unchanged.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="Extra variables passed to the chat template (e.g. {enable_thinking: false}).",
+    )
+    min_sample_len: int | None = Field(
+        None,
+        ge=0,
+        description="Drop samples with fewer tokens (null: 2, as Axolotl: a shorter one has "
+        "nothing to predict).",
+    )
+    excess_length_strategy: Literal["drop", "truncate", "raise"] | None = Field(
+        None,
+        description="A sample longer than sequence_len: drop it, truncate it, or raise an "
+        "error naming it. null: truncate (packed: cut into sequence_len pieces), shardforge's "
+        "behaviour before this key.",
+    )
+    dataset_exact_deduplication: bool = Field(
+        False, description="Drop samples whose tokens and labels repeat an earlier sample's."
+    )
+    shuffle_before_merging_datasets: bool = Field(
+        False, description="Shuffle each data set's samples (with seed) before they are merged."
+    )
+    shuffle_merged_datasets: bool = Field(
+        True,
+        description="Shuffle the merged samples (with seed) before packing; false keeps the "
+        "file order for packing (batches are drawn in a shuffled order either way).",
+    )
+    dataset_shard_num: int | None = Field(
+        None, gt=0, description="Keep one contiguous shard of the merged samples: how many."
+    )
+    dataset_shard_idx: int | None = Field(
+        None, ge=0, description="Which shard, with dataset_shard_num."
     )

@@ -23,8 +23,24 @@ class ModelKeys(ConfigView):
     base_model_config: str | None = Field(
         None, description="Where to read config.json from, when not from base_model."
     )
+    model_config_overrides: dict[str, Any] | None = Field(
+        None,
+        description="Values set on the model's config before it is built, e.g. {rope_scaling: "
+        "{rope_type: linear, factor: 2.0}}; the saved config.json holds them. Axolotl's "
+        "model_config (and its older overrides_of_model_config) is read as this key.",
+    )
     tokenizer_config: str | None = Field(
         None, description="Where to read the tokenizer from, when not from base_model."
+    )
+    tokenizer_use_fast: bool | None = Field(
+        None,
+        description="Load the fast (Rust tokenizers) tokenizer; false: the slow one (e.g. "
+        "sentencepiece) where the model has it. null: fast.",
+    )
+    tokenizer_legacy: bool | None = Field(
+        None,
+        description="The `legacy` flag of Llama/T5-style sentencepiece tokenizers (how text after "
+        "a special token is split). null: the tokenizer's own setting.",
     )
     trust_remote_code: bool = Field(
         False,

@@ -25,37 +25,11 @@ import torch
 from shardforge.config.chat_templates import resolve_chat_template
 from shardforge.config.schema import DatasetConfig, ShardforgeConfig
 from shardforge.errors import ConfigError, ShardforgeError
-from shardforge.train import packing
+from shardforge.train import mixing, packing
+from shardforge.train.chat import chat_sample
 from shardforge.train.readers import Row, read_rows
+from shardforge.train.rows import IGNORE_INDEX, RowError, Sample, TokenizeOptions
 from shardforge.train.vocab import add_config_tokens
-
-IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True)
-class Sample:
-    input_ids: list[int]
-    labels: list[int]
-
-
-@dataclass(frozen=True)
-class TokenizeOptions:
-    """What tokenization takes from the config besides the data set entry."""
-
-    train_on_inputs: bool = False
-    eot_tokens: tuple[str, ...] = ()
-
-    @classmethod
-    def of(cls, cfg: ShardforgeConfig) -> TokenizeOptions:
-        return cls(cfg.train_on_inputs, tuple(cfg.eot_tokens or ()))
-
-
-class RowError(ValueError):
-    """A row the data set entry cannot turn into tokens; `field` is the entry's key at fault."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 def _text(row: Row, name: str, field: str, optional: bool = False) -> str:
@@ -137,103 +111,9 @@ def _input_output(row: Row, ds: DatasetConfig, tok: Any, opts: TokenizeOptions) 
     return Sample(ids, labels)
 
 
-# data set role names -> template roles when `roles` is unset (ShareGPT's human/gpt)
-DEFAULT_ROLES: dict[str, list[str]] = {
-    "user": ["human", "user"],
-    "assistant": ["gpt", "assistant"],
-    "system": ["system"],
-    "tool": ["tool"],
-}
-
-
-def _messages(row: Row, ds: DatasetConfig) -> list[dict[str, Any]]:
-    """The row's conversation with the mapped property names and role names."""
-    messages = row.get(ds.field_messages)
-    if not isinstance(messages, list) or not messages:
-        found = ", ".join(sorted(map(str, row))) or "none"
-        raise RowError(
-            "field_messages", f"no message list in {ds.field_messages!r} (the row's keys: {found})"
-        )
-    mapping = {"role": "role", "content": "content", **ds.message_property_mappings}
-    role_of = {name: role for role, names in (ds.roles or DEFAULT_ROLES).items() for name in names}
-    out = []
-    for j, message in enumerate(messages):
-        for prop in ("role", "content"):
-            if not isinstance(message, dict) or mapping[prop] not in message:
-                keys = ", ".join(sorted(map(str, message))) if isinstance(message, dict) else "-"
-                raise RowError(
-                    "message_property_mappings",
-                    f"message {j} has no {prop} key {mapping[prop]!r} (its keys: {keys})",
-                )
-        converted = {prop: message[src] for prop, src in mapping.items() if src in message}
-        converted["role"] = role_of.get(message[mapping["role"]], message[mapping["role"]])
-        out.append(converted)
-    return out
-
-
-def _render(tok: Any, messages: list[Any], prompt: bool) -> str:
-    return str(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt))
-
-
-def _try_render(tok: Any, messages: list[Any], prompt: bool) -> str | None:
-    try:
-        return _render(tok, messages, prompt)
-    except Exception:  # a template may refuse a partial conversation (raise_exception, ...)
-        return None
-
-
-def _turn_end(text: str, start: int, end: int, content: Any, eot: tuple[str, ...]) -> int:
-    """With eot_tokens, a trained turn ends after the first of them following its content."""
-    if not eot:
-        return end
-    after = start
-    if isinstance(content, str) and content:
-        found = text.find(content, start, end)
-        after = found + len(content) if found >= 0 else start
-    hits = [i + len(t) for t in eot if (i := text.find(t, after, end)) >= 0]
-    return min(hits) if hits else end
-
-
-def _chat(row: Row, ds: DatasetConfig, tok: Any, opts: TokenizeOptions) -> Sample:
-    """The conversation rendered with the chat template; turns of `roles_to_train` are targets.
-
-    Each trained turn is the text its message adds to the rendering of the messages before it
-    (after the generation prompt, for assistant turns); with eot_tokens it ends after the first
-    of them. When the template does not render prefixes consistently every token is a target.
-    """
-    messages = _messages(row, ds)
-    try:
-        text = _render(tok, messages, prompt=False)
-    except Exception as exc:
-        raise RowError("field_messages", f"the chat template cannot render it ({exc})") from None
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    if opts.train_on_inputs:
-        return Sample(ids, list(ids))
-    prefixes = [_try_render(tok, messages[: i + 1], prompt=False) for i in range(len(messages))]
-    if not all(p is not None and text.startswith(p) for p in prefixes):
-        return Sample(ids, list(ids))
-    spans: list[tuple[int, int]] = []
-    for i, message in enumerate(messages):
-        if message["role"] not in ds.roles_to_train:
-            continue
-        before = _try_render(tok, messages[:i], prompt=message["role"] == "assistant")
-        if before is not None and text.startswith(before):
-            start = len(before)
-        else:
-            start = len(prefixes[i - 1] or "") if i else 0
-        end = len(prefixes[i] or "")
-        spans.append((start, _turn_end(text, start, end, message.get("content"), opts.eot_tokens)))
-    labels = [
-        tid if any(s <= a < e for s, e in spans) else IGNORE_INDEX
-        for tid, (a, _b) in zip(ids, enc["offset_mapping"], strict=True)
-    ]
-    return Sample(ids, labels)
-
-
 TOKENIZERS: dict[str, Callable[[Row, DatasetConfig, Any, TokenizeOptions], Sample]] = {
     "completion": _completion,
-    "chat_template": _chat,
+    "chat_template": chat_sample,
     "alpaca": _alpaca,
     "input_output": _input_output,
 }
@@ -263,17 +143,20 @@ def load_samples(
     datasets: list[DatasetConfig] | None = None,
     key: str = "datasets",
 ) -> list[Sample]:
-    """All rows of all data sets, tokenized, in file order: `cfg.datasets`, or the entries
-    given (`test_datasets`), whose errors name `key`[i]."""
+    """All rows of all data sets, tokenized and merged (`mixing.merge`): `cfg.datasets`, or
+    the entries given (`test_datasets`), whose errors name `key`[i]."""
     opts = TokenizeOptions.of(cfg)
-    out: list[Sample] = []
+    parts: list[list[Sample]] = []
     for i, ds in enumerate(cfg.datasets if datasets is None else datasets):
         entry = f"{key}[{i}]"
-        out += [
-            tokenize_row(row, ds, tokenizer, opts, entry, f"row {n}")
-            for n, row in enumerate(read_rows(ds, entry), 1)
-        ]
-    return out
+        rows = mixing.weighted(read_rows(ds, entry, cfg.seed), ds.weight, cfg.seed)
+        parts.append(
+            [
+                tokenize_row(row, ds, tokenizer, opts, entry, f"row {n}")
+                for n, row in enumerate(rows, 1)
+            ]
+        )
+    return mixing.merge(parts, cfg, key)
 
 
 @dataclass(frozen=True)
@@ -386,6 +269,20 @@ def rank_slice(
     return consumed + slot * micro_batch_size, micro_batch_size
 
 
+# the default system message of a chat template that default_system_message replaces
+TEMPLATE_SYSTEM_MESSAGE = "You are a helpful assistant."
+
+
+def tokenizer_kwargs(cfg: ShardforgeConfig) -> dict[str, Any]:
+    """AutoTokenizer's arguments: tokenizer_use_fast (null: fast) and tokenizer_legacy (null:
+    the tokenizer's own setting), as Axolotl passes them."""
+    out: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code}
+    out["use_fast"] = True if cfg.tokenizer_use_fast is None else cfg.tokenizer_use_fast
+    if cfg.tokenizer_legacy is not None:
+        out["legacy"] = cfg.tokenizer_legacy
+    return out
+
+
 def load_tokenizer(cfg: ShardforgeConfig) -> Any:
     """The tokenizer, with the config's chat template and added tokens (special_tokens, tokens,
     eot_tokens); the same on every rank, and the one saved to output_dir."""
@@ -397,11 +294,13 @@ def load_tokenizer(cfg: ShardforgeConfig) -> Any:
     key = "tokenizer_config" if cfg.tokenizer_config else "base_model"
     require_local_or_hub_id(key, source)
     try:
-        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(source, **tokenizer_kwargs(cfg))
     except (OSError, ValueError) as exc:
         raise ConfigError(key, [f"cannot load a tokenizer from {source!r} ({exc})"]) from None
     own = tok.chat_template if isinstance(tok.chat_template, str) else None
     template = resolve_chat_template(cfg.chat_template, cfg.chat_template_jinja, own)
+    if template is not None and cfg.default_system_message:
+        template = template.replace(TEMPLATE_SYSTEM_MESSAGE, cfg.default_system_message)
     if template is not None:
         tok.chat_template = template
     add_config_tokens(tok, cfg)

@@ -58,12 +58,23 @@ def load_model_config(cfg: ShardforgeConfig) -> Any:
     source = model_config_source(cfg)
     require_local_or_hub_id(key, source)
     try:
-        return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
             key, [f"cannot read a model config from {source!r} ({first}); check the path"]
         ) from None
+    for name, value in (cfg.model_config_overrides or {}).items():
+        setattr(config, name, _overridden(getattr(config, name, None), value))
+    return config
+
+
+def _overridden(current: Any, value: Any) -> Any:
+    """model_config's value for one config attribute, as Axolotl sets it; a mapping updates a
+    mapping (transformers 5 keeps rope_theta in the rope_parameters that rope_scaling names)."""
+    if isinstance(current, dict) and isinstance(value, dict):
+        return {**current, **value}
+    return value
 
 
 @contextlib.contextmanager

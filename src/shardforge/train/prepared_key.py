@@ -39,13 +39,24 @@ TOKEN_KEYS: dict[str, str | None] = {
     "eval_sequence_len": None,
     "eval_sample_packing": None,
     "val_set_size": None,
-    "seed": "val_set_size",  # draws the held-out samples
+    "seed": None,  # draws the held-out samples, the shuffles and shards of the data
     "chat_template": None,
     "chat_template_jinja": None,
     "special_tokens": None,
     "tokens": None,
     "eot_tokens": None,
     "trust_remote_code": None,
+    "tokenizer_use_fast": None,
+    "tokenizer_legacy": None,
+    "default_system_message": None,
+    "chat_template_kwargs": None,
+    "min_sample_len": None,
+    "excess_length_strategy": None,
+    "dataset_exact_deduplication": None,
+    "shuffle_before_merging_datasets": None,
+    "shuffle_merged_datasets": None,
+    "dataset_shard_num": None,
+    "dataset_shard_idx": "dataset_shard_num",
 }
 # Where the tokenizer is read from: not hashed as a name, its files are (a moved model folder
 # prepares nothing anew; an edited tokenizer.json does).

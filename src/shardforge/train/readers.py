@@ -1,7 +1,9 @@
 """Local data files -> rows: the readers of each file format, and `split` slices.
 
-    data_files(ds, key)    (file, ds_type) of a data set entry (a file, or a folder's files)
-    read_rows(ds, key)     the rows of one entry (all its files, in name order), sliced by split
+    data_files(ds, key)    (file, ds_type) of a data set entry (a file, a folder's files, its
+                           `data_files`, or the files of its `name`d configuration)
+    read_rows(ds, key)     the rows of one entry (all its files, in name order), sliced by
+                           split, then its `shards` shard
 
 A problem names the entry's key (`datasets[0].path`, `.ds_type`, `.split`).
 """
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardforge.config.schema import DatasetConfig
-from shardforge.errors import ConfigError, ShardforgeError
+from shardforge.errors import ConfigError, ShardforgeError, shown
 
 # file extension -> ds_type
 EXTENSIONS: dict[str, str] = {
@@ -61,19 +63,90 @@ READERS: dict[str, Callable[[Path], Iterator[Row]]] = {
 }
 
 
+def _listed(folder: Path, names: str | list[str], key: str) -> list[Path]:
+    """Files named relative to `folder` (or absolute), each a file that exists."""
+    out = []
+    for name in [names] if isinstance(names, str) else names:
+        file = folder / name
+        if not file.is_file():
+            raise ConfigError(key, [f"{shown(str(file), 200)} is not a file; check the name"])
+        out.append(file)
+    return out
+
+
+def _readme_configs(folder: Path) -> list[Any]:
+    """The `configs:` list of the YAML header of a data set folder's README.md (Hub layout)."""
+    readme = folder / "README.md"
+    if not readme.is_file():
+        return []
+    import yaml
+
+    text = readme.read_text(encoding="utf-8")
+    if not text.startswith("---"):
+        return []
+    header = text.split("---", 2)[1] if text.count("---") >= 2 else ""
+    try:
+        meta = yaml.safe_load(header) or {}
+    except yaml.YAMLError:
+        return []
+    configs = meta.get("configs") if isinstance(meta, dict) else None
+    return configs if isinstance(configs, list) else []
+
+
+def _config_files(folder: Path, name: str, key: str) -> list[Path]:
+    """The train files of the configuration `name` of a local data set folder."""
+    configs = _readme_configs(folder)
+    for config in configs:
+        if isinstance(config, dict) and config.get("config_name") == name:
+            spec = config.get("data_files")
+            if isinstance(spec, list) and spec and isinstance(spec[0], dict):
+                spec = [p for d in spec if d.get("split", "train") == "train" for p in _paths(d)]
+            if isinstance(spec, dict):
+                spec = _paths(spec)
+            if isinstance(spec, str | list) and spec:
+                return sorted({f for pattern in _as_list(spec) for f in folder.glob(pattern)})
+    names = [c.get("config_name") for c in configs if isinstance(c, dict)]
+    known = f"its configurations: {', '.join(map(str, names))}" if names else "it has none"
+    raise ConfigError(
+        f"{key}.name",
+        [
+            f"{name!r} is not a configuration of {folder} ({known}, from the `configs:` of its "
+            "README.md); Hub data sets are not downloaded: save it locally and set path"
+        ],
+    )
+
+
+def _as_list(value: str | list[str]) -> list[str]:
+    return [value] if isinstance(value, str) else [str(v) for v in value]
+
+
+def _paths(entry: dict[str, Any]) -> list[str]:
+    value = entry.get("path", [])
+    return _as_list(value) if isinstance(value, str | list) else []
+
+
+def _entry_files(ds: DatasetConfig, key: str) -> list[Path]:
+    path = Path(ds.path)
+    if not path.exists():
+        hub = " (a Hub data set: nothing is downloaded; save it locally)" if ds.name else ""
+        raise ConfigError(f"{key}.path", [f"data file {path} not found{hub}; check the path"])
+    if ds.name and path.is_dir():
+        return _config_files(path, ds.name, key)
+    if ds.data_files and path.is_dir():
+        return _listed(path, ds.data_files, f"{key}.data_files")
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.iterdir() if p.suffix in EXTENSIONS and p.is_file())
+    if not files:
+        raise ConfigError(
+            f"{key}.path", [f"directory {path} holds no {'/'.join(EXTENSIONS)} files"]
+        )
+    return files
+
+
 def data_files(ds: DatasetConfig, key: str) -> list[tuple[Path, str]]:
     """(file, ds_type) of a data set entry; a missing path or unknown format names `key`."""
-    path = Path(ds.path)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in EXTENSIONS and p.is_file())
-        if not files:
-            raise ConfigError(
-                f"{key}.path", [f"directory {path} holds no {'/'.join(EXTENSIONS)} files"]
-            )
-    elif path.is_file():
-        files = [path]
-    else:
-        raise ConfigError(f"{key}.path", [f"data file {path} not found; check the path"])
+    files = _entry_files(ds, key)
     out = []
     for file in files:
         ds_type = ds.ds_type or EXTENSIONS.get(file.suffix)
@@ -109,11 +182,41 @@ def _split_ranges(split: str, n: int, key: str) -> list[tuple[int, int]]:
     return [(part.from_, part.to) for part in parts]
 
 
-def read_rows(ds: DatasetConfig, key: str) -> list[Row]:
-    """The rows of one data set entry (all its files, in name order), sliced by `split`."""
-    rows = [row for file, ds_type in data_files(ds, key) for row in READERS[ds_type](file)]
-    if ds.split == "train":
+def shard_range(n: int, shards: int, index: int) -> tuple[int, int]:
+    """(start, stop) of contiguous shard `index` of n rows cut into `shards`, as `datasets`'
+    Dataset.shard(contiguous=True): the first n % shards shards hold one row more."""
+    size, extra = divmod(n, shards)
+    start = index * size + min(index, extra)
+    return start, start + size + (1 if index < extra else 0)
+
+
+def seeded_permutation(n: int, seed: int) -> list[int]:
+    """The order `datasets`' Dataset.shuffle(seed) gives n rows (numpy's default_rng)."""
+    import numpy as np
+
+    return [int(i) for i in np.random.default_rng(seed).permutation(n)]
+
+
+def _shard(rows: list[Row], ds: DatasetConfig, seed: int, key: str) -> list[Row]:
+    """`shards` / `shards_idx`: the rows shuffled with seed, then one contiguous shard."""
+    if not ds.shards:
         return rows
-    return [
-        row for start, stop in _split_ranges(ds.split, len(rows), key) for row in rows[start:stop]
-    ]
+    index = ds.shards_idx or 0
+    if index >= ds.shards:
+        raise ConfigError(f"{key}.shards_idx", [f"{index} is not below shards ({ds.shards})"])
+    order = seeded_permutation(len(rows), seed)
+    start, stop = shard_range(len(rows), ds.shards, index)
+    return [rows[i] for i in order[start:stop]]
+
+
+def read_rows(ds: DatasetConfig, key: str, seed: int = 42) -> list[Row]:
+    """The rows of one data set entry (all its files, in name order), sliced by `split`, then
+    its shard (`shards`, shuffled with `seed`)."""
+    rows = [row for file, ds_type in data_files(ds, key) for row in READERS[ds_type](file)]
+    if ds.split != "train":
+        rows = [
+            row
+            for start, stop in _split_ranges(ds.split, len(rows), key)
+            for row in rows[start:stop]
+        ]
+    return _shard(rows, ds, seed, key)
