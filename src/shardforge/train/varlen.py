@@ -167,11 +167,18 @@ def varlen_attention_forward(
     cu = cu_seq_lens_q
     if cu is None:
         cu = _boundaries(kwargs.get("position_ids"), query.shape, key.shape[2], query.device)
-    if query.device.type == "cuda" and VARLEN_API is not None:
-        out = VARLEN_API(q, k, v, cu, int(max_length_q or length), scaling, sliding_window)
+    kernel = kernel_for(query.device)
+    if kernel is not None:
+        out = kernel(q, k, v, cu, int(max_length_q or length), scaling, sliding_window)
     else:
         out = _per_sample(q, k, v, cu, scaling, sliding_window)
     return out.reshape(batch, length, heads, value.shape[-1]), None
+
+
+def kernel_for(device: torch.device) -> VarlenApi | None:
+    """The kernel for tensors on `device`: this torch's varlen_attn on CUDA; None elsewhere
+    (sdpa sample by sample)."""
+    return VARLEN_API if device.type == "cuda" else None
 
 
 def _boundaries(positions: Any, shape: torch.Size, keys: int, device: torch.device) -> torch.Tensor:
