@@ -211,7 +211,14 @@ EVALUATED = {
 # 10 steps that save nothing (no checkpoint, no final model), in windows of 96 tokens that each
 # hold several samples or padding (so every micro-batch has an attention mask: see
 # test_compile.py)
-UNSAVED_10 = {"max_steps": 10, "save_steps": None, "save_strategy": "no", "sequence_len": 96}
+# the chunked loss on (off by default, as Axolotl): the runs exercise it, compiled and eager
+UNSAVED_10 = {
+    "max_steps": 10,
+    "save_steps": None,
+    "save_strategy": "no",
+    "sequence_len": 96,
+    "chunked_cross_entropy": True,
+}
 
 
 def _shared_runs(base: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
