@@ -129,8 +129,8 @@ def test_blocks_compile_in_the_first_step_and_never_again(
     assert len([m for m in messages if "s compiling" in m and "first step" in m]) == 1
     said = [m for m in messages if m.startswith("torch.compile: compiling")]
     assert said == [  # before the silence of each first compile (aot_eager: no estimate)
+        "torch.compile: compiling the transformer blocks for evaluation (first one)",  # at start
         "torch.compile: compiling the transformer blocks (first step)",
-        "torch.compile: compiling the transformer blocks for evaluation (first one)",
     ]
     assert len([m for m in messages if "s compiling" in m and "first evaluation" in m]) == 1
     assert not [m for m in messages if "more graph" in m], messages
