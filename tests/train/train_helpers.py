@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,7 +95,16 @@ def run_train(
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    proc.stderr = untimed(proc.stderr)
     return proc
+
+
+TIME = re.compile(r"^\d\d:\d\d:\d\d ", re.MULTILINE)  # a training rank's log line starts so
+
+
+def untimed(text: str) -> str:
+    """The output without the times of day that start a training rank's log lines."""
+    return TIME.sub("", text)
 
 
 def launch_train(
@@ -121,7 +131,7 @@ def launch_train(
         stderr = log.read_text()
     if failed is not None:
         raise AssertionError(f"train failed ({failed.message}):\n{stderr[-4000:]}")
-    return stderr
+    return untimed(stderr)
 
 
 @contextlib.contextmanager
