@@ -18,7 +18,7 @@ step is `Trainer.step` (`train.step.train_step`); nothing is saved.
 
 A variant is `+`-joined options: `eager`/`compile` (config `torch_compile`), the attention
 `sdpa` (as configured: with packing on a GPU shardforge switches it to a kernel without a dense
-mask, see docs/train.md), `dense` (sdpa kept on transformers' dense mask: the baseline), `flex`
+mask, see docs/train.md), `dense` (sdpa kept on transformers' dense mask by `sample_packing_keep_sdpa: true`: the baseline), `flex`
 (flex_attention with the document BlockMask) or `varlen` (varlen_attention), `chunked`
 (config `chunked_cross_entropy: true`; without it false) and `ac` (gradient_checkpointing).
 `--set KEY=VALUE` adds a config key to every variant (`optimizer=adamw_torch_fused`,
@@ -246,6 +246,8 @@ def skip_reason(variant: Variant, device: str) -> str | None:
         return "not available: this shardforge has no torch_compile key (issue 30 item 1)"
     if variant.chunked and "chunked_cross_entropy" not in known:
         return "not available: this shardforge has no chunked_cross_entropy key (issue 30 item 2)"
+    if variant.attention == "dense" and "sample_packing_keep_sdpa" not in known:
+        return "not available: this shardforge has no sample_packing_keep_sdpa key (issue 35)"
     if variant.attention == "flex" and device == "cpu":
         return "flex_attention has no backward on CPU in this torch"
     if variant.attention == "varlen" and device != "cpu":
@@ -289,6 +291,8 @@ def config_for(
         cfg["torch_compile"] = variant.compile
     if "chunked_cross_entropy" in known:
         cfg["chunked_cross_entropy"] = variant.chunked
+    if "sample_packing_keep_sdpa" in known:  # dense: sdpa kept on transformers' dense mask
+        cfg["sample_packing_keep_sdpa"] = variant.attention == "dense"
     return cfg
 
 
@@ -318,15 +322,12 @@ def run_variant(variant: Variant, cfg_data: dict[str, Any], warmup: int) -> dict
     import torch.distributed as dist
 
     from shardforge.config import validate_cfg
-    from shardforge.train import attention, loop
+    from shardforge.train import loop
     from shardforge.train.diagnostics import MemoryMeter, StepMemory
     from shardforge.train.runtime import init_distributed
 
     cfg = validate_cfg(cfg_data)
     loop.materialize_and_load = random_weights
-    choose = attention.choose
-    if variant.attention == "dense":  # the baseline: sdpa on transformers' dense mask
-        attention.choose = lambda impl, *a, **k: attention.Choice(impl or "sdpa", "transformers")
     rt = init_distributed()
     try:
         meter = MemoryMeter(rt.device)
@@ -353,7 +354,6 @@ def run_variant(variant: Variant, cfg_data: dict[str, Any], warmup: int) -> dict
         for callback in reversed(trainer.callbacks):
             callback.on_end(trainer, False)
     finally:
-        attention.choose = choose
         dist.destroy_process_group()
     return _figures(variant, cfg, rt, times, records, warmup) | {
         "attention_used": used,

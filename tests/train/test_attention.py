@@ -195,7 +195,22 @@ def test_unpacked_rows_through_varlen_are_causal_rows() -> None:
         torch.testing.assert_close(varlen(input_ids=ids).logits, sdpa(input_ids=ids).logits, **TOL)
 
 
-def test_the_packed_path_of_each_attention() -> None:
+@pytest.fixture()
+def full_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What choose() asks of a GPU answers as an H100 with triton would (nothing runs on it)."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "triton" else find_spec(name, *a),
+    )
+
+
+def test_the_packed_path_of_each_attention(full_gpu: None) -> None:
     bf16, fp32 = torch.bfloat16, torch.float32
     assert choose("flex_attention", CPU, fp32) == Choice("flex_attention", "block_mask")
     assert choose("flash_attention_2", CUDA, bf16) == Choice("flash_attention_2", "varlen")
@@ -209,8 +224,7 @@ def test_the_packed_path_of_each_attention() -> None:
     assert cpu.impl == "sdpa" and cpu.path == "transformers" and "dense" in cpu.notice
     assert choose(None, CPU, fp32).path == "transformers"
     on_gpu = choose("sdpa", CUDA, bf16)
-    if attention.varlen_missing(CUDA) is None:
-        assert on_gpu.impl == VARLEN and on_gpu.path == "varlen" and on_gpu.notice
+    assert on_gpu.impl == VARLEN and on_gpu.path == "varlen" and on_gpu.notice
     fp32_gpu = choose("sdpa", CUDA, fp32)  # varlen and flash-attn need bf16/fp16
     assert fp32_gpu.impl == "flex_attention" and fp32_gpu.path == "block_mask"
     assert "flex_attention" in fp32_gpu.notice
@@ -307,3 +321,102 @@ def test_the_trainers_sharded_model_gets_the_packed_inputs(
     assert batch.position_ids is not None and int((batch.position_ids == 0).sum()) >= 6
     torch.testing.assert_close(logits["flex_attention"], logits["eager"], **TOL)
     torch.testing.assert_close(logits[VARLEN], logits["eager"], **TOL)
+
+
+def test_choose_never_switches_to_a_kernel_this_torch_or_gpu_cannot_run(
+    full_gpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """varlen_attn needs torch 2.10+ and its flash kernel (a build with it, sm80+); the
+    BlockMask route needs triton. Where neither runs, sdpa keeps the dense mask, saying why."""
+    import importlib.util
+
+    bf16 = torch.bfloat16
+    assert choose("sdpa", CUDA, bf16).impl == VARLEN
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # T4
+    assert choose("sdpa", CUDA, bf16).impl == "flex_attention"
+    assert "8.0" in (attention.varlen_missing(CUDA) or "")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
+    assert choose("sdpa", CUDA, bf16).impl == "flex_attention"
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    monkeypatch.setattr(attention, "VARLEN_API", None)  # torch 2.6-2.9
+    assert "no torch.nn.attention.varlen" in (attention.varlen_missing(CUDA) or "")
+    assert choose("sdpa", CUDA, bf16).impl == "flex_attention"
+    assert choose("sdpa", CUDA, bf16, flash_installed=True).impl == "flash_attention_2"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "triton" else find_spec(name, *a),
+    )
+    dense = choose("sdpa", CUDA, bf16)
+    assert dense == Choice("sdpa", "transformers", dense.notice) and "triton" in dense.notice
+
+
+def test_sample_packing_keep_sdpa_keeps_the_dense_mask_on_a_gpu(
+    base_cfg: dict[str, Any], full_gpu: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    from shardforge.train.model import build_meta_model
+
+    cfg = validate_cfg(
+        {**base_cfg, "attn_implementation": "sdpa", "bf16": True, "sample_packing_keep_sdpa": True}
+    )
+    model = build_meta_model(cfg)
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        assert use_packed_attention(model, cfg, CUDA) == Choice("sdpa", "transformers")
+    assert model.config._attn_implementation == "sdpa"
+    assert not model.get_decoder()._forward_pre_hooks
+    assert not [r for r in caplog.records if "notice" in r.getMessage()]
+
+
+def _decoder_calls(decoder: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor) -> Any:
+    """The ways a decoder is called with a packed batch: by keyword, positionally, with a
+    padding mask of ones (each: its last hidden states)."""
+    ones = torch.ones_like(ids)
+    return {
+        "keywords": decoder(input_ids=ids, position_ids=pos),
+        "positional": decoder(ids, None, pos),
+        "mask": decoder(input_ids=ids, attention_mask=ones, position_ids=pos),
+        "positional mask": decoder(ids, ones, pos),
+    }
+
+
+def test_packed_samples_stay_apart_however_the_decoder_is_called() -> None:
+    """varlen_attention, hooked as a run hooks it, and not hooked at all (the boundaries then
+    come from the position ids transformers passes to the attention): each sample's hidden
+    states equal those of the sample alone. The old hook did nothing when called positionally
+    or with a mask, and the attention treated each window as one sequence."""
+    ids, pos, samples = _packed_batch()
+    alone_model, hooked, bare = _models("sdpa", VARLEN, VARLEN)
+    _hooked(hooked, "varlen")
+    with torch.no_grad():
+        alone = [alone_model.get_decoder()(input_ids=s[None]).last_hidden_state[0] for s in samples]
+        for model in (hooked, bare):
+            for how, out in _decoder_calls(model.get_decoder(), ids, pos).items():
+                for got, want in zip(_split(out.last_hidden_state), alone, strict=True):
+                    torch.testing.assert_close(got, want, **TOL, msg=how)
+
+
+def test_packed_flex_attention_keeps_samples_apart_when_called_positionally_or_with_a_mask(
+    flex_uncompiled: None,
+) -> None:
+    ids, pos, samples = _packed_batch()
+    alone_model, flex = _models("sdpa", "flex_attention")
+    _hooked(flex, "block_mask")
+    with torch.no_grad():
+        alone = [alone_model.get_decoder()(input_ids=s[None]).last_hidden_state[0] for s in samples]
+        for how, out in _decoder_calls(flex.get_decoder(), ids, pos).items():
+            for got, want in zip(_split(out.last_hidden_state), alone, strict=True):
+                torch.testing.assert_close(got, want, **TOL, msg=how)
+
+
+def test_the_hook_marks_the_boundaries_dynamic_only_when_compiling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without torch_compile nothing of torch._dynamo is called per batch."""
+    calls = []
+    monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda t, d: calls.append(d))
+    PackedInputs("varlen").inputs(_positions())
+    assert calls == []
+    PackedInputs("varlen", dynamic=True).inputs(_positions())
+    assert calls == [0]

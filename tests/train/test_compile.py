@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from train_helpers import losses, read_metrics, shared_run
 
 from shardforge.config import validate_cfg
@@ -125,7 +126,13 @@ def test_blocks_compile_in_the_first_step_and_never_again(
         assert block._compiled_call_impl is not None  # compiled in place
         assert all("_orig_mod" not in name for name, _ in block.named_parameters())
     messages = [r.getMessage() for r in caplog.records]
-    assert len([m for m in messages if "s compiling" in m]) == 1
+    assert len([m for m in messages if "s compiling" in m and "first step" in m]) == 1
+    said = [m for m in messages if m.startswith("torch.compile: compiling")]
+    assert said == [  # before the silence of each first compile (aot_eager: no estimate)
+        "torch.compile: compiling the transformer blocks for evaluation (first one)",  # at start
+        "torch.compile: compiling the transformer blocks (first step)",
+    ]
+    assert len([m for m in messages if "s compiling" in m and "first evaluation" in m]) == 1
     assert not [m for m in messages if "more graph" in m], messages
     assert [r["step"] for r in read_metrics(tmp_path / "out") if "loss" in r] == [1, 2, 3, 4]
 
@@ -142,14 +149,68 @@ def test_a_step_that_compiles_again_is_warned_once(
     monkeypatch.setattr(compile_module, "compiled_graphs", lambda: next(made))
     monkeypatch.setattr(compile_module, "compile_seconds", lambda: 12.5)
     cfg = validate_cfg({"base_model": "unused", "torch_compile": True})
-    watch = compile_module.CompileWatch.of(cfg, Runtime(0, 1, 0, None))  # type: ignore[arg-type]
+    watch = compile_module.CompileWatch.of(cfg, Runtime(0, 1, 0, torch.device("cpu")))
     with caplog.at_level(logging.INFO, logger="shardforge"):
         for step in range(1, 6):
             watch.before_step()
             watch.after_step(step)
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
+        "torch.compile: compiling the transformer blocks (first step; about 45 s on a CPU with "
+        "inductor)",
         "torch.compile: 12.5 s compiling 5 graph(s) in the first step (later steps reuse them)",
         "warning: torch.compile compiled 2 more graph(s) at step 3 (a shape or value the compiled "
         "blocks depend on changed; TORCH_LOGS=recompiles says which)",
     ]
+
+
+def test_the_first_evaluation_says_it_compiles_and_how_long(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from shardforge.train import compile as compile_module
+    from shardforge.train.runtime import Runtime
+
+    graphs, seconds = iter([5, 8]), iter([10.0, 13.5])
+    monkeypatch.setattr(compile_module, "compiled_graphs", lambda: next(graphs))
+    monkeypatch.setattr(compile_module, "compile_seconds", lambda: next(seconds))
+    cfg = validate_cfg({"base_model": "unused", "torch_compile": True})
+    watch = compile_module.CompileWatch.of(cfg, Runtime(0, 1, 0, torch.device("cuda")))
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        for _ in range(2):  # the second compiles nothing: nothing said, nothing read
+            with watch.evaluation():
+                pass
+    assert [r.getMessage() for r in caplog.records] == [
+        "torch.compile: compiling the transformer blocks for evaluation (first one)",
+        "torch.compile: 3.5 s compiling 3 graph(s) in the first evaluation (later evaluations "
+        "reuse them)",
+    ]
+
+
+def test_the_watch_reads_nothing_of_dynamo_unless_compiling(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch_compile off, or torch._dynamo not importable: no counter is read."""
+    import sys
+
+    from shardforge.train import compile as compile_module
+    from shardforge.train.runtime import Runtime
+
+    def unread() -> int:
+        raise AssertionError("torch._dynamo's counters read")
+
+    monkeypatch.setattr(compile_module, "compiled_graphs", unread)
+    monkeypatch.setattr(compile_module, "compile_seconds", unread)
+    rt = Runtime(0, 1, 0, torch.device("cpu"))
+    off = validate_cfg({"base_model": "unused"})
+    on = validate_cfg({"base_model": "unused", "torch_compile": True})
+    monkeypatch.setitem(sys.modules, "torch._dynamo.utils", None)  # not importable
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        for cfg in (off, on):
+            watch = compile_module.CompileWatch.of(cfg, rt)
+            assert not watch.active
+            for step in (1, 2):
+                watch.before_step()
+                watch.after_step(step)
+            with watch.evaluation():
+                pass
+    assert not caplog.records

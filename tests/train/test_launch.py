@@ -66,6 +66,27 @@ def test_training_never_imports_the_merge() -> None:
 
 
 @pytest.mark.slow
+def test_a_training_ranks_log_lines_start_with_the_time() -> None:
+    """A rank's lines carry the time of day (the compile, an evaluation, a save: how long
+    each took shows); the rank's entry run with a stand-in for the training."""
+    import re
+    import subprocess
+
+    code = (
+        "import logging, shardforge.cli.train_rank as rank, shardforge.train.loop as loop\n"
+        "rank.load_checked = lambda path, overrides: None\n"
+        "loop.run_training = lambda cfg, keep_group=False: "
+        "logging.getLogger('shardforge').info('step 1/2')\n"
+        "rank.main(['cfg.yml'])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    lines = [line for line in proc.stderr.splitlines() if "step 1/2" in line]
+    assert len(lines) == 1 and re.fullmatch(r"\d\d:\d\d:\d\d step 1/2", lines[0]), lines
+
+
+@pytest.mark.slow
 def test_kill_9_of_the_command_ends_torchrun_and_every_rank(
     base_cfg: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -113,10 +113,13 @@ def _set_transformers_state(state: tuple[int, bool]) -> None:
 IMPORT_NOISE = ("torchao", "torch.utils._pytree")
 
 
-def setup_logging(quiet: bool = False) -> None:
+def setup_logging(quiet: bool = False, timed: bool = False) -> None:
+    """Log lines on stderr; `timed` (a training rank): each line starts with the time of day,
+    `HH:MM:SS ` (how long the compile, an evaluation or a save took shows in the log)."""
     logging.basicConfig(
         level=logging.WARNING if quiet else logging.INFO,
-        format="%(message)s",
+        format="%(asctime)s %(message)s" if timed else "%(message)s",
+        datefmt="%H:%M:%S",
         stream=sys.stderr,
         force=True,
     )

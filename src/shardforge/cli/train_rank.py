@@ -23,7 +23,7 @@ def main(argv: list[str]) -> None:
             "usage: python -m shardforge.cli.train_rank CONFIG [--key value ...]", file=sys.stderr
         )
         raise SystemExit(2)
-    setup_logging(quiet=os.environ.get("RANK", "0") != "0")
+    setup_logging(quiet=os.environ.get("RANK", "0") != "0", timed=True)  # lines with times
 
     def train() -> None:
         try:

@@ -158,7 +158,7 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "chat_template_jinja": _i(),
     "chat_template_kwargs": _i(),
     "chunked_cross_entropy": _i(
-        "null (Axolotl: off) means on where exact: the same loss without the full logits"
+        "off by default, as in Axolotl; `true`: the same loss without the full logits"
     ),
     "chunked_cross_entropy_num_chunks": _i(),
     "cls_model_config": _u("custom model config class"),

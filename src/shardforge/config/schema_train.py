@@ -58,14 +58,23 @@ class PrecisionKeys(ConfigView):
         description="torch.compile backend options (inductor's config keys, e.g. "
         "{max_autotune: true}). Exclusive with torch_compile_mode.",
     )
+    sample_packing_keep_sdpa: bool = Field(
+        False,
+        description="With sample_packing (or eval_sample_packing) and attn_implementation sdpa, "
+        "keep sdpa on transformers' dense [batch, 1, sequence_len, sequence_len] mask. By "
+        "default a GPU run switches packed batches to varlen_attention, flash_attention_2 or "
+        "flex_attention (no dense mask); this keeps plain sdpa (a baseline, or a model those "
+        "kernels do not suit).",
+    )
     chunked_cross_entropy: bool | None = Field(
         None,
         description="The loss computes the output head and the cross-entropy over chunks of "
         "the sequence (each chunk's logits recomputed in backward), so the full logits "
-        "(tokens x vocabulary, float32) never exist at once; same loss and gradients. null: "
-        "on where exact (the model's forward ends in `logits = lm_head(hidden_states)`, no "
-        "soft-capping or scaling after it), else the plain loss; true: on, refused where not "
-        "exact; false: the plain loss.",
+        "(tokens x vocabulary, float32) never exist at once; same loss and gradients, at the "
+        "cost of recomputing each chunk's logits in backward. null or false: off (Axolotl's "
+        "default; the gain on a GPU is unmeasured); true: on, refused where not exact (the "
+        "model's forward must end in `logits = lm_head(hidden_states)`, no soft-capping or "
+        "scaling after it).",
     )
     chunked_cross_entropy_num_chunks: int | None = Field(
         None, gt=0, description="Chunks of the sequence the chunked loss uses (null: 8)."

@@ -1,12 +1,13 @@
 """Packed attention without a dense mask: how a packed window's samples reach the kernel.
 
     document_ids(position_ids)          [B, T] the sample each token belongs to (0, 1, ...)
-    cu_seqlens(position_ids)            the samples' boundaries over the flattened batch (int32)
+    cu_seqlens(position_ids)            the samples' boundaries over the flattened batch (int32,
+                                        from varlen.py)
     document_block_mask(doc, ...)       flex_attention's BlockMask: causal within a sample
     choose(impl, ...)                   which path a packed batch takes (a `Choice`)
     use_packed_attention(model, cfg, .) decide once at setup; hook the model so that every
                                         packed forward gets its attention inputs
-    varlen_attention_forward            `attn_implementation: varlen_attention`: torch's
+    (varlen.py)                         `attn_implementation: varlen_attention`: torch's
                                         variable-length attention (torch.nn.attention.varlen)
 
 A packed window (`packing.py`) holds whole samples whose position ids restart at 0. Called with
@@ -21,34 +22,37 @@ what it needs from the position ids:
   `max_length_q/k` = sequence_len (an upper bound: a constant, so a compiled block does not
   recompile per batch). transformers infers them from position ids only at batch size 1: with
   micro_batch_size > 1 its flash path would otherwise attend across the samples of a window;
-- sdpa: on a GPU the packed batch runs varlen_attention (bf16/fp16; else flash_attention_2
-  when the package is installed, bf16/fp16; else flex_attention); only where none of them can
-  run (CPU) does it keep transformers' dense mask; either way with a one-time notice;
+- sdpa: on a GPU the packed batch runs varlen_attention (bf16/fp16, a torch with varlen_attn
+  and its flash kernel, sm80+; else flash_attention_2 when the package is installed,
+  bf16/fp16; else flex_attention, with triton); only where none of them can run (CPU) does it
+  keep transformers' dense mask; either way with a one-time notice.
+  `sample_packing_keep_sdpa: true` keeps sdpa on the dense mask;
 - eager, and models with sliding-window layers or logit soft-capping: transformers' own masks.
 
-`varlen_attention` on CPU (tests, debugging) runs sdpa sample by sample: exact, slow.
+The hook finds the position ids by keyword or by position; where it cannot act (a mask it
+does not know), varlen_attention still splits the samples by the position ids transformers
+passes to every attention call.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
-import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
+from shardforge.train.varlen import VARLEN, VARLEN_API, cu_seqlens
 
 log = logging.getLogger("shardforge")
 
-VARLEN = "varlen_attention"  # shardforge's attn_implementation name for torch's varlen_attn
 FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 HALF = (torch.bfloat16, torch.float16)
 
@@ -64,17 +68,6 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     `masking_utils.find_packed_sequence_indices`); a window's padding is a sample of its own."""
     first = position_ids[:, :1] - 1
     return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
-
-
-def cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
-    """int32 [samples + 1]: where each sample starts in the flattened [B * T] batch, then B * T
-    (every row starts a sample)."""
-    batch, length = position_ids.shape
-    starts = torch.diff(position_ids, dim=-1) != 1
-    starts = torch.cat([torch.ones_like(starts[:, :1]), starts], dim=-1).reshape(-1)
-    index = starts.nonzero().reshape(-1).to(torch.int32)
-    end = torch.tensor([batch * length], dtype=torch.int32, device=position_ids.device)
-    return torch.cat([index, end])
 
 
 def document_causal(doc: torch.Tensor) -> Callable[..., torch.Tensor]:
@@ -121,13 +114,36 @@ class Choice:
 
 
 def varlen_missing(device: torch.device) -> str | None:
-    """Why torch's varlen_attn cannot run on `device` (None: it can)."""
-    try:
-        import torch.nn.attention.varlen
-    except ImportError:
+    """Why torch's varlen_attn cannot run on `device` (None: it can): this torch has it (2.10
+    and later) in a form the adapter can call, the GPU has torch's flash kernel (sm80+)."""
+    if VARLEN_API is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    if not VARLEN_API.usable():
+        return f"torch {torch.__version__}'s varlen_attn takes neither is_causal nor window_size"
     if device.type != "cuda":
         return "torch's varlen_attn runs on CUDA only"
+    return gpu_missing(device, "varlen_attn")
+
+
+def gpu_missing(device: torch.device, what: str) -> str | None:
+    """Why torch's flash kernel (under varlen_attn) cannot run on the GPU `device`."""
+    if not torch.backends.cuda.is_flash_attention_available():
+        return f"this torch build has no flash attention kernel for {what}"
+    try:
+        major, minor = torch.cuda.get_device_capability(device)
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        return f"no CUDA device here ({type(exc).__name__})"
+    if major < 8:
+        return f"{what} needs a GPU of compute capability 8.0 or later (this one: {major}.{minor})"
+    return None
+
+
+def flex_missing(device: torch.device) -> str | None:
+    """Why flex_attention cannot run compiled on `device` (None: it can): CUDA and triton."""
+    if device.type != "cuda":
+        return "flex_attention has no backward on CPU"
+    if importlib.util.find_spec("triton") is None:
+        return "flex_attention needs triton, which is not installed"
     return None
 
 
@@ -155,19 +171,21 @@ def choose(
     if impl != "sdpa" or not plain:
         return Choice(impl, "transformers")
     half = dtype in HALF
-    if half and varlen_missing(device) is None:
+    varlen_why = varlen_missing(device)
+    if half and varlen_why is None:
         return Choice(VARLEN, "varlen", _switched(VARLEN, "torch's variable-length attention"))
     if half and device.type == "cuda" and flash_installed:
         return Choice("flash_attention_2", "varlen", _switched("flash_attention_2", "flash-attn"))
-    if device.type == "cuda":
+    flex_why = flex_missing(device)
+    if flex_why is None:
         return Choice("flex_attention", "block_mask", _switched("flex_attention", "a BlockMask"))
+    why = varlen_why if half or device.type != "cuda" else "varlen_attn needs bf16 or fp16"
     return Choice(
         impl,
         "transformers",
         "sample_packing with attn_implementation sdpa on "
         f"{device.type}: transformers builds a dense [batch, 1, sequence_len, sequence_len] "
-        "mask for every batch (no kernel without a dense mask runs here: "
-        f"{varlen_missing(device)}; flex_attention has no backward on CPU)",
+        f"mask for every batch (no kernel without a dense mask runs here: {why}; {flex_why})",
     )
 
 
@@ -195,41 +213,84 @@ def plain_attention(config: Any) -> bool:
 
 
 class PackedInputs:
-    """A forward pre-hook on the model's decoder: a call with position ids and no attention
-    mask (a packed batch) gets its attention inputs, built once per batch, here."""
+    """A forward pre-hook on the model's decoder: a call with position ids (by keyword or by
+    position) gets its packed batch's attention inputs, built once per batch, here. A 2-D
+    padding mask is folded in (the BlockMask hides its padding; right padding, a sample of
+    its own or the end of the last one, needs nothing more on the varlen route); any other
+    mask is left to transformers, and varlen_attention still splits the samples by the
+    position ids it is given. `dynamic`: the blocks are compiled (the number of samples per
+    batch varies: marked dynamic, no recompile)."""
 
-    def __init__(self, path: Route) -> None:
+    def __init__(self, path: Route, dynamic: bool = False) -> None:
         self.path = path
+        self.dynamic = dynamic
 
-    def inputs(self, position_ids: torch.Tensor) -> dict[str, Any]:
-        """The extra forward arguments of a packed batch with these [B, T] position ids."""
+    def inputs(self, position_ids: torch.Tensor, padding: Any = None) -> dict[str, Any]:
+        """The extra forward arguments of a packed batch with these [B, T] position ids
+        (`padding`: a [B, T] mask, 0 where a token is padding, for the BlockMask)."""
         if self.path == "block_mask":
-            return {"attention_mask": document_block_mask(document_ids(position_ids))}
+            doc = document_ids(position_ids)
+            if padding is not None:  # padding: a sample no token sees
+                doc = torch.where(padding.bool(), doc, -1 - doc)
+            return {"attention_mask": document_block_mask(doc)}
         cu = cu_seqlens(position_ids)
-        torch._dynamo.maybe_mark_dynamic(cu, 0)  # samples per batch vary: no recompile
+        if self.dynamic:
+            torch._dynamo.maybe_mark_dynamic(cu, 0)
         length = int(position_ids.shape[-1])  # an upper bound of every sample's length
         return {
             "cu_seq_lens_q": cu,
             "cu_seq_lens_k": cu,
             "max_length_q": length,
             "max_length_k": length,
+            "attention_mask": None,
         }
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        positions = kwargs.get("position_ids")
-        if args or positions is None or kwargs.get("attention_mask") is not None:
+        call = _keywords(module, args, kwargs)
+        if call is None or call.get("past_key_values") is not None:
             return None
-        if kwargs.get("past_key_values") is not None:
-            return None
-        embeds = kwargs.get("input_ids")
+        positions = call.get("position_ids")
+        embeds = call.get("input_ids")
         if embeds is None:
-            embeds = kwargs.get("inputs_embeds")
-        if embeds is None or positions.dim() != 2:
+            embeds = call.get("inputs_embeds")
+        if positions is None or embeds is None or positions.dim() != 2:
+            return None
+        mask = call.get("attention_mask")
+        if mask is not None and not _right_padding(mask):
             return None
         positions = positions.expand(embeds.shape[0], -1)
-        return args, {**kwargs, **self.inputs(positions)}
+        return (), {**call, **self.inputs(positions, mask)}
+
+
+def _keywords(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The call's arguments by name (positional ones bound to `module.forward`'s parameters);
+    None where they cannot be named."""
+    if not args:
+        return dict(kwargs)
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    call: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            return None
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            call.update(value)
+        else:
+            call[name] = value
+    return call
+
+
+def _right_padding(mask: Any) -> bool:
+    """`mask` is a [B, T] padding mask whose zeros, if any, end each row."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return False
+    keep = mask.bool()
+    return bool((keep[:, 1:] <= keep[:, :-1]).all())
 
 
 def decoder(model: nn.Module) -> nn.Module:
@@ -247,6 +308,7 @@ def use_packed_attention(
     attention where sdpa would build a dense mask, hook its decoder, say so once (`announce`:
     rank 0). None: no packed batches in this run. varlen_attention that cannot run here is a
     ConfigError."""
+    from shardforge.train.compile import compile_enabled
     from shardforge.train.model import compute_dtypes
 
     config = getattr(model, "config", None)
@@ -256,12 +318,16 @@ def use_packed_attention(
         check_varlen(config, device, dtype)
     if not (cfg.sample_packing or cfg.eval_sample_packing):
         return None
-    flash = device.type == "cuda" and flash_attn_installed()
-    choice = choose(requested, device, dtype, plain_attention(config), flash)
+    if cfg.sample_packing_keep_sdpa and requested in (None, "sdpa"):
+        choice = Choice("sdpa", "transformers")  # the user's choice: no notice
+    else:
+        flash = device.type == "cuda" and flash_attn_installed()
+        choice = choose(requested, device, dtype, plain_attention(config), flash)
     if choice.impl != requested:
         model.set_attn_implementation(choice.impl)  # type: ignore[operator]
     if choice.path != "transformers":
-        decoder(model).register_forward_pre_hook(PackedInputs(choice.path), with_kwargs=True)
+        hook = PackedInputs(choice.path, compile_enabled(cfg))
+        decoder(model).register_forward_pre_hook(hook, with_kwargs=True)
     if announce and choice.notice:
         log.warning("notice: %s", choice.notice)
     if announce:
@@ -281,119 +347,3 @@ def check_varlen(config: Any, device: torch.device, dtype: torch.dtype) -> None:
         problems.append("varlen_attention has no logit soft-capping (this model uses it)")
     if problems:
         raise ConfigError("attn_implementation", problems)
-
-
-# -- attn_implementation: varlen_attention ------------------------------------------------------------
-
-
-def _varlen_params() -> frozenset[str]:
-    """The keyword names of this torch's varlen_attn (read once, at import: a compiled block
-    then makes no call to inspect)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return frozenset()
-    return frozenset(inspect.signature(varlen_attn).parameters)
-
-
-VARLEN_PARAMS = _varlen_params()
-
-
-def _kernel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu: torch.Tensor,
-    max_len: int,
-    scale: float | None,
-    window: int | None,
-) -> torch.Tensor:
-    """torch's varlen_attn over [total, heads, dim] (GPU)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = VARLEN_PARAMS
-    extra: dict[str, Any] = {"scale": scale}
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
-            extra["enable_gqa"] = True
-        else:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    if "window_size" in params:
-        extra["window_size"] = (window - 1 if window else -1, 0)
-    elif window:
-        raise ValueError("this torch's varlen_attn has no sliding window")
-    else:
-        extra["is_causal"] = True
-    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
-    return out if isinstance(out, torch.Tensor) else out[0]
-
-
-def _per_sample(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu: torch.Tensor,
-    scale: float | None,
-    window: int | None,
-) -> torch.Tensor:
-    """The same attention with sdpa, one sample at a time (CPU: exact, slow)."""
-    bounds = cu.tolist()
-    out = []
-    for start, stop in itertools.pairwise(bounds):
-        qs, ks, vs = (t[start:stop].transpose(0, 1) for t in (q, k, v))
-        mask = None
-        if window:
-            i = torch.arange(stop - start, device=q.device)
-            mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-        )
-        out.append(o.transpose(0, 1))
-    return torch.cat(out)
-
-
-def varlen_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    cu_seq_lens_q: torch.Tensor | None = None,
-    max_length_q: int | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, T, Hq, D].
-    Samples are given by `cu_seq_lens_q` (a packed batch, `PackedInputs`); without them each
-    row is one causal sequence (right padding, which no earlier token sees)."""
-    if dropout or softcap is not None or kwargs.get("s_aux") is not None:
-        raise ValueError(
-            "varlen_attention has no attention dropout, soft-capping or sinks; use sdpa or eager"
-        )
-    batch, heads, length, dim = query.shape
-    q, k, v = (
-        t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value)
-    )
-    cu = cu_seq_lens_q
-    if cu is None:
-        cu = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device=query.device)
-    if query.device.type == "cuda":
-        out = _kernel(q, k, v, cu, int(max_length_q or length), scaling, sliding_window)
-    else:
-        out = _per_sample(q, k, v, cu, scaling, sliding_window)
-    return out.reshape(batch, length, heads, dim), None
-
-
-def register() -> None:
-    """Make `varlen_attention` an attn_implementation transformers accepts (no mask builder:
-    transformers then builds no mask for it)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(VARLEN, varlen_attention_forward)
-
-
-register()

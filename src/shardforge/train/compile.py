@@ -16,8 +16,9 @@ by every later one; a step that compiles again (a shape or a guard that changed)
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,15 @@ def compile_blocks(blocks: Iterable[nn.Module], cfg: ShardforgeConfig) -> int:
     return count
 
 
+def dynamo_ready() -> bool:
+    """torch._dynamo imports (its counters are what the watch reads)."""
+    try:
+        import torch._dynamo.utils  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def compiled_graphs() -> int:
     """Graphs torch.compile has made in this process so far."""
     from torch._dynamo.utils import counters
@@ -76,24 +86,35 @@ def compile_seconds() -> float:
 
 @dataclass
 class CompileWatch:
-    """Rank 0 logs the compile time after the first step and warns (once) when a later step
-    compiled new graphs: each one costs a compile, and a recompile every step means a value
-    the compiled code depends on changes from step to step."""
+    """Rank 0 says when compiling starts (the first step, the first evaluation: each is a
+    long silence otherwise) and how long it took, and warns (once) when a later step compiled
+    new graphs: each one costs a compile, and a recompile every step means a value the
+    compiled code depends on changes from step to step. Inactive (nothing read, nothing
+    imported) unless torch_compile is on and torch._dynamo imports."""
 
     active: bool
     is_main: bool
+    expect: str = ""  # how long the first compile takes, where known
     graphs: int = 0  # graphs when this step started
     steps: int = 0
     warned: bool = False
+    evaluated: bool = False
 
     @classmethod
     def of(cls, cfg: ShardforgeConfig, rt: Runtime) -> CompileWatch:
-        return cls(compile_enabled(cfg), rt.is_main)
+        if not compile_enabled(cfg) or not dynamo_ready():
+            return cls(False, rt.is_main)
+        backend = compile_kwargs(cfg)["backend"]
+        on_cpu = backend == "inductor" and rt.device.type == "cpu"
+        return cls(True, rt.is_main, "; about 45 s on a CPU with inductor" if on_cpu else "")
 
     def before_step(self) -> None:
         """A step starts (graphs compiled since the last step, by an evaluation, do not count)."""
-        if self.active:
-            self.graphs = compiled_graphs()
+        if not self.active:
+            return
+        if self.steps == 0 and self.is_main:
+            log.info("torch.compile: compiling the transformer blocks (first step%s)", self.expect)
+        self.graphs = compiled_graphs()
 
     def after_step(self, step: int) -> None:
         if not self.active:
@@ -116,3 +137,21 @@ class CompileWatch:
                 graphs - self.graphs,
                 step,
             )
+
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """Around an evaluation: the first one compiles the blocks' eval-mode graphs."""
+        first = self.active and not self.evaluated and self.is_main
+        self.evaluated = self.evaluated or self.active
+        if not first:
+            yield
+            return
+        log.info("torch.compile: compiling the transformer blocks for evaluation (first one)")
+        graphs, seconds = compiled_graphs(), compile_seconds()
+        yield
+        log.info(
+            "torch.compile: %.1f s compiling %d graph(s) in the first evaluation (later "
+            "evaluations reuse them)",
+            compile_seconds() - seconds,
+            compiled_graphs() - graphs,
+        )

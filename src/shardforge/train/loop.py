@@ -422,7 +422,9 @@ class Trainer:
 
     def evaluate(self) -> None:
         """Evaluate the model at this step; the record goes to the callbacks."""
-        self._emit("on_evaluate", self.evaluator.run(self.model, self.global_step))
+        with self.compiled.evaluation():  # torch_compile: the first one compiles
+            record = self.evaluator.run(self.model, self.global_step)
+        self._emit("on_evaluate", record)
 
     def save(self) -> None:
         """The save due after this step: at the end the PEFT adapter directory (LoRA) and,
