@@ -18,6 +18,16 @@ EXEMPT = {"__init__.py", "__main__.py", "version.py"}
 
 # module (relative to src/shardforge) -> "the test file that exercises it: why not its own"
 TESTED_ELSEWHERE: dict[str, str] = {
+    "config/paths.py": "tests/config/test_loader.py: the object-storage path check, per key",
+    "config/schema_data.py": "tests/config/test_schema.py: ShardforgeConfig's mixins, as one",
+    "config/schema_fsdp.py": "tests/config/test_schema.py: ShardforgeConfig's mixins, as one",
+    "config/schema_lora.py": "tests/config/test_schema.py: ShardforgeConfig's mixins, as one",
+    "config/schema_model.py": "tests/config/test_schema.py: ShardforgeConfig's mixins, as one",
+    "config/schema_optim.py": "tests/config/test_schema.py: ShardforgeConfig's mixins, as one",
+    "config/schema_train.py": "tests/config/test_schema.py: ShardforgeConfig's mixins, as one",
+    "train/chat.py": "tests/train/test_data_templates.py: rendered chats, through train.data",
+    "train/mixing.py": "tests/train/test_data_axolotl_keys.py: merged, filtered and sharded rows",
+    "train/rows.py": "tests/train/test_data_axolotl_keys.py: the rows' keys, through train.data",
     "errors.py": "tests/cli/test_error_lines.py: format_error and the one-line rule, as printed",
     "cli/_common.py": "tests/cli/test_error_lines.py: the shared wrapper, through every command",
     "cli/evaluate.py": "tests/cli/test_evaluate_cli.py: test_evaluate.py is tests/use/'s name",
