@@ -19,7 +19,9 @@ from pathlib import Path
 from shardforge.errors import MergeError
 
 # the names transformers' tokenizers save their files under (and *.model, *.tiktoken,
-# *.jinja): what a model folder holds, and what staging fetches for a tokenizer (`io.mirror`)
+# *.jinja): what a model folder holds, what staging fetches for a tokenizer (`io.mirror`),
+# whether a folder has a tokenizer (`sinks.companions`), what a prepared data set's hash
+# reads of it besides its class's vocabulary files (`train.prepared_key`)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -29,6 +31,8 @@ TOKENIZER_FILES = (
     "vocab.txt",
     "merges.txt",
     "chat_template.json",
+    "chat_template.jinja",
+    "tokenizer.model",
 )
 # the files a Hugging Face model folder holds, as a merge or `save_pretrained` writes them
 MODEL_FILES = (

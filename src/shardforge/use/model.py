@@ -19,7 +19,6 @@ source lies under output_dir): output_dir is then not looked at.
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from shardforge.config.chat_templates import resolve_chat_template
 from shardforge.config.peft import ADAPTER_CONFIG
 from shardforge.config.schema import ShardforgeConfig, names_object_storage
 from shardforge.errors import CheckpointError, ShardforgeError
+from shardforge.io.files import read_json
 from shardforge.io.publish import sigterm_as_interrupt
 from shardforge.layouts.catalog import FULL_WEIGHTS, LAST, resolve_checkpoint
 from shardforge.merge.api import merge_fsdp_weights
@@ -130,11 +130,11 @@ def merged_from_run(cfg: ShardforgeConfig) -> bool:
     base = Path(cfg.base_model)
     if names_object_storage(cfg.output_dir) or not (base / MANIFEST).is_file():
         return False
-    try:
-        sources = json.loads((base / MANIFEST).read_text(encoding="utf-8")).get("source") or []
+    try:  # read as untrusted JSON: its size capped, its nesting bounded
+        sources = read_json(base / MANIFEST).get("source") or []
         out = Path(cfg.output_dir).resolve()
         return any(Path(s["location"]).resolve().is_relative_to(out) for s in sources)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (CheckpointError, OSError, ValueError, TypeError, KeyError, AttributeError):
         return False  # not a manifest this reads: the run's own weights, as without one
 
 
