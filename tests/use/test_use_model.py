@@ -180,3 +180,10 @@ def test_a_deep_manifest_beside_the_base_model_is_no_traceback(tmp_path: Path) -
     (tmp_path / "base" / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
     cfg = ShardforgeConfig(base_model=str(tmp_path / "base"), output_dir=str(tmp_path / "run"))
     assert merged_from_run(cfg) is False
+
+
+def test_base_model_with_another_model_option_is_refused(tmp_path: Path) -> None:
+    cfg = ShardforgeConfig(base_model=str(tmp_path / "m"), output_dir=str(tmp_path / "run"))
+    for options in ({"model_dir": tmp_path / "d"}, {"step": 2}, {"checkpoint": tmp_path / "c"}):
+        with pytest.raises(ShardforgeError, match="each name the model; give one of them"):
+            pick(cfg, ModelRequest(**options), named_base=True)

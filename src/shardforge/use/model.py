@@ -153,6 +153,14 @@ def pick(cfg: ShardforgeConfig, request: ModelRequest, named_base: bool = False)
     the user gave --base_model on the command line), else the run's own (see the module's
     doc)."""
     named = (request.model_dir, request.lora_model_dir, request.checkpoint)  # local (parsed)
+    other = (
+        request.model_dir is not None or request.checkpoint is not None or request.step is not None
+    )
+    if named_base and other:  # --lora_model_dir goes with it: the adapter's base
+        raise ShardforgeError(
+            "--base_model and --model_dir/--checkpoint/--step each name the model; give one of "
+            "them (--base_model with --lora_model_dir: that adapter over that base)"
+        )
     base_named = cfg.adapter is None and all(p is None for p in named) and request.step is None
     if base_named and named_base:
         return _base_model(cfg, "--base_model")
