@@ -34,6 +34,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "tokenizer.model",
 )
+# shardforge's integrity manifest of a merged folder (`sinks.manifest`)
+MERGE_MANIFEST = "shardforge-manifest.json"
 # the files a Hugging Face model folder holds, as a merge or `save_pretrained` writes them
 MODEL_FILES = (
     # weights and their indexes (the merge; save_pretrained's older .bin form; PEFT adapters)
@@ -63,7 +65,7 @@ MODEL_FILES = (
     "modeling_*.py",
     "tokenization_*.py",
     # shardforge's integrity manifest; the model card PEFT's save_pretrained writes
-    "shardforge-manifest.json",
+    MERGE_MANIFEST,
     "README.md",
 )
 # the one sub-folder a model folder holds (transformers' CHAT_TEMPLATE_DIR: *.jinja files)

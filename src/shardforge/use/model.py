@@ -104,8 +104,10 @@ def _checkpoint(root: Path, step: int | None, how: str, named: bool = True) -> P
     """Checkpoint `step` (None: the latest) under `root`; `named`: the options named it (else
     the error says how to name a model)."""
     hint = [] if named else [NAME_ONE]
-    if not root.exists():
-        raise CheckpointError(f"{root}: no such directory, so no checkpoint to merge", hint)
+    if not root.exists() or (root.is_dir() and not any(root.iterdir())):
+        what = "no such directory" if not root.exists() else "an empty directory"
+        why = "no checkpoint" if named else "the run has no checkpoint yet (train first)"
+        raise CheckpointError(f"{root}: {what}: {why}", hint)
     try:
         found = resolve_checkpoint(root, step)
     except CheckpointError as exc:
