@@ -28,6 +28,7 @@ from helpers import children
 # the loopback S3 server (`s3_server`, one per test process) of the object-storage tests
 pytest_plugins = ("helpers.s3",)
 
+
 @pytest.fixture(scope="session", autouse=True)
 def _temp_folders_under_pytests(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The temporary folders the code and its child processes make (staging areas, rank
