@@ -36,9 +36,9 @@ and to the copy.
     python benchmarks/merge_bench.py --node --size 8GB --ranks 4  # the same node, 4 ranks
     python benchmarks/merge_bench.py --size 4GB --contenders shardforge --baseline /tmp/old  # vs. a checkout
     python benchmarks/merge_bench.py --size 4GB --contenders shardforge,shardforge_nomanifest  # the manifest
-    python benchmarks/merge_bench.py --size 4GB --contenders copy,shardforge,shardforge_cast,\
-        shardforge_2ranks,shardforge_3ranks,shardforge_dry_run,accelerate
-    python benchmarks/merge_bench.py --size 4GB --contenders shardforge \
+    python benchmarks/merge_bench.py --size 4GB \\
+        --contenders copy,shardforge,shardforge_cast,shardforge_2ranks,shardforge_dry_run,accelerate
+    python benchmarks/merge_bench.py --size 4GB --contenders shardforge \\
         --format dcp,dcp-ranks,accelerate-bin,dcp-safetensors,dcp-safetensors-consolidated
 
 `--format` chooses how the checkpoint is saved (`bench_formats.py`: each by its trainer's own

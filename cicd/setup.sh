@@ -8,10 +8,14 @@ stamp="$VENV/.shardforge-installed"
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt cicd/constraints.txt ]; then
   exit 0
 fi
+echo "setup: installing shardforge and its tested dependencies into $VENV (a few minutes the first time; later runs reuse it)" >&2
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
+echo "setup: 1/3 torch (cicd/constraints.txt)" >&2
 "$VENV/bin/python" -m pip install -q -c cicd/constraints.txt torch
+echo "setup: 2/3 shardforge and its dependencies (.[dev])" >&2
 "$VENV/bin/python" -m pip install -q -c cicd/constraints.txt -e '.[dev]'
+echo "setup: 3/3 torchtitan (its parity test)" >&2
 # torchtitan for its parity test, without its requirements: it pins datasets<4.8 and asks for
 # torchdata and torch_checkpointing, which the model code the test imports does not use (its
 # imports tyro and einops come with the dev extra)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def generate(model_dir: str, prompt: str, max_new_tokens: int = 24) -> str:
+    transformers.logging.disable_progress_bar()  # the answer, not a "Loading weights" bar
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.eval()

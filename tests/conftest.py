@@ -17,7 +17,8 @@ in `SLOW_ELSEWHERE`; move each into its file (a decorator or `pytestmark`) when 
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+import tempfile
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import pytest
@@ -26,6 +27,26 @@ from helpers import children
 
 # the loopback S3 server (`s3_server`, one per test process) of the object-storage tests
 pytest_plugins = ("helpers.s3",)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temp_folders_under_pytests(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The temporary folders the code and its child processes make (staging areas, rank
+    scratch, torchrun's, a killed merge's leftovers) go under this session's pytest folder,
+    which pytest removes after a green run (tmp_path_retention_policy), not into /tmp."""
+    folder = tmp_path_factory.mktemp("TMPDIR")
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = None  # read TMPDIR again
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved
+        tempfile.tempdir = None
+
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -74,7 +74,7 @@ def test_a_missing_checkpoint_step(tmp_path: Path) -> None:
     result = invoke(cfg, "--step", "7", "--val_set_size", "0.1")
     assert result.exit_code == 1 and result.stdout == ""
     assert result.stderr.splitlines() == [
-        f"error: {tmp_path / 'x'}: no such directory, so no checkpoint to merge"
+        f"error: {tmp_path / 'x'}: no such directory: no checkpoint"
     ]
 
 

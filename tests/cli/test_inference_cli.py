@@ -92,7 +92,7 @@ def test_no_checkpoint_names_the_options(cfg: Path, tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     error = one_line_error(invoke(cfg, "--prompt", "Hi"))
     assert error.splitlines() == [
-        f"error: {tmp_path / 'out'}: directory is empty; no checkpoint to merge",
+        f"error: {tmp_path / 'out'}: an empty directory: the run has no checkpoint yet (train first)",
         "  or name the model: --model_dir DIR, --lora_model_dir DIR or --checkpoint PATH",
     ]
 

@@ -71,3 +71,12 @@ def test_python_module_entry_point_reports_errors_in_one_line() -> None:
     assert proc.stderr.strip().splitlines() == [
         "error: examples/tiny-llama.yml: sequence_len: must be > 0, got 0"
     ]
+
+
+def test_accelerates_launcher_spellings_point_to_ours() -> None:
+    for spelling, ours in (("--num-processes", "--nproc_per_node"), ("--num_machines", "--nnodes")):
+        result = CliRunner().invoke(command, ["examples/tiny-llama.yml", spelling, "2"])
+        assert result.exit_code == 2
+        assert result.output.strip() == (
+            f"error: no such option {spelling} (accelerate's launcher spelling): use {ours}"
+        )

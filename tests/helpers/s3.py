@@ -104,6 +104,7 @@ class S3Server:
     log: Path
     cmd: list[str] = field(default_factory=list)
     master_url: str = ""
+    ports: tuple[int, ...] = ()
     access_key: str = ACCESS_KEY
     secret_key: str = SECRET_KEY
     _buckets: list[str] = field(default_factory=list)
@@ -200,7 +201,12 @@ class S3Server:
         _wait_ready(self)
 
     def stop(self) -> None:
+        """The end of the tests: the server is killed (its graceful stop takes 15 s) and
+        reaped, and its sockets in /tmp (named by its ports) and its data removed."""
         self.kill()
+        for port in self.ports:
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
         shutil.rmtree(self.data, ignore_errors=True)
 
 
@@ -242,8 +248,11 @@ def start_server(folder: Path, volume_size_mb: int = 256) -> S3Server:
     ports = dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
     cmd = [
         str(weed_binary()),
+        f"-logdir={folder}",  # not /tmp
         "server",
         *FLAGS,
+        f"-filer.localSocket={folder / 'filer.sock'}",
+        f"-s3.localSocket={folder / 's3.sock'}",
         f"-dir={data}",
         f"-s3.config={_identities(folder / 's3-identities.json')}",
         f"-master.volumeSizeLimitMB={volume_size_mb}",
@@ -262,6 +271,7 @@ def start_server(folder: Path, volume_size_mb: int = 256) -> S3Server:
         log,
         cmd,
         f"http://127.0.0.1:{ports['master.port']}",
+        tuple(ports.values()),
     )
     _wait_ready(server)
     return server

@@ -138,8 +138,13 @@ def test_a_step_in_two_layouts_is_refused_not_picked_by_table_order(tmp_path: Pa
 def test_a_full_model_directory_is_explained(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="full Hugging Face model already"):
+    with pytest.raises(CheckpointError, match="full Hugging Face model already") as full:
         resolve_checkpoint(tmp_path)
+    assert "FULL_STATE_DICT" not in str(full.value) and "verify" not in str(full.value)
+    (tmp_path / "shardforge-manifest.json").write_text("{}")  # a merge's output
+    with pytest.raises(CheckpointError, match="already \\(merged") as merged:
+        resolve_checkpoint(tmp_path)
+    assert f"shardforge verify {tmp_path}" in str(merged.value)
 
 
 def rank_dir(path: Path, world_size: int = 2) -> Path:

@@ -265,6 +265,8 @@ def test_flex_and_varlen_runs_hook_the_decoder(base_cfg: dict[str, Any]) -> None
     for impl, path in (("flex_attention", "block_mask"), (VARLEN, "varlen")):
         cfg = validate_cfg({**base_cfg, "attn_implementation": impl})
         model = build_meta_model(cfg)
+        # as built on a GPU (this CPU replaces flex_attention, which it cannot train, by sdpa)
+        model.config._attn_implementation = impl
         assert use_packed_attention(model, cfg, CPU) == Choice(impl, path)
         hooks = list(model.get_decoder()._forward_pre_hooks.values())
         assert [type(h) for h in hooks] == [PackedInputs] and hooks[0].path == path

@@ -35,3 +35,14 @@ def test_data_files_infer_the_format_or_name_ds_type(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"test_datasets\[0\]\.path: directory .* holds no"):
         data_files(DatasetConfig(path=str(tmp_path / "empty")), "test_datasets[0]")
+
+
+def test_a_hub_data_set_id_is_told_it_is_not_downloaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="Hub data sets are not downloaded; save it locally"):
+        data_files(DatasetConfig(path="tatsu-lab/alpaca", type="alpaca"), "datasets[0]")
+    with pytest.raises(ConfigError) as missing:
+        data_files(DatasetConfig(path="data/train.jsonl"), "datasets[0]")
+    assert "check the path" in str(missing.value) and "Hub" not in str(missing.value)

@@ -168,3 +168,22 @@ def test_weights_in_object_storage_are_one_error_saying_what_to_do(tmp_path: Pat
         with pytest.raises(ShardforgeError, match=rf"^--{option} s3://runs/m: the model is "):
             _pick(_cfg(tmp_path), **{option: "s3://runs/m"})
     assert _pick(cfg, model_dir=BASE).path == BASE  # a local model with an s3:// run: fine
+
+
+def test_a_deep_manifest_beside_the_base_model_is_no_traceback(tmp_path: Path) -> None:
+    """The manifest a base model folder carries is read as untrusted JSON (io.files.read_json):
+    nested past the parser's recursion it is simply not this run's, not a RecursionError."""
+    from shardforge.sinks.manifest import MANIFEST
+    from shardforge.use.model import merged_from_run
+
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+    cfg = ShardforgeConfig(base_model=str(tmp_path / "base"), output_dir=str(tmp_path / "run"))
+    assert merged_from_run(cfg) is False
+
+
+def test_base_model_with_another_model_option_is_refused(tmp_path: Path) -> None:
+    cfg = ShardforgeConfig(base_model=str(tmp_path / "m"), output_dir=str(tmp_path / "run"))
+    for options in ({"model_dir": tmp_path / "d"}, {"step": 2}, {"checkpoint": tmp_path / "c"}):
+        with pytest.raises(ShardforgeError, match="each name the model; give one of them"):
+            pick(cfg, ModelRequest(**options), named_base=True)

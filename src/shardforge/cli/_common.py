@@ -172,6 +172,16 @@ def _option_names(command: click.Command) -> list[str]:
     return [o for p in command.params if isinstance(p, click.Option) for o in p.opts]
 
 
+# accelerate's launcher options (what `axolotl train --num-processes` passes on) -> ours
+LAUNCHER_SPELLINGS = {
+    "num_processes": "--nproc_per_node",
+    "num_machines": "--nnodes",
+    "machine_rank": "--node_rank",
+    "main_process_ip": "--rdzv_endpoint",
+    "main_process_port": "--rdzv_endpoint",
+}
+
+
 def check_options(ctx: click.Context, args: list[str]) -> list[str]:
     """The extra arguments of a command, all of which must be config overrides.
 
@@ -192,6 +202,9 @@ def check_options(ctx: click.Context, args: list[str]) -> list[str]:
         key = name.replace("-", "_").split(".", 1)[0]
         if key in keys:
             continue
+        ours = LAUNCHER_SPELLINGS.get(key)
+        if ours is not None and ours in options:
+            fail(f"no such option --{name} (accelerate's launcher spelling): use {ours}", 2)
         close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.7)
         if close:
             fail(f"no such option --{name}; did you mean {close[0]}?", 2)

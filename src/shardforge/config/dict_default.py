@@ -12,59 +12,48 @@ shardforge does not have, a template name) never stops a merge; `train` every ke
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from addict import Dict
+
 from shardforge.errors import ConfigError
 
 
-def _wrap(value: Any) -> Any:
-    if isinstance(value, Mapping) and not isinstance(value, DictDefault):
-        return DictDefault(value)
-    if isinstance(value, list):
-        return [_wrap(v) for v in value]
-    return value
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
-
-
-class DictDefault(dict[str, Any]):
-    """A dict whose keys read as attributes; a missing one reads as None (Axolotl's semantics).
-    Nested mappings (and mappings in lists) are DictDefaults too. `source` names where it was
-    read from, for the errors of the command that validates it."""
+class DictDefault(Dict):
+    """Axolotl's `DictDefault`: addict's `Dict` with a missing key read as None (no
+    auto-created child), nested mappings (also in lists, and when assigned) DictDefaults too.
+    `source` names where it was read from, for the errors of the command that validates it."""
 
     def __init__(self, data: Mapping[str, Any] | None = None, source: str = "<config>") -> None:
-        super().__init__({str(k): _wrap(v) for k, v in (data or {}).items()})
+        super().__init__({str(k): v for k, v in (data or {}).items()})
         object.__setattr__(self, "_source", source)
 
     @property
     def source(self) -> str:
-        return str(object.__getattribute__(self, "_source"))
+        try:
+            return str(object.__getattribute__(self, "_source"))
+        except AttributeError:  # made by addict's own copies (deepcopy, a nested hook)
+            return "<config>"
+
+    def __missing__(self, key: str) -> None:
+        return None
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
+        if name.startswith("__"):  # a protocol probe (copy, pickle, pydantic), not a key
             raise AttributeError(name)
-        return self.get(name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        self[name] = value
-
-    def __delattr__(self, name: str) -> None:
-        self.pop(name, None)
+        return self[name]
 
     def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(key, _wrap(value))
+        super().__setitem__(key, self._hook(value))
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dicts and lists all the way down."""
-        return {k: _plain(v) for k, v in self.items()}
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled and copied with its source
+        return (type(self), (self.to_dict(), self.source))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DictDefault:
+        return type(self)(copy.deepcopy(self.to_dict(), memo), self.source)
 
 
 def config_file(config: str | Path) -> Path:

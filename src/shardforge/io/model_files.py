@@ -19,7 +19,9 @@ from pathlib import Path
 from shardforge.errors import MergeError
 
 # the names transformers' tokenizers save their files under (and *.model, *.tiktoken,
-# *.jinja): what a model folder holds, and what staging fetches for a tokenizer (`io.mirror`)
+# *.jinja): what a model folder holds, what staging fetches for a tokenizer (`io.mirror`),
+# whether a folder has a tokenizer (`sinks.companions`), what a prepared data set's hash
+# reads of it besides its class's vocabulary files (`train.prepared_key`)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -29,7 +31,11 @@ TOKENIZER_FILES = (
     "vocab.txt",
     "merges.txt",
     "chat_template.json",
+    "chat_template.jinja",
+    "tokenizer.model",
 )
+# shardforge's integrity manifest of a merged folder (`sinks.manifest`)
+MERGE_MANIFEST = "shardforge-manifest.json"
 # the files a Hugging Face model folder holds, as a merge or `save_pretrained` writes them
 MODEL_FILES = (
     # weights and their indexes (the merge; save_pretrained's older .bin form; PEFT adapters)
@@ -59,7 +65,7 @@ MODEL_FILES = (
     "modeling_*.py",
     "tokenization_*.py",
     # shardforge's integrity manifest; the model card PEFT's save_pretrained writes
-    "shardforge-manifest.json",
+    MERGE_MANIFEST,
     "README.md",
 )
 # the one sub-folder a model folder holds (transformers' CHAT_TEMPLATE_DIR: *.jinja files)

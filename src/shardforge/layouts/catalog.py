@@ -23,6 +23,7 @@ from shardforge.formats.dcp.metadata import METADATA_FILE
 from shardforge.formats.registry import DCP
 from shardforge.formats.state import is_optimizer_key
 from shardforge.io.copy import session_memo
+from shardforge.io.model_files import MERGE_MANIFEST
 from shardforge.keymap.keys import TORCHTITAN
 from shardforge.layouts.layout import (
     CHECKPOINT_DIR,
@@ -223,9 +224,14 @@ def _nothing_found(r: Path, dirname: str | None) -> CheckpointError:
     if not any(r.iterdir()):
         return CheckpointError(f"{r}: directory is empty; no checkpoint to merge")
     if (r / "model.safetensors").is_file() or (r / "model.safetensors.index.json").is_file():
+        if (r / MERGE_MANIFEST).is_file():  # a merge's output
+            return CheckpointError(
+                f"{r}: holds a full Hugging Face model already (merged; no sharded checkpoint "
+                f"here): load it with from_pretrained, check it with `shardforge verify {r}`"
+            )
         return CheckpointError(
-            f"{r}: holds a full Hugging Face model already (FULL_STATE_DICT save) and no "
-            "sharded checkpoint; load it directly, there is nothing to merge"
+            f"{r}: holds a full Hugging Face model already (a merged or full save; no sharded "
+            "checkpoint here): load it with from_pretrained"
         )
     if list(r.glob("*.distcp")):
         return CheckpointError(

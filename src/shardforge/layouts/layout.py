@@ -28,6 +28,7 @@ from shardforge.formats.registry import (
     detect,
 )
 from shardforge.keymap.keys import TORCHTITAN
+from shardforge.layouts.trainer_state import STATE_FILE
 
 log = logging.getLogger("shardforge")
 
@@ -183,7 +184,7 @@ LAYOUTS: tuple[Layout, ...] = (
         (DCP,),
         "checkpoint-N/model/ (shardforge)",
         "optimizer/, trainer_state.json, rng_state_R.pt",
-        marker="trainer_state.json",
+        marker=STATE_FILE,
     ),
     Layout(
         "hf-trainer",

@@ -7,19 +7,18 @@ Torch-free (finding files and reading folder names only), so that the merge's he
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shardforge.config.schema import ShardforgeConfig
-from shardforge.errors import MergeError
+from shardforge.errors import CheckpointError, MergeError
 from shardforge.io.mirror import staging
 from shardforge.io.readahead import prefetch
 from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import LAST, Candidate, list_checkpoints, resolve_checkpoint
-from shardforge.layouts.layout import layout_named
+from shardforge.layouts.trainer_state import read_state
 from shardforge.merge.options import one_error
 from shardforge.merge.request import MergeRequest
 from shardforge.sinks.companions import has_tokenizer
@@ -39,25 +38,14 @@ class MergeSources:
     recorded_dtype: str | None = None  # the base model's stored dtype, recorded by train
 
 
-# a shardforge checkpoint's trainer state (`train.checkpointing.STATE_FILE`, the layout's marker)
-STATE_FILE = layout_named("shardforge").marker or "trainer_state.json"
-STATE_FILE_LIMIT = 1 << 20  # larger is not a trainer state this reads
-
-
 def recorded_dtype(candidate: Candidate) -> str | None:
     """The base model's stored dtype that `shardforge train` recorded in the checkpoint
     (`base_dtype` of the trainer_state.json beside its model folder), None when there is none
     (another trainer's checkpoint, a run of an older shardforge)."""
-    path = candidate.model_dir.parent / STATE_FILE
     try:
-        if not path.is_file() or path.stat().st_size > STATE_FILE_LIMIT:
-            return None
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        value = read_state(candidate.model_dir.parent).get("base_dtype")
+    except (CheckpointError, OSError):
         return None
-    if not isinstance(data, dict) or data.get("format") != "shardforge":
-        return None
-    value = data.get("base_dtype")
     return value if isinstance(value, str) else None
 
 

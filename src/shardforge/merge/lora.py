@@ -189,14 +189,15 @@ def base_sources(
 
 def _log_adapter(adapter: Adapter) -> None:
     s = adapter.settings
+    saved = len(adapter.names.replacements)  # modules_to_save: trained in full
     log.info(
-        "adapter: %s (r=%d, lora_alpha=%g%s, %d adapted modules, %d saved tensors)",
+        "adapter: %s (r=%d, lora_alpha=%g%s, %d adapted modules%s)",
         adapter.directory,
         s.r,
         s.lora_alpha,
         ", rsLoRA" if s.use_rslora else "",
         len(adapter.names.pairs),
-        len(adapter.names.replacements),
+        f", {saved} tensors trained in full (modules_to_save)" if saved else "",
     )
 
 

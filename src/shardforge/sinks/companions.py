@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardforge.errors import MergeError, shown
+from shardforge.io.model_files import TOKENIZER_FILES
 
 if TYPE_CHECKING:
     import torch
@@ -16,7 +17,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardforge")
 
 GENERATION_CONFIG = "generation_config.json"
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def has_tokenizer(directory: Path) -> bool:

@@ -32,9 +32,10 @@ from shardforge.formats.base import SourceFile, TensorSource
 from shardforge.formats.registry import format_named
 from shardforge.io.digest import FileHash
 from shardforge.io.mirror import public_name
+from shardforge.io.model_files import MERGE_MANIFEST
 from shardforge.version import __version__
 
-MANIFEST = "shardforge-manifest.json"
+MANIFEST = MERGE_MANIFEST
 MANIFEST_FORMAT = "shardforge-manifest"
 MANIFEST_VERSION = 1
 # Turned off, no manifest is written and nothing is hashed (benchmarks/merge_bench.py's

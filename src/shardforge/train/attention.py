@@ -179,6 +179,13 @@ def choose(
     flex_why = flex_missing(device)
     if flex_why is None:
         return Choice("flex_attention", "block_mask", _switched("flex_attention", "a BlockMask"))
+    if device.type == "cpu":  # what every CPU run does: said in one short line
+        return Choice(
+            impl,
+            "transformers",
+            "sample_packing with attn_implementation sdpa on "
+            "cpu: a dense mask per batch (CPUs run no packed kernel)",
+        )
     why = varlen_why if half or device.type != "cuda" else "varlen_attn needs bf16 or fp16"
     return Choice(
         impl,

@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 
 from shardforge.errors import CheckpointError
-from shardforge.io.files import read_json
 from shardforge.io.fs import fsync_dir
 from shardforge.io.mirror import mirrored, staging
 from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import scan
 from shardforge.layouts.layout import Candidate, layout_named
+from shardforge.layouts.trainer_state import FORMAT, FORMAT_VERSION, STATE_FILE, read_state
 from shardforge.train.remote_run import RemoteOutput
 
 log = logging.getLogger("shardforge")
@@ -45,9 +45,6 @@ log = logging.getLogger("shardforge")
 LAYOUT = "shardforge"  # our row of the layouts table
 MODEL_DIR = "model"
 OPTIMIZER_DIR = "optimizer"
-STATE_FILE = "trainer_state.json"
-FORMAT = "shardforge"
-FORMAT_VERSION = 1
 RNG_FILE = "rng_state_{rank}.pt"
 
 
@@ -74,13 +71,7 @@ class TrainerState:
 
     @classmethod
     def read(cls, path: Path) -> TrainerState:
-        data = read_json(path / STATE_FILE)  # its size capped; one line when it is not JSON
-        if (
-            not isinstance(data, dict)
-            or data.get("format") != FORMAT
-            or data.get("format_version") != FORMAT_VERSION
-        ):
-            raise CheckpointError(f"{path / STATE_FILE}: not a shardforge v1 trainer state")
+        data = read_state(path)  # its size capped; one line when it is not one
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import shown
+from shardforge.io.model_files import TOKENIZER_FILES
 from shardforge.train.readers import data_files
 
 # the layout of a prepared folder (manifest and columns); a new one prepares everything anew
@@ -62,15 +63,6 @@ TOKEN_KEYS: dict[str, str | None] = {
 # prepares nothing anew; an edited tokenizer.json does).
 TOKENIZER_SOURCE_KEYS: tuple[str, ...] = ("tokenizer_config", "base_model")
 
-# the files transformers reads a tokenizer from, besides its class's vocabulary files
-TOKENIZER_FILES: tuple[str, ...] = (
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 # a folder of named chat templates beside them
 TEMPLATES_DIR = "additional_chat_templates"
 # the data sets' config keys

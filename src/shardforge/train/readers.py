@@ -11,6 +11,7 @@ A problem names the entry's key (`datasets[0].path`, `.ds_type`, `.split`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,10 @@ def _config_files(folder: Path, name: str, key: str) -> list[Path]:
     )
 
 
+# what a Hub data set id looks like (`tatsu-lab/alpaca`): owner/name, no file extension
+_HUB_ID = re.compile(r"[\w.-]+/[\w-]+")
+
+
 def _as_list(value: str | list[str]) -> list[str]:
     return [value] if isinstance(value, str) else [str(v) for v in value]
 
@@ -128,8 +133,14 @@ def _paths(entry: dict[str, Any]) -> list[str]:
 def _entry_files(ds: DatasetConfig, key: str) -> list[Path]:
     path = Path(ds.path)
     if not path.exists():
-        hub = " (a Hub data set: nothing is downloaded; save it locally)" if ds.name else ""
-        raise ConfigError(f"{key}.path", [f"data file {path} not found{hub}; check the path"])
+        if ds.name or _HUB_ID.fullmatch(ds.path):
+            why = (
+                f"data file {path} not found: a Hub data set id? Hub data sets are not "
+                "downloaded; save it locally (datasets.load_dataset(...).to_json('data.jsonl')) "
+                "and set path to the file"
+            )
+            raise ConfigError(f"{key}.path", [why])
+        raise ConfigError(f"{key}.path", [f"data file {path} not found; check the path"])
     if ds.name and path.is_dir():
         return _config_files(path, ds.name, key)
     if ds.data_files and path.is_dir():

@@ -19,7 +19,6 @@ source lies under output_dir): output_dir is then not looked at.
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from shardforge.config.chat_templates import resolve_chat_template
 from shardforge.config.peft import ADAPTER_CONFIG
 from shardforge.config.schema import ShardforgeConfig, names_object_storage
 from shardforge.errors import CheckpointError, ShardforgeError
+from shardforge.io.files import read_json
 from shardforge.io.publish import sigterm_as_interrupt
 from shardforge.layouts.catalog import FULL_WEIGHTS, LAST, resolve_checkpoint
 from shardforge.merge.api import merge_fsdp_weights
@@ -104,8 +104,10 @@ def _checkpoint(root: Path, step: int | None, how: str, named: bool = True) -> P
     """Checkpoint `step` (None: the latest) under `root`; `named`: the options named it (else
     the error says how to name a model)."""
     hint = [] if named else [NAME_ONE]
-    if not root.exists():
-        raise CheckpointError(f"{root}: no such directory, so no checkpoint to merge", hint)
+    if not root.exists() or (root.is_dir() and not any(root.iterdir())):
+        what = "no such directory" if not root.exists() else "an empty directory"
+        why = "no checkpoint" if named else "the run has no checkpoint yet (train first)"
+        raise CheckpointError(f"{root}: {what}: {why}", hint)
     try:
         found = resolve_checkpoint(root, step)
     except CheckpointError as exc:
@@ -130,11 +132,11 @@ def merged_from_run(cfg: ShardforgeConfig) -> bool:
     base = Path(cfg.base_model)
     if names_object_storage(cfg.output_dir) or not (base / MANIFEST).is_file():
         return False
-    try:
-        sources = json.loads((base / MANIFEST).read_text(encoding="utf-8")).get("source") or []
+    try:  # read as untrusted JSON: its size capped, its nesting bounded
+        sources = read_json(base / MANIFEST).get("source") or []
         out = Path(cfg.output_dir).resolve()
         return any(Path(s["location"]).resolve().is_relative_to(out) for s in sources)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (CheckpointError, OSError, ValueError, TypeError, KeyError, AttributeError):
         return False  # not a manifest this reads: the run's own weights, as without one
 
 
@@ -153,6 +155,14 @@ def pick(cfg: ShardforgeConfig, request: ModelRequest, named_base: bool = False)
     the user gave --base_model on the command line), else the run's own (see the module's
     doc)."""
     named = (request.model_dir, request.lora_model_dir, request.checkpoint)  # local (parsed)
+    other = (
+        request.model_dir is not None or request.checkpoint is not None or request.step is not None
+    )
+    if named_base and other:  # --lora_model_dir goes with it: the adapter's base
+        raise ShardforgeError(
+            "--base_model and --model_dir/--checkpoint/--step each name the model; give one of "
+            "them (--base_model with --lora_model_dir: that adapter over that base)"
+        )
     base_named = cfg.adapter is None and all(p is None for p in named) and request.step is None
     if base_named and named_base:
         return _base_model(cfg, "--base_model")
