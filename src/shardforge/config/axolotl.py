@@ -199,7 +199,7 @@ def _refused(value: Any, refused: tuple[Any, ...]) -> bool:
 def command_scope(command: str, data: Mapping[str, Any]) -> frozenset[str] | None:
     """The keys `command` reads of this config (None: every key)."""
     scope = COMMAND_KEYS[command]
-    if command == "merge" and scope is not None and data.get("adapter") != "lora":
+    if command == "merge" and scope is not None and data.get("adapter") not in ("lora", "qlora"):
         return scope - LORA_RUN_KEYS
     return scope
 

@@ -25,6 +25,7 @@ from shardforge.train.model import (
     wrap_classes,
 )
 from shardforge.train.packing import check_packing
+from shardforge.train.quant import check_quant
 from shardforge.train.readers import data_files
 from shardforge.train.remote_run import checkpoint_folder
 from shardforge.train.remote_run import problems as remote_problems
@@ -248,6 +249,7 @@ CHECKS: tuple[Check, ...] = (
     check_output,
     check_resume,
     check_device,
+    check_quant,
 )
 # what preparing the data sets needs (`shardforge preprocess`): data files and the tokenizer
 DATA_CHECKS: tuple[Check, ...] = (check_datasets, check_eval, check_tokenizer)
