@@ -40,7 +40,7 @@ from shardforge.train.diagnostics import StepMemory, report_sharding
 from shardforge.train.eval import Evaluator
 from shardforge.train.full_save import save_full_model
 from shardforge.train.lora import prepare_lora, save_adapter
-from shardforge.train.quant import quant_kind, quantize_base
+from shardforge.train.quant import quant_kind, quantize_base, unsharded
 from shardforge.train.loss import describe as describe_loss
 from shardforge.train.model import (
     build_meta_model,
@@ -339,8 +339,8 @@ class Trainer:
         check_packing(cfg, model)  # sample_packing needs attention that keeps samples apart
         use_packed_attention(model, cfg, rt.device, rt.is_main)  # packed: no dense mask
         weights = prepare_lora(model, cfg, rt.is_main) if cfg.adapter else None
-        quantized = quantize_base(model, cfg, self.mesh) if quant_kind(cfg) else None
-        shard_model(model, cfg, device_mesh(rt, self.mesh))
+        quantized = quantize_base(model, cfg, self.mesh) if quant_kind(cfg) else set()
+        shard_model(model, cfg, device_mesh(rt, self.mesh), unsharded(model, quantized, self.mesh))
         materialize_and_load(model, cfg, rt.device, rt.rank, weights, quantized)
         del weights
         report_sharding(model, cfg, rt, self.mesh)

@@ -154,8 +154,11 @@ def compute_dtypes(cfg: ShardforgeConfig) -> tuple[torch.dtype | None, torch.dty
     return (torch_dtype(param) if param else None, torch_dtype(reduce) if reduce else None)
 
 
-def shard_model(model: nn.Module, cfg: ShardforgeConfig, mesh: Any) -> nn.Module:
-    """Apply fully_shard to every transformer block, then to the root module."""
+def shard_model(
+    model: nn.Module, cfg: ShardforgeConfig, mesh: Any, ignored: set[nn.Parameter] | None = None
+) -> nn.Module:
+    """Apply fully_shard to every transformer block, then to the root module (`ignored`:
+    parameters FSDP2 leaves alone, see `quant.unsharded`)."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         MixedPrecisionPolicy,
@@ -171,6 +174,8 @@ def shard_model(model: nn.Module, cfg: ShardforgeConfig, mesh: Any) -> nn.Module
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy() if cfg.fsdp.offload_params else OffloadPolicy(),
     }
+    if ignored:
+        kwargs["ignored_params"] = ignored
     if cfg.fsdp.activation_checkpointing or cfg.gradient_checkpointing:
         enable = getattr(model, "gradient_checkpointing_enable", None)
         if enable is None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -146,19 +147,26 @@ def nf4_scaler_block(shape: torch.Size, shards: int) -> int | None:
     return None
 
 
+# the parts of a lora_modules_to_save wrapper: the frozen original and the trained copy
+_WRAPPED = re.compile(r"(^|\.)(original_module|modules_to_save)(\.|$)")
+
+
 def _skipped(name: str, skip: list[str]) -> bool:
     return any(name == s or name.endswith("." + s) for s in skip)
 
 
 def _frozen_linears(model: nn.Module, skip: list[str]) -> Iterator[tuple[str, nn.Linear]]:
     """Every nn.Linear whose weight is frozen (a LoRA layer's base layer, an unadapted linear),
-    except the output layer and the `skip` names (a LoRA layer's base layer counts as the
-    LoRA layer's name)."""
+    except the output layer (and a `lora_modules_to_save` copy of it), a weight tied to an
+    embedding and the `skip` names (a LoRA layer's base layer counts as the LoRA layer's
+    name)."""
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or module is output:
+        if not isinstance(module, nn.Linear) or module is output or _WRAPPED.search(name):
             continue
-        if module.weight.requires_grad or module.weight.dim() != 2:
+        weight = module.weight
+        if weight.requires_grad or weight.dim() != 2 or id(weight) in embedded:  # tied
             continue
         if _skipped(name.removesuffix(".base_layer"), skip):
             continue
@@ -172,8 +180,10 @@ def quantize_base(model: nn.Module, cfg: ShardforgeConfig, mesh: tuple[int, ...]
     if len(mesh) != 1:
         raise ConfigError(
             "load_in_4bit" if kind == "nf4" else "load_in_8bit",
-            ["quantized base weights are sharded over one mesh dimension: HSDP "
-             "(dp_replicate_size, fsdp.hybrid_shard) is not supported with them yet"],
+            [
+                "quantized base weights are sharded over one mesh dimension: HSDP "
+                "(dp_replicate_size, fsdp.hybrid_shard) is not supported with them yet"
+            ],
         )
     shards = mesh[0]
     nf4, int8 = _subclasses()
@@ -204,6 +214,16 @@ def quantize_base(model: nn.Module, cfg: ShardforgeConfig, mesh: tuple[int, ...]
     return names
 
 
+def unsharded(model: nn.Module, names: set[str], mesh: tuple[int, ...]) -> set[nn.Parameter]:
+    """The quantized parameters FSDP2 must leave alone: all of them on one rank, where torch's
+    FSDP2 takes a shortcut (`FSDPParamGroup.wait_for_unshard` at world size 1) that copies only
+    the first of the tensors a tensor subclass all-gathers (NF4 has three, int8 two); one rank
+    holds them whole anyway. None elsewhere."""
+    if mesh != (1,):
+        return set()
+    return {p for n, p in model.named_parameters() if n in names}
+
+
 def load_quantized(
     model: nn.Module, full: dict[str, torch.Tensor], names: set[str], device: torch.device
 ) -> None:
@@ -216,10 +236,11 @@ def load_quantized(
     params = dict(model.named_parameters())
     for name in sorted(names):
         param = params[name]
-        assert isinstance(param, DTensor), name
-        mesh = param.device_mesh  # 1-D (quantize_base)
-        index, shards = mesh.get_local_rank(), mesh.size()
-        local = param._local_tensor
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh  # 1-D (quantize_base)
+            index, shards, local = mesh.get_local_rank(), mesh.size(), param._local_tensor
+        else:  # left out of FSDP2 (`unsharded`)
+            index, shards, local = 0, 1, param
         if dist.get_rank() == 0:
             whole = full.pop(name).to(device=device, dtype=torch.float32).contiguous()
         else:
