@@ -227,7 +227,7 @@ def test_quantized_runs_refuse_what_they_cannot_do(tmp_path: Path, qwen_base: Pa
             "bnb_4bit_quant_storage": "bfloat16",
         },
     )
-    assert "the run computes in torch.float32" in check_quant(cfg)[0][1]
+    assert "the run computes in torch.float32" in check_quant(cfg, None)[0][1]
     with pytest.raises(ConfigError, match="HSDP"):
         quantize_base(_meta_model(cfg), cfg, (2, 2))
 
@@ -241,5 +241,5 @@ def test_a_missing_torchao_names_the_extra(
     for module in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
         monkeypatch.delitem(sys.modules, module)
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao raises ImportError
-    ((key, problem),) = check_quant(cfg)
+    ((key, problem),) = check_quant(cfg, None)
     assert key == "load_in_8bit" and "pip install 'shardforge[quant]'" in problem

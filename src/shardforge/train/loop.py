@@ -40,7 +40,6 @@ from shardforge.train.diagnostics import StepMemory, report_sharding
 from shardforge.train.eval import Evaluator
 from shardforge.train.full_save import save_full_model
 from shardforge.train.lora import prepare_lora, save_adapter
-from shardforge.train.quant import quant_kind, quantize_base, unsharded
 from shardforge.train.loss import describe as describe_loss
 from shardforge.train.model import (
     build_meta_model,
@@ -58,6 +57,7 @@ from shardforge.train.optim import (
 )
 from shardforge.train.packing import check_packing
 from shardforge.train.prepared import prepared_datasets
+from shardforge.train.quant import quant_kind, quantize_base, unsharded
 from shardforge.train.remote_run import (
     RemoteOutput,
     RunFiles,

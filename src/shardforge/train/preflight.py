@@ -21,6 +21,7 @@ from shardforge.train.model import (
     WEIGHT_FILES,
     WEIGHT_INDEX_FILES,
     build_meta_model,
+    compute_dtypes,
     load_model_config,
     wrap_classes,
 )
@@ -237,6 +238,11 @@ def check_device(cfg: ShardforgeConfig) -> list[Problem]:
     return out
 
 
+def check_quantized(cfg: ShardforgeConfig) -> list[Problem]:
+    """load_in_4bit / load_in_8bit: torchao installed, the compute dtype agreed (`quant`)."""
+    return check_quant(cfg, compute_dtypes(cfg)[0])
+
+
 Check = Callable[[ShardforgeConfig], list[Problem]]
 
 CHECKS: tuple[Check, ...] = (
@@ -249,7 +255,7 @@ CHECKS: tuple[Check, ...] = (
     check_output,
     check_resume,
     check_device,
-    check_quant,
+    check_quantized,
 )
 # what preparing the data sets needs (`shardforge preprocess`): data files and the tokenizer
 DATA_CHECKS: tuple[Check, ...] = (check_datasets, check_eval, check_tokenizer)

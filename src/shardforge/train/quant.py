@@ -28,7 +28,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -84,12 +84,11 @@ def _subclasses() -> tuple[type[Any], type[Any]]:
     return NF4Tensor, Int8QuantizedTrainingLinearWeight
 
 
-def check_quant(cfg: ShardforgeConfig) -> list[tuple[str, str]]:
+def check_quant(cfg: ShardforgeConfig, compute: torch.dtype | None) -> list[tuple[str, str]]:
     """Preflight: the package a quantized run needs is installed; bnb_4bit_compute_dtype, if
-    set, is the dtype the run computes in (the dequantized weight meets the activations in it:
-    `bf16` / `fp16` / fsdp.mixed_precision, else float32)."""
+    set, is `compute`, the dtype the run computes in (the dequantized weight meets the
+    activations in it: `bf16` / `fp16` / fsdp.mixed_precision; None: float32)."""
     from shardforge.config.schema_lora import bnb_dtype
-    from shardforge.train.model import compute_dtypes
 
     if quant_kind(cfg) is None:
         return []
@@ -99,7 +98,7 @@ def check_quant(cfg: ShardforgeConfig) -> list[tuple[str, str]]:
     except ConfigError as exc:
         return [(key, exc.problems[0])]
     wanted = (cfg.bnb_config_kwargs or {}).get("bnb_4bit_compute_dtype")
-    runs = compute_dtypes(cfg)[0] or torch.float32
+    runs = compute or torch.float32
     if wanted is not None and bnb_dtype(wanted) != str(runs).removeprefix("torch."):
         return [
             (
@@ -120,7 +119,7 @@ def _register_int8_empty_like(cls: type[Any]) -> None:
     if cls in _REGISTERED:
         return
 
-    @cls.implements(torch.ops.aten.empty_like.default)  # type: ignore[misc]
+    @cls.implements(torch.ops.aten.empty_like.default)
     def _empty_like(func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         device = (kwargs or {}).get("device")
         weight = args[0]
@@ -160,7 +159,8 @@ def _frozen_linears(model: nn.Module, skip: list[str]) -> Iterator[tuple[str, nn
     except the output layer (and a `lora_modules_to_save` copy of it), a weight tied to an
     embedding and the `skip` names (a LoRA layer's base layer counts as the LoRA layer's
     name)."""
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_output: Any = getattr(model, "get_output_embeddings", None)
+    output = get_output() if get_output is not None else None
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or module is output or _WRAPPED.search(name):
@@ -241,6 +241,7 @@ def load_quantized(
             index, shards, local = mesh.get_local_rank(), mesh.size(), param._local_tensor
         else:  # left out of FSDP2 (`unsharded`)
             index, shards, local = 0, 1, param
+        local = cast(Any, local)  # a torchao subclass
         if dist.get_rank() == 0:
             whole = full.pop(name).to(device=device, dtype=torch.float32).contiguous()
         else:
@@ -251,7 +252,7 @@ def load_quantized(
         else:
             quantized = type(local).from_float(whole)
         del whole
-        chunk = torch.chunk(quantized, shards, dim=0)[index]
+        chunk: Any = torch.chunk(quantized, shards, dim=0)[index]
         with torch.no_grad():
             local.copy_(chunk)
         if isinstance(local, nf4):  # not inner tensors: left on the meta device by to_empty
