@@ -72,8 +72,8 @@ def test_a_resume_on_one_rank_gives_the_uninterrupted_losses(
     }
     assert do_train(write_config(tmp_path / "cfg.yml", cfg), [], "python") == 0
     got, want = losses(out), losses(run.out)
-    for step in (3, 4):
-        assert math.isclose(got[step], want[step], rel_tol=1e-6), (step, got[step], want[step])
+    for step in (3, 4):  # 1 vs 2 ranks: the sums of the dequantized matmuls in another order
+        assert math.isclose(got[step], want[step], rel_tol=1e-5), (step, got[step], want[step])
 
 
 def _ids() -> torch.Tensor:

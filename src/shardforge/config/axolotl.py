@@ -66,6 +66,15 @@ LORA_RUN_KEYS = frozenset(
         "lora_modules_to_save",
         "peft_use_rslora",
         "peft_use_dora",
+        "lora_fan_in_fan_out",
+        "lora_rank_pattern",
+        "lora_alpha_pattern",
+        "peft_layers_to_transform",
+        "peft_layers_pattern",
+        # a QLoRA / 8-bit run's adapter is a LoRA adapter; the keys keep its config valid
+        "load_in_4bit",
+        "load_in_8bit",
+        "bnb_config_kwargs",
     }
 )
 
