@@ -299,7 +299,9 @@ def config_for(
 # -- one variant, in this process ----------------------------------------------------------------
 
 
-def random_weights(model: Any, cfg: Any, device: Any, rank: int, weights: Any = None) -> None:
+def random_weights(
+    model: Any, cfg: Any, device: Any, rank: int, weights: Any = None, quantized: Any = None
+) -> None:
     """In place of `materialize_and_load`: the local shards on the device, drawn at random
     (norm weights 1), the computed buffers kept."""
     import torch

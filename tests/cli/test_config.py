@@ -132,13 +132,13 @@ def test_the_three_spellings_of_load_cfg_are_what_docs_config_md_says(tmp_path: 
     path = tmp_path / "cfg.yml"
     path.write_text(yaml.safe_dump({"base_model": "org/model", "optimizer": "paged_adamw_8bit"}))
     axolotl_style = load_cfg(path)  # not validated: a value train refuses is kept
-    assert isinstance(axolotl_style, DictDefault) and axolotl_style.load_in_8bit is None
+    assert isinstance(axolotl_style, DictDefault) and axolotl_style.gptq is None
     axolotl_style.seed = 3  # writable
     with pytest.raises(ConfigError, match="optimizer"):
         shardforge.load_cfg(path)  # every key validated at once
     path.write_text(yaml.safe_dump({"base_model": "org/model"}))
     typed = shardforge.load_cfg(path)
-    assert isinstance(typed, ShardforgeConfig) and typed.get("load_in_8bit") is None
+    assert isinstance(typed, ShardforgeConfig) and typed.get("gptq") is None
     with pytest.raises(AttributeError, match="did you mean"):
         typed.seeed  # noqa: B018
     with pytest.raises(ConfigReadOnlyError):

@@ -39,8 +39,9 @@ def test_train_refuses_unsupported_features_one_line_each(tmp_path: Path) -> Non
         tmp_path,
         {
             "base_model": "m",
-            "adapter": "qlora",  # lora is implemented, qlora is not
-            "load_in_4bit": True,
+            "adapter": "lora",
+            "peft_use_dora": True,  # the key is implemented, this value is not
+            "relora": True,
             "early_stopping_patience": 3,
             "deepspeed": "zero3.json",
             "comet_project_name": "",  # an empty placeholder
@@ -60,7 +61,7 @@ def test_train_refuses_unsupported_features_one_line_each(tmp_path: Path) -> Non
         )
         for p in problems
     ), problems
-    for key in ("adapter", "load_in_4bit", "deepspeed"):
+    for key in ("peft_use_dora", "relora", "deepspeed"):
         assert any(p.startswith(f"{key}: ") and "not supported" in p for p in problems), key
     # the default (all commands) accepts them with one notice
     cfg = load_cfg(p)
@@ -175,7 +176,7 @@ def test_scoped_commands_read_only_their_keys(
         {
             "base_model": "m",
             "output_dir": "o",
-            "adapter": "qlora",
+            "rl": "dpo",  # a feature train does not have: not read here
             "lr_scheduler": "one_cycle",  # an Axolotl value we do not support: not read here
             "fsdp_config": {"fsdp_sharding_strategy": "NO_SHARD"},
             "something_new_in_axolotl": 3,

@@ -36,9 +36,9 @@ def test_reads_as_attributes_items_and_get(path: Path) -> None:
     assert cfg.fsdp.mixed_precision.param_dtype is None
     assert cfg.datasets[0].path == cfg["datasets"][0]["path"] == "a.jsonl"
     # a key the config does not have (an Axolotl key, a typo) reads as None through get
-    assert cfg.get("load_in_8bit") is None
-    assert cfg.get("load_in_8bit", False) is False
-    assert "fsdp" in cfg and "load_in_8bit" not in cfg
+    assert cfg.get("gptq") is None
+    assert cfg.get("gptq", False) is False
+    assert "fsdp" in cfg and "gptq" not in cfg
     assert list(cfg.keys()) == list(ShardforgeConfig.model_fields)
     assert dict(cfg.items())["learning_rate"] == 0.001
     assert dict(cfg)["seed"] == 42
@@ -58,7 +58,7 @@ def test_unknown_key_suggests_at_every_level(path: Path) -> None:
         _ = cfg.fsdp.ofload_params
     with pytest.raises(KeyError, match="did you mean 'path'"):
         _ = cfg.datasets[0]["pth"]
-    assert not hasattr(cfg, "load_in_8bit")
+    assert not hasattr(cfg, "gptq")
 
 
 @pytest.mark.parametrize(

@@ -208,6 +208,8 @@ LORA = {
     "lora_target_modules": ["q_proj", "v_proj"],
     "learning_rate": 2.0e-2,
 }
+# QLoRA: LORA over NF4 base weights
+QLORA = {"adapter": "qlora", "load_in_4bit": True}
 # a held-out split evaluated before the first step, every 2 steps and after the last (0, 2, 4,
 # 5), in the same chunks at any world size
 EVALUATED = {
@@ -239,9 +241,20 @@ def _shared_runs(base: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
     torch_compile (backend aot_eager: inductor's C++ compile would take minutes here);
     merging: merge_on_save, save_total_limit 2; packed: windows of 96 tokens (several samples
     each); full-state-dict: FULL_STATE_DICT; lora-llama: `LORA`; lora-qwen: a tied-embedding
-    Qwen2 (root/qwen-base) with every linear layer adapted and the embedding trained (4 steps).
+    Qwen2 (root/qwen-base) with every linear layer adapted and the embedding trained (4 steps);
+    qlora-* / int8-*: lora-llama and lora-qwen over NF4 / int8 base weights (4 steps).
     """
     fsdp = base["fsdp"]
+    lora_qwen = {
+        **LORA,
+        "base_model": str(root / "qwen-base"),
+        "max_steps": 4,
+        "lora_target_linear": True,
+        "lora_target_modules": None,
+        "lora_modules_to_save": ["embed_tokens", "lm_head"],
+        "fsdp": {"transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]},
+    }
+    four_bit, eight_bit = QLORA, {"load_in_8bit": True}
     return {
         "reference": {},
         "evaluated": EVALUATED,
@@ -252,15 +265,11 @@ def _shared_runs(base: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
         "eager-10": UNSAVED_10,
         "compiled-10": {**UNSAVED_10, "torch_compile": True, "torch_compile_backend": "aot_eager"},
         "lora-llama": LORA,
-        "lora-qwen": {
-            **LORA,
-            "base_model": str(root / "qwen-base"),
-            "max_steps": 4,
-            "lora_target_linear": True,
-            "lora_target_modules": None,
-            "lora_modules_to_save": ["embed_tokens", "lm_head"],
-            "fsdp": {"transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]},
-        },
+        "lora-qwen": lora_qwen,
+        "qlora-llama": {**LORA, **four_bit, "max_steps": 4},
+        "qlora-qwen": {**lora_qwen, **four_bit},
+        "int8-llama": {**LORA, **eight_bit, "max_steps": 4},
+        "int8-qwen": {**lora_qwen, **eight_bit},
     }
 
 

@@ -66,6 +66,15 @@ LORA_RUN_KEYS = frozenset(
         "lora_modules_to_save",
         "peft_use_rslora",
         "peft_use_dora",
+        "lora_fan_in_fan_out",
+        "lora_rank_pattern",
+        "lora_alpha_pattern",
+        "peft_layers_to_transform",
+        "peft_layers_pattern",
+        # a QLoRA / 8-bit run's adapter is a LoRA adapter; the keys keep its config valid
+        "load_in_4bit",
+        "load_in_8bit",
+        "bnb_config_kwargs",
     }
 )
 
@@ -199,7 +208,7 @@ def _refused(value: Any, refused: tuple[Any, ...]) -> bool:
 def command_scope(command: str, data: Mapping[str, Any]) -> frozenset[str] | None:
     """The keys `command` reads of this config (None: every key)."""
     scope = COMMAND_KEYS[command]
-    if command == "merge" and scope is not None and data.get("adapter") != "lora":
+    if command == "merge" and scope is not None and data.get("adapter") not in ("lora", "qlora"):
         return scope - LORA_RUN_KEYS
     return scope
 

@@ -71,6 +71,13 @@ def lora_config(
         target_modules=targets,
         modules_to_save=list(cfg.lora_modules_to_save) if cfg.lora_modules_to_save else None,
         use_rslora=cfg.peft_use_rslora,
+        fan_in_fan_out=cfg.lora_fan_in_fan_out,
+        rank_pattern=dict(cfg.lora_rank_pattern or {}),
+        alpha_pattern=dict(cfg.lora_alpha_pattern or {}),
+        layers_to_transform=list(cfg.peft_layers_to_transform)
+        if cfg.peft_layers_to_transform is not None
+        else None,
+        layers_pattern=list(cfg.peft_layers_pattern) if cfg.peft_layers_pattern else None,
         bias="none",
         task_type="CAUSAL_LM",
         ensure_weight_tying=tied and bool(cfg.lora_modules_to_save),

@@ -19,7 +19,7 @@ from pydantic import ValidationInfo, field_validator, model_validator
 from shardforge.config.paths import local_path, names_object_storage
 from shardforge.config.schema_data import DataKeys, DatasetConfig, DatasetType
 from shardforge.config.schema_fsdp import DType, FsdpConfig, MixedPrecisionConfig, ShardingKeys
-from shardforge.config.schema_lora import LoraKeys
+from shardforge.config.schema_lora import LoraKeys, QuantKeys
 from shardforge.config.schema_model import STORAGE_SECRET_KEYS, ModelKeys
 from shardforge.config.schema_optim import OptimKeys
 from shardforge.config.schema_train import CheckpointKeys, EvalKeys, PrecisionKeys, SaveExtrasKeys
@@ -42,6 +42,7 @@ class ShardforgeConfig(
     SaveExtrasKeys,
     EvalKeys,
     ShardingKeys,
+    QuantKeys,
     LoraKeys,
     CheckpointKeys,
     PrecisionKeys,

@@ -131,7 +131,7 @@ def open_lora(
     found = _checkpoint_adapter_config(model_dir)
     if found is not None:
         data, where = found
-    elif cfg.adapter == "lora":
+    elif cfg.adapter in ("lora", "qlora"):
         tied = bool(expected.tied)
         config = lora_config(cfg, cfg.base_model, tied, expected.linear_names)
         data = adapter_config_json(config)

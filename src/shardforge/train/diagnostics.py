@@ -120,6 +120,19 @@ def fsdp_units(model: nn.Module) -> list[Unit]:
     ]
 
 
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """The bytes a tensor holds: a tensor subclass (a quantized weight: packed data and scales)
+    the bytes of its inner tensors, not numel x the dtype it dequantizes to."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None or type(tensor) in (torch.Tensor, nn.Parameter):
+        return tensor.numel() * tensor.element_size()
+    return sum(stored_bytes(getattr(tensor, name)) for name in flatten()[0])
+
+
+def _bytes_per_element(local: torch.Tensor) -> float:
+    return stored_bytes(local) / local.numel() if local.numel() else local.element_size()
+
+
 @dataclass(frozen=True)
 class RankShards:
     """What one rank holds after sharding (picklable: gathered to rank 0)."""
@@ -140,8 +153,8 @@ class RankShards:
             units=len(units),
             wrapped=dict(Counter(u.name for u in units if not u.root)),
             checkpointed=sum(1 for m in model.modules() if is_checkpointed(m)),
-            local_mib=sum(_local(p).numel() * p.dtype.itemsize for p in params) / MIB,
-            full_mib=sum(p.numel() * p.dtype.itemsize for p in params) / MIB,
+            local_mib=sum(stored_bytes(_local(p)) for p in params) / MIB,
+            full_mib=sum(p.numel() * _bytes_per_element(_local(p)) for p in params) / MIB,
         )
 
     def line(self) -> str:

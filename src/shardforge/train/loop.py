@@ -58,6 +58,7 @@ from shardforge.train.optim import (
 )
 from shardforge.train.packing import check_packing
 from shardforge.train.prepared import prepared_datasets
+from shardforge.train.quant import quant_kind, quantize_base, unsharded
 from shardforge.train.remote_run import (
     RemoteOutput,
     RunFiles,
@@ -340,8 +341,9 @@ class Trainer:
         check_packing(cfg, model)  # sample_packing needs attention that keeps samples apart
         use_packed_attention(model, cfg, rt.device, rt.is_main)  # packed: no dense mask
         weights = prepare_lora(model, cfg, rt.is_main) if cfg.adapter else None
-        shard_model(model, cfg, device_mesh(rt, self.mesh))
-        materialize_and_load(model, cfg, rt.device, rt.rank, weights)
+        quantized = quantize_base(model, cfg, self.mesh) if quant_kind(cfg) else set()
+        shard_model(model, cfg, device_mesh(rt, self.mesh), unsharded(model, quantized, self.mesh))
+        materialize_and_load(model, cfg, rt.device, rt.rank, weights, quantized)
         del weights
         report_sharding(model, cfg, rt, self.mesh)
         if rt.is_main:

@@ -216,8 +216,11 @@ def compute_dtypes(cfg: ShardforgeConfig) -> tuple[torch.dtype | None, torch.dty
     return (torch_dtype(param) if param else None, torch_dtype(reduce) if reduce else None)
 
 
-def shard_model(model: nn.Module, cfg: ShardforgeConfig, mesh: Any) -> nn.Module:
-    """Apply fully_shard to every transformer block, then to the root module."""
+def shard_model(
+    model: nn.Module, cfg: ShardforgeConfig, mesh: Any, ignored: set[nn.Parameter] | None = None
+) -> nn.Module:
+    """Apply fully_shard to every transformer block, then to the root module (`ignored`:
+    parameters FSDP2 leaves alone, see `quant.unsharded`)."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         MixedPrecisionPolicy,
@@ -233,6 +236,8 @@ def shard_model(model: nn.Module, cfg: ShardforgeConfig, mesh: Any) -> nn.Module
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy() if cfg.fsdp.offload_params else OffloadPolicy(),
     }
+    if ignored:
+        kwargs["ignored_params"] = ignored
     if cfg.fsdp.activation_checkpointing or cfg.gradient_checkpointing:
         enable = getattr(model, "gradient_checkpointing_enable", None)
         if enable is None:
@@ -297,12 +302,14 @@ def materialize_and_load(
     device: torch.device,
     rank: int,
     weights: dict[str, torch.Tensor] | None = None,
+    quantized: set[str] | None = None,
 ) -> None:
     """Allocate the local shards on `device` and fill them with the base weights.
 
     Only rank 0 reads the files (or is handed `weights`, e.g. with a LoRA adapter's names);
     `set_model_state_dict(broadcast_from_rank0=True)` sends each rank its slices. Non-persistent buffers (rotary inv_freq ...) were computed at build time and
     are restored after `to_empty`, which would otherwise leave them uninitialised.
+    The `quantized` parameters (QLoRA, 8-bit LoRA) are filled by `quant.load_quantized`.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -314,8 +321,15 @@ def materialize_and_load(
     full: dict[str, Any] = {}
     if rank == 0:
         full = weights if weights is not None else read_full_state_dict(cfg.base_model, model)
+    quantized_full = {k: full.pop(k) for k in quantized or () if k in full}
     set_model_state_dict(
         model,
         full,
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, strict=not quantized
+        ),
     )
+    if quantized:
+        from shardforge.train.quant import load_quantized
+
+        load_quantized(model, quantized_full, quantized, device)

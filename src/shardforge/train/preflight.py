@@ -22,10 +22,12 @@ from shardforge.train.model import (
     WEIGHT_FILES,
     WEIGHT_INDEX_FILES,
     build_meta_model,
+    compute_dtypes,
     load_model_config,
     wrap_classes,
 )
 from shardforge.train.packing import check_packing
+from shardforge.train.quant import check_quant
 from shardforge.train.readers import data_files
 from shardforge.train.remote_run import checkpoint_folder
 from shardforge.train.remote_run import problems as remote_problems
@@ -219,6 +221,11 @@ def check_device(cfg: ShardforgeConfig) -> list[Problem]:
     return out
 
 
+def check_quantized(cfg: ShardforgeConfig) -> list[Problem]:
+    """load_in_4bit / load_in_8bit: torchao installed, the compute dtype agreed (`quant`)."""
+    return check_quant(cfg, compute_dtypes(cfg)[0])
+
+
 Check = Callable[[ShardforgeConfig], list[Problem]]
 
 CHECKS: tuple[Check, ...] = (
@@ -231,6 +238,7 @@ CHECKS: tuple[Check, ...] = (
     check_output,
     check_resume,
     check_device,
+    check_quantized,
 )
 # what preparing the data sets needs (`shardforge preprocess`): data files and the tokenizer
 DATA_CHECKS: tuple[Check, ...] = (check_datasets, check_eval, check_tokenizer)
