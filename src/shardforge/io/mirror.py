@@ -60,7 +60,7 @@ DOWNLOAD_LIMIT = 1 << 20
 # of `io.model_files.TOKENIZER_FILES`, and every *.model (sentencepiece), *.jinja (chat
 # templates) and *.tiktoken file
 FETCH_LIMITS = {
-    "metadata": 1 << 30,  # a DCP .metadata: the allow-list unpickler's cap for it
+    "metadata": 32 << 20,  # a DCP .metadata: the allow-list unpickler's cap for it
     "json": 16 << 20,  # trainer_state.json, config.json, an index (`io.files.MAX_JSON_BYTES`)
     "tokenizer": 64 << 20,  # the largest tokenizer.json files are tens of MB
     "text": 1 << 20,  # latest_checkpointed_iteration.txt, a model's code (configuration_*.py)
