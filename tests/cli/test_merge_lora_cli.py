@@ -260,3 +260,74 @@ def test_axolotl_do_merge_lora_reads_only_its_keys(env: Path, pristine: Path) ->
     result = invoke(env, "--output_path", str(env / "out"))
     assert result.exit_code == 0, result.output
     assert result.stderr.count("unknown template name 'gemma9'") == 1
+
+
+@pytest.fixture(scope="module")
+def second_base(pristine: Path) -> Path:
+    """Another base model of the same shapes (other values): its model.safetensors has the
+    size of the first one's."""
+    other = make_model(pristine / "second-base", "llama", seed=1)
+    first, second = pristine / "base" / "model.safetensors", other / "model.safetensors"
+    assert first.stat().st_size == second.stat().st_size
+    assert first.read_bytes() != second.read_bytes()
+    return other
+
+
+@pytest.mark.parametrize("how", ["renamed", "in_place", "in_place_mtime_set_back"])
+def test_a_base_model_replaced_while_merge_lora_runs_is_refused(
+    env: Path, pristine: Path, second_base: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The base model's weights replaced by another model's of the same shapes once the merge
+    has planned, between two of its reads (by rename; in place; in place with the mtime set
+    back, as `touch -r` does): one error line naming the file, nothing published."""
+    from helpers.saves import change_after_plan, rewrite_in_place
+
+    base = env / "base"
+    shutil.copytree(pristine / "base", base)
+    weights, other = base / "model.safetensors", second_base / "model.safetensors"
+
+    def change() -> None:
+        if how == "renamed":
+            shutil.copyfile(other, base / ".new")
+            os.replace(base / ".new", weights)
+        else:
+            rewrite_in_place(weights, other.read_bytes(), keep_mtime=how != "in_place")
+
+    done = change_after_plan(monkeypatch, weights, change)
+    result = invoke(env, "--base_model", str(base), "--output_path", str(env / "out"))
+    assert done, result.output  # changed mid-run
+    line = one_line_error(result.stderr)
+    assert result.exit_code != 0
+    assert "model.safetensors: changed while the merge read it" in line, line
+    assert not (env / "out").exists() and not list(env.glob(".out*"))  # nothing published
+
+
+def test_two_merge_lora_writers_to_one_output_are_kept_apart(
+    env: Path, pristine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second merge-lora to the output of one that runs (started from within the first,
+    between two of its reads: deterministic) is refused before it reads or writes anything;
+    the first publishes its model."""
+    from helpers.saves import change_after_plan
+    from shardforge.io.lock import OutputLocked
+    from shardforge.merge.lora import merge_lora
+
+    out = env / "out"
+    cfg = {"base_model": str(pristine / "base"), "output_dir": str(env / "run")}
+    second: list[BaseException] = []
+
+    def another_writer() -> None:
+        try:
+            merge_lora(cfg, out, quiet=True)
+        except BaseException as exc:
+            second.append(exc)
+
+    done = change_after_plan(monkeypatch, pristine / "base" / "model.safetensors", another_writer)
+    result = invoke(env, "--output_path", str(out))
+    assert done and result.exit_code == 0, result.output
+    assert len(second) == 1 and isinstance(second[0], OutputLocked), second
+    assert "in use by shardforge merge-lora" in str(second[0])
+    want = torch.load(pristine / "merged.pt", weights_only=True)
+    for key, tensor in load_file(str(out / "model.safetensors")).items():
+        assert torch.equal(tensor, want[key]), key
+    assert not list(env.glob("out.shardforge.lock"))  # let go at the end

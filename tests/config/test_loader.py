@@ -178,3 +178,47 @@ def test_an_unquoted_save_strategy_no_is_no(tmp_path: Path) -> None:
     assert load_cfg(path).save_strategy == "no"
     path.write_text("base_model: m\nsave_strategy: steps\nsave_steps: 2\n")
     assert load_cfg(path).save_strategy == "steps"
+
+
+def _many(kind: str, n: int) -> str:
+    if kind == "integers":
+        return "base_model: m\nnotes: [" + "1," * (n - 1) + "1]\n"
+    return "base_model: m\n" + "".join(f"k{i:x}: 1\n" for i in range(n))
+
+
+@pytest.mark.parametrize(("kind", "n"), [("integers", 2_000_000), ("keys", 380_000)])
+def test_a_config_of_millions_of_values_under_the_size_cap_is_refused_quickly(
+    tmp_path: Path, kind: str, n: int
+) -> None:
+    """A 4 MB config of 2 million integers, or of 380,000 plain keys (minutes and 1.5 GB for
+    the pure-Python parser, then a message about aliases the file does not have): refused
+    once it holds more values than a config can (counted on libyaml's events, before a node
+    is built), with a message that says so."""
+    import resource
+
+    path = write(tmp_path, _many(kind, n))
+    assert path.stat().st_size <= MAX_CONFIG_BYTES
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.process_time()
+    with pytest.raises(ConfigError) as info:
+        load_cfg(path)
+    assert time.process_time() - start < 5  # CPU seconds: about 0.3 on an idle machine
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 << 10  # KiB
+    line = info.value.lines()[0]
+    assert f"{path}: invalid YAML: the document holds more than 200,000 values" in line, line
+    assert "alias" not in line, line
+
+
+def test_a_config_near_the_value_bound_is_read_in_linear_time(tmp_path: Path) -> None:
+    """Below the bound a config is read; time grows linearly with its values (measured at two
+    sizes), small enough that the bound is reached in seconds."""
+    from shardforge.config.loader import MAX_YAML_NODES, read_yaml
+
+    spent = []
+    for n in (20_000, 40_000):
+        path = write(tmp_path, _many("integers", n))
+        start = time.process_time()
+        assert len(read_yaml(path)["notes"]) == n
+        spent.append((time.process_time() - start) / n)
+    assert spent[1] <= 2 * spent[0] + 2e-6, spent
+    assert spent[1] * MAX_YAML_NODES < 10, spent

@@ -3,6 +3,7 @@ looks: the torture cases of inputs that change under a merge (`io.pins`, `--resu
 
     saves = two_saves(tmp_path)      # saves.base (config + tokenizer), saves.a, saves.b
     replace_files(saves.b, saves.a)  # a's files become b's (new inodes, same sizes)
+    change_after_plan(monkeypatch, path, change)  # in-process merge: change() mid-run
 
 Each save is a DCP folder written by `dcp.save(no_dist=True)` in this process (no ranks):
 `.metadata` and one `__0_0.distcp` of about 2.5 MB (above `io.mirror.DOWNLOAD_LIMIT`: in a
@@ -13,9 +14,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from helpers.tiny import make_model
 
@@ -57,3 +61,46 @@ def replace_files(source: Path, folder: Path, names: tuple[str, ...] | None = No
             part = folder / f".{path.name}.new"
             shutil.copyfile(path, part)
             os.replace(part, folder / path.name)
+
+
+def rewrite_in_place(path: Path, data: bytes, keep_mtime: bool = False) -> None:
+    """`path`'s bytes replaced by `data` in the same inode (its mtime set back when asked, as
+    `touch -r` does: only the ctime then tells)."""
+    st = path.stat()
+    with path.open("r+b") as f:
+        f.write(data)
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_ino == st.st_ino and path.stat().st_size == st.st_size
+
+
+def change_after_plan(
+    monkeypatch: pytest.MonkeyPatch, path: Path, change: Callable[[], None]
+) -> list[int]:
+    """An in-process merge calls `change()` once, right after its first open of the input
+    `path` once the plan is made (the output sink's journal fingerprinted: every input
+    pinned), between two of its reads: deterministic, no sleep. The list returned holds one
+    entry once `change` ran."""
+    import shardforge.io.copy as copy_module
+    import shardforge.sinks.hf_dir as hf_dir
+
+    planned: list[int] = []
+    done: list[int] = []
+    real = os.path.realpath(path)
+    fingerprint, open_regular = hf_dir.resume_fingerprint, copy_module.open_regular
+
+    def fingerprinted(output: Any) -> Any:
+        found = fingerprint(output)
+        planned.append(1)
+        return found
+
+    def open_then_change(p: str | Path, root: str | Path | None = None) -> int:
+        fd = open_regular(p, root)
+        if planned and not done and os.path.realpath(p) == real:
+            done.append(1)
+            change()
+        return fd
+
+    monkeypatch.setattr(hf_dir, "resume_fingerprint", fingerprinted)
+    monkeypatch.setattr(copy_module, "open_regular", open_then_change)
+    return done

@@ -176,3 +176,60 @@ def test_a_file_system_without_flock_keeps_a_running_writer_out_by_the_file(
             pytest.fail("two writers held one output")
     assert any("cannot lock files" in r.getMessage() for r in caplog.records)
     assert not path.exists()
+
+
+@pytest.mark.parametrize("pid", [10**30, -(10**30), 0, -1, 2**31, "12", True, 1.5])
+def test_a_damaged_pid_is_an_unreadable_lock_taken_over_with_a_notice(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, pid: object
+) -> None:
+    """A pid no process can have (too large for the kernel, zero or negative: kill(0) and
+    kill(-1) would ask about a whole group) names no holder: taken over with a line that says
+    the file is damaged, never an OverflowError on every later merge."""
+    path = tmp_path / "out.shardforge.lock"
+    _left(path, pid=pid)
+    taken = output_lock(path, tmp_path / "out", "merge")
+    with caplog.at_level(logging.WARNING, logger="shardforge"), taken:
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    notices = [r.getMessage() for r in caplog.records]
+    assert any(f"its lock file {path} holds no lock line" in m for m in notices), notices
+    assert not path.exists()
+
+
+def test_a_lock_file_hard_linked_to_another_file_is_replaced_not_written_through(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    precious = tmp_path / "precious.txt"
+    precious.write_text("mine\n")
+    path = tmp_path / "out.shardforge.lock"
+    os.link(precious, path)
+    taken = output_lock(path, tmp_path / "out", "merge")
+    with caplog.at_level(logging.WARNING, logger="shardforge"), taken:
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+        assert path.stat().st_nlink == 1 and not os.path.samefile(path, precious)
+    assert precious.read_text() == "mine\n" and precious.stat().st_nlink == 1
+    assert not path.exists()
+    notices = [r.getMessage() for r in caplog.records]
+    assert any("is a hard link to another file" in m for m in notices), notices
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "dangling symlink", "directory"])
+def test_a_lock_file_that_is_not_a_regular_file_is_one_error_naming_it(
+    tmp_path: Path, kind: str
+) -> None:
+    """Never followed, never waited on (a FIFO opened for writing would block without a
+    reader): one error line naming the lock file; what it points to is left as it is."""
+    path = tmp_path / "out.shardforge.lock"
+    target = tmp_path / "target.txt"
+    target.write_text("mine\n")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        os.symlink(target if kind == "symlink" else tmp_path / "nowhere", path)
+    with pytest.raises(lock.ShardforgeError) as info, output_lock(path, tmp_path / "out", "m"):
+        pytest.fail("taken")
+    line = info.value.lines()[0]
+    assert line.startswith("error: ") and len(line) <= 300 and str(path) in line, line
+    assert "not a file shardforge wrote; remove it" in line, line
+    assert target.read_text() == "mine\n" and not (tmp_path / "nowhere").exists()

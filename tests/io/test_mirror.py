@@ -237,4 +237,4 @@ def test_staging_fetches_only_the_small_files_a_command_reads(
             st = (local / name).stat()
             assert (st.st_size, st.st_blocks) == (size, 0), name  # sparse: nothing fetched
     assert mirror.fetched("training_data.tar", 10) is False  # never, however small
-    assert mirror.fetched(".metadata", 50 << 20) and not mirror.fetched(".metadata", (1 << 30) + 1)
+    assert mirror.fetched(".metadata", 30 << 20) and not mirror.fetched(".metadata", (32 << 20) + 1)

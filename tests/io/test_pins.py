@@ -10,14 +10,16 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from helpers.gate import Gate
 from helpers.s3 import S3Server
-from helpers.saves import Saves, replace_files, two_saves
+from helpers.saves import Saves, change_after_plan, replace_files, rewrite_in_place, two_saves
 from shardforge.errors import CheckpointError
 from shardforge.io.files import open_regular
 from shardforge.io.pins import check_all, check_and_release, pin, pin_session
@@ -136,3 +138,76 @@ def test_an_object_replaced_while_the_merge_reads_it_is_refused(
     assert "answers PreconditionFailed" in done.stderr, done.stderr
     assert "shardforge-staging" not in line
     assert not out.exists() and not list(tmp_path.glob(".out.*"))  # nothing published
+
+
+def test_a_file_rewritten_in_place_with_its_mtime_set_back_is_refused(tmp_path: Path) -> None:
+    data = tmp_path / "__0_0.distcp"
+    data.write_bytes(b"a" * 100)
+    with pin_session():
+        pinned = pin(data)
+        rewrite_in_place(data, b"b" * 100, keep_mtime=True)
+        assert data.stat().st_mtime_ns == pinned.local[3]  # the mtime says nothing changed
+        with pytest.raises(CheckpointError, match=r"ctime \(ns\) \d+ -> \d+ \(changed in place"):
+            open_regular(data)
+        with pytest.raises(CheckpointError, match="changed while the merge read it"):
+            check_all()
+    assert set(pinned.describe()) == {"device", "inode", "size", "mtime_ns"}  # --resume's
+
+
+def test_a_checkpoint_rewritten_in_place_with_its_mtime_set_back_mid_merge_is_refused(
+    saves: Saves, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardforge.merge.api import merge_fsdp_weights
+
+    ck = tmp_path / "ck"
+    shutil.copytree(saves.a, ck)
+    data, other = ck / "__0_0.distcp", (saves.b / "__0_0.distcp").read_bytes()
+    done = change_after_plan(monkeypatch, data, lambda: rewrite_in_place(data, other, True))
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: changed while the merge read it"):
+        merge_fsdp_weights(saves.config(), out, checkpoint=ck, quiet=True)
+    assert done and not out.exists() and not list(tmp_path.glob(".out*"))  # nothing published
+
+
+def test_two_merges_on_two_threads_keep_their_own_pins(
+    saves: Saves, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One process, two merges on two threads, both pinned before either copies: the input of
+    the second is replaced; only the second refuses (a process-wide session let the first
+    check the second's pins, or one merge's publish forget the other's)."""
+    import shardforge.merge.run as run_module
+    from shardforge.merge.api import merge_fsdp_weights
+
+    cks = [tmp_path / "ck1", tmp_path / "ck2"]
+    for ck in cks:
+        shutil.copytree(saves.a, ck)
+    both = threading.Barrier(2, action=lambda: replace_files(saves.b, cks[1], ("__0_0.distcp",)))
+    original = run_module.pinned_inputs
+
+    def pinned_then_wait(sources: Any) -> Any:
+        found = original(sources)
+        both.wait(timeout=120)  # both merges have pinned; the barrier's action replaces ck2's
+        return found
+
+    monkeypatch.setattr(run_module, "pinned_inputs", pinned_then_wait)
+    outcome: dict[int, BaseException | Path | str] = {}
+
+    def merge(i: int) -> None:
+        try:
+            outcome[i] = merge_fsdp_weights(
+                saves.config(), tmp_path / f"out{i}", checkpoint=cks[i], quiet=True
+            )
+        except BaseException as exc:
+            outcome[i] = exc
+            both.abort()
+
+    threads = [threading.Thread(target=merge, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert outcome[0] == tmp_path / "out0", outcome
+    assert isinstance(outcome[1], CheckpointError), outcome
+    assert "ck2/__0_0.distcp: changed while the merge read it" in str(outcome[1])
+    assert (tmp_path / "out0" / "model.safetensors").is_file()
+    assert not (tmp_path / "out1").exists() and not list(tmp_path.glob(".out*"))

@@ -6,6 +6,7 @@ class changed. Each format's profile is tested beside its format (tests/formats/
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -27,7 +28,15 @@ from click.testing import CliRunner
 
 from helpers.hostile import check_refusal, class_snapshot, hostile_corpus, refuses_the_corpus
 from shardforge.errors import CheckpointError
-from shardforge.io.unpickler import Profile, Record, record_class, unpickle
+from shardforge.io.unpickler import (
+    BYTES_PER_MEMO,
+    MAX_MEMORY,
+    MEMORY_PER_BYTE,
+    Profile,
+    Record,
+    record_class,
+    unpickle,
+)
 
 BARE = Profile("tests", {}, max_bytes=1 << 20, max_memo=1 << 10)
 
@@ -122,16 +131,94 @@ def test_the_memo_is_bounded_by_the_input_size() -> None:
 
 
 def test_the_objects_built_are_bounded_by_the_input_size() -> None:
-    """Empty sets appended to a list (216 bytes each from 2 bytes of pickle) are refused once
-    they exceed 32 bytes per byte of the file; the same number of small lists is fine."""
+    """Empty sets appended to a list (232 bytes each from 2 bytes of pickle) are refused once
+    they exceed `MEMORY_PER_BYTE` bytes per byte of the file; the same number of small lists
+    is fine."""
     data = b"\x80\x04]" + b"\x8fa" * 100_000 + b"."
     with pytest.raises(CheckpointError) as info:
         unpickle(data, "sets.pkl", ROOMY)
-    assert f"builds more than {len(data) * 32} bytes of objects from {len(data)} bytes" in str(
-        info.value
-    )
+    budget = len(data) * MEMORY_PER_BYTE
+    assert f"builds more than {budget} bytes of objects from {len(data)} bytes" in str(info.value)
     lists = pickle.dumps([[i] for i in range(300, 100_300)], protocol=4)
     assert len(unpickle(lists, "lists.pkl", ROOMY)) == 100_000
+
+
+# crafted .metadata files, by the number of units: what each byte of them makes (memoized and
+# dropped, kept in lists, in tuples, in dicts, or nothing at all)
+CRAFTED: dict[str, Callable[[int], bytes]] = {
+    "memoized lists": lambda n: b"\x80\x04" + b"]\x940" * n + b"N.",
+    "memoized sets": lambda n: b"\x80\x04" + b"\x8f\x940" * n + b"N.",
+    "memoized strings": lambda n: (
+        b"\x80\x04" + b"".join(b"\x8c\x03%03d\x940" % (i % 1000) for i in range(n)) + b"N."
+    ),
+    "strings in lists": lambda n: (
+        b"\x80\x04]"
+        + b"".join(b"(" + b"\x8c\x02%02d" % (i % 100) * 1000 + b"e" for i in range(n // 1000))
+        + b"."
+    ),
+    "numbers in lists": lambda n: (
+        b"\x80\x04]" + b"".join(b"(" + b"M\x01\x02" * 1000 + b"e" for _ in range(n // 1000)) + b"."
+    ),
+    "tuples in lists": lambda n: (
+        b"\x80\x04]" + b"".join(b"(" + b"N\x85" * 1000 + b"e" for _ in range(n // 1000)) + b"."
+    ),
+    "dicts in lists": lambda n: (
+        b"\x80\x04]" + b"".join(b"(" + b"}" * 1000 + b"e" for _ in range(n // 1000)) + b"."
+    ),
+    "nothing kept": lambda n: b"\x80\x04" + b"N0" * n + b"N.",
+}
+
+
+def _cost(data: bytes, profile: Profile, traced: bool) -> float:
+    """CPU seconds to read or refuse `data` (or, traced, the peak bytes of Python objects
+    beyond the file itself)."""
+    import tracemalloc
+
+    if traced:
+        tracemalloc.start()
+    start = time.process_time()
+    with contextlib.suppress(CheckpointError):
+        unpickle(data, "crafted.metadata", profile)
+    spent = time.process_time() - start
+    if not traced:
+        return spent
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
+@pytest.mark.parametrize("name", sorted(CRAFTED))
+def test_a_crafted_metadata_costs_a_small_bounded_memory_and_time_per_byte(name: str) -> None:
+    """Measured at a size that runs in a fraction of a second: memory per byte of the file is
+    the budget's (plus the memo's 8 bytes an entry), and time grows linearly (a quadratic one,
+    as the garbage collector's passes over every container built made it, quadruples when the
+    file doubles), small enough that a file at the cap is read or refused in seconds."""
+    from shardforge.formats.dcp.pickles import METADATA
+
+    small, large = CRAFTED[name](100_000), CRAFTED[name](200_000)
+    per_byte = _cost(large, METADATA, traced=True) / len(large)
+    assert per_byte <= 1.3 * MEMORY_PER_BYTE + 8 / BYTES_PER_MEMO, (name, per_byte)
+    times = [min(_cost(d, METADATA, False) for _ in range(3)) / len(d) for d in (small, large)]
+    assert times[1] <= 2 * times[0] + 50e-9, (name, times)  # linear
+    # the cap, at this machine's speed (twice the 10 s target: a loaded CI machine)
+    assert times[1] * METADATA.max_bytes <= 20, (name, times[1] * 1e9, "ns per byte")
+
+
+def test_a_crafted_metadata_at_the_cap_stays_under_1_gb() -> None:
+    """Whatever its size, a pickle builds at most `MAX_MEMORY` bytes of objects (shown with a
+    small one) and memoizes at most `max_memo` entries: at the .metadata cap that is under
+    1 GB with the file itself."""
+    from shardforge.formats.dcp.pickles import METADATA
+
+    data = CRAFTED["memoized sets"](1_000_000)  # 232 bytes kept per 3 bytes of file
+    small = Profile("tests", {}, max_bytes=1 << 30, max_memo=1 << 26)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("shardforge.io.unpickler.MAX_MEMORY", 4 << 20)
+        with pytest.raises(CheckpointError, match=r"and 4 MiB in all"):
+            unpickle(data, "crafted.metadata", small)
+        assert _cost(data, small, traced=True) <= 1.3 * (4 << 20) + 2 * len(data)
+    worst = 1.3 * MAX_MEMORY + 8 * METADATA.max_memo + METADATA.max_bytes
+    assert worst < 1e9, worst
 
 
 def test_a_bare_profile_refuses_the_corpus(tmp_path: Path) -> None:

@@ -33,25 +33,55 @@ from shardforge.errors import ConfigError
 log = logging.getLogger("shardforge")
 
 
-# nodes of a config once its aliases are expanded: an alias bomb (`b: [*a, *a, ...]` nested)
-# is refused before anything walks it
+# values of a config: as written (keys, items and scalars: counted on the parser's events, before
+# a node is built), and once its aliases are expanded (an alias bomb, `b: [*a, *a, ...]` nested,
+# is refused before anything walks it). Configs hold hundreds
 MAX_YAML_NODES = 200_000
 # nesting of lists and mappings
 MAX_YAML_DEPTH = 200
 # bytes of a config file, checked before it is read: a config is kilobytes (the largest of
 # Axolotl's examples, inline chat templates and all, is under 20 KB)
 MAX_CONFIG_BYTES = 4 << 20
+# the YAML 1.1 safe loader, libyaml's where PyYAML has it: a config up to its cap is parsed in
+# about a second (the pure-Python one takes a minute over a 4 MB list of numbers)
+_SAFE_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-class _BoundedLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses a document whose expanded size or nesting is too large,
-    or whose aliases refer to themselves, before it is constructed."""
+def _load(text: str) -> Any:
+    """The YAML document `text`, refused (a YAMLError saying why) when it holds more than
+    `MAX_YAML_NODES` values or nests deeper than `MAX_YAML_DEPTH` (counted on the parser's
+    events: time and memory stay bounded), or expands to more values through its aliases,
+    or an alias contains itself (on the composed nodes, before anything is constructed)."""
+    _count_values(text)
+    loader = _SAFE_LOADER(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_size(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
-    def compose_document(self) -> yaml.Node | None:
-        node = super().compose_document()
-        if node is not None:
-            _check_size(node)
-        return node
+
+def _count_values(text: str) -> None:
+    values = depth = 0
+    for event in yaml.parse(text, Loader=_SAFE_LOADER):
+        if isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent, yaml.CollectionStartEvent)):
+            values += 1
+            if values > MAX_YAML_NODES:
+                raise yaml.YAMLError(
+                    f"the document holds more than {MAX_YAML_NODES:,} values (keys, list items "
+                    "and scalars); a config holds hundreds: is it the right file?"
+                )
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise yaml.YAMLError(
+                    f"lists and mappings nested deeper than {MAX_YAML_DEPTH} levels"
+                )
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
 
 
 def _check_size(root: yaml.Node) -> None:
@@ -94,13 +124,13 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Parse a YAML mapping; syntax errors name the file, line and column; a file larger than
-    `MAX_CONFIG_BYTES` (before a byte is read) and a document that expands to more than
-    `MAX_YAML_NODES` values (an alias bomb) are refused."""
+    `MAX_CONFIG_BYTES` (before a byte is read) and a document that holds, or expands to
+    through its aliases (an alias bomb), more than `MAX_YAML_NODES` values are refused."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(str(p), ["config file not found; check the path"])
     try:
-        data = yaml.load(_config_text(p), Loader=_BoundedLoader)  # a SafeLoader
+        data = _load(_config_text(p))  # a safe loader
     except RecursionError:
         raise ConfigError(str(p), ["invalid YAML: nested too deeply"]) from None
     except yaml.YAMLError as exc:
@@ -139,7 +169,7 @@ def _config_text(p: Path) -> str:
 def _parse_value(text: str) -> Any:
     """A YAML scalar, with numbers such as `2e-5` (a string to YAML 1.1) read as numbers."""
     try:
-        value = yaml.load(text, Loader=_BoundedLoader) if text != "" else ""
+        value = _load(text) if text != "" else ""
     except yaml.YAMLError:
         return text
     if isinstance(value, str):

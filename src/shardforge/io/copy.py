@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from contextvars import ContextVar, copy_context
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -82,8 +83,10 @@ MAX_OPEN_FILES = 64
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 
 # what was parsed from files while a `fact_session` is open, by (what, path, file identity):
-# shared by every reader of the process (the head start's and the merge's)
-_SESSION: list[dict[tuple[Hashable, Path, Identity], object]] = []
+# shared by every reader of the command (the head start's and the merge's); a context variable,
+# so a command on another thread has its own (its threads run in copies of its context)
+Facts = dict[tuple[Hashable, Path, Identity], object]
+_SESSION: ContextVar[Facts | None] = ContextVar("shardforge_facts", default=None)
 _FACTS_LOCK = threading.Lock()
 
 
@@ -94,18 +97,16 @@ def identity(st: os.stat_result) -> Identity:
 @contextmanager
 def fact_session() -> Iterator[None]:
     """Within the block (nested blocks join the outer one), every file fact is parsed once per
-    process; they are forgotten when the outermost block ends, so memory stays bounded and a
+    command (its context: a command on another thread has its own); they are forgotten when the outermost block ends, so memory stays bounded and a
     later command (or test) that changed a file reads it afresh."""
-    with _FACTS_LOCK:
-        outer = not _SESSION
-        if outer:
-            _SESSION.append({})
+    if _SESSION.get() is not None:
+        yield
+        return
+    token = _SESSION.set({})
     try:
         yield
     finally:
-        if outer:
-            with _FACTS_LOCK:
-                _SESSION.clear()
+        _SESSION.reset(token)
 
 
 def _memo(
@@ -132,7 +133,7 @@ def _memo(
 
 def session_memo(key: Hashable, compute: Callable[[], T]) -> T:
     """`compute()` once per `fact_session` for `key` (a folder scan, say); every time outside."""
-    store = _SESSION[0] if _SESSION else None
+    store = _SESSION.get()
     if store is None:
         return compute()
     return _memo(store, (key, Path(), (0, 0, 0, 0)), compute)
@@ -141,7 +142,7 @@ def session_memo(key: Hashable, compute: Callable[[], T]) -> T:
 def file_fact(what: Hashable, path: Path, ident: Identity, compute: Callable[[], T]) -> T:
     """`compute()` for `what` of the file `path` with identity `ident`: once per process inside
     a `fact_session`, else computed every time."""
-    store = _SESSION[0] if _SESSION else None
+    store = _SESSION.get()
     return compute() if store is None else _memo(store, (what, path, ident), compute)
 
 
@@ -171,7 +172,8 @@ class ReadCache:
         """`compute(fd)` for `what` of the data file `path`: once per process inside a
         `fact_session`, else once per cache."""
         fd, ident = self._open(path)
-        store = _SESSION[0] if _SESSION else self._own
+        found = _SESSION.get()
+        store = self._own if found is None else found
         return _memo(store, (what, path, ident), lambda: compute(fd))
 
     def close(self) -> None:
@@ -436,7 +438,8 @@ def _run_all(
         return True
     done = True
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="shardforge-copy") as pool:
-        futures = [pool.submit(one, i, job) for i, job in enumerate(ordered)]
+        # each job in a copy of this context: the merge's pins and facts (`io.pins`)
+        futures = [pool.submit(copy_context().run, one, i, job) for i, job in enumerate(ordered)]
         try:
             for job, fut in zip(ordered, futures, strict=True):
                 if not fut.result():

@@ -16,7 +16,13 @@ names a writer that is gone. Taking it:
   reused, another boot): taken over, with a notice;
 - it names another host: refused unless `take_over` (that host's process may still run: a
   network file system does not always carry a flock across hosts), then taken over with a
-  notice; an empty or unreadable file is one whose writer died before it wrote: taken over.
+  notice; an empty file is one whose writer died before it wrote: taken over; a damaged one
+  (not a lock line, a pid out of range) is taken over with a notice that says so.
+
+The lock file is a file of its own: one that is a symbolic link, a FIFO or anything but a
+regular file is refused, in an error naming it (never followed, never waited on: it is
+checked before and after a non-blocking open); one that is a hard link to another file is
+replaced by a file of its own (the other file keeps its content), never written through.
 
 A file system without flock (some network ones answer ENOLCK) is said in a warning; there the
 file's contents alone keep writers apart (two started at the same moment are not).
@@ -34,6 +40,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +55,8 @@ LOCK_SUFFIX = ".shardforge.lock"
 LOCK_NAME = ".shardforge.lock"
 # what is read of a lock file (it is one short JSON line)
 MAX_LOCK_BYTES = 4096
+# the largest pid a lock line may name (Linux's PID_MAX_LIMIT is 2**22; pid_t is 32 bits)
+MAX_PID = (1 << 31) - 1
 # how long a lock whose holder has ended may stay flocked (its last threads exiting)
 EXITING_S = 5.0
 
@@ -125,7 +134,7 @@ def _take(
 ) -> int:
     for _ in range(10):  # the file was removed or replaced between open and flock: again
         try:
-            fd = _open(lock)
+            fd = _open(lock, output)
         except OSError as exc:
             raise _unusable(lock, output, exc, unusable) from None
         try:
@@ -135,8 +144,9 @@ def _take(
             os.close(fd)
             raise _held(output, lock, previous, "it is running") from None
         try:
-            if _same_file(fd, lock):
-                _judge(lock, output, _read(fd), take_over, option)
+            if _same_file(fd, lock) and not _unlinked_if_shared(fd, lock, output):
+                damaged = _read(fd) is None and os.fstat(fd).st_size > 0
+                _judge(lock, output, _read(fd), take_over, option, damaged)
                 _write(fd, holder)
                 return fd
         except BaseException:
@@ -183,11 +193,60 @@ def _flock(fd: int, output: Path | str) -> None:
         )
 
 
-def _open(lock: Path) -> int:
+def _open(lock: Path, output: Path | str) -> int:
     """The lock file, created (with its folder: an output's parent is made as publishing makes
-    it) if missing."""
+    it) if missing; refused, naming it, when it is not a regular file (checked before the
+    open, which neither follows a link nor waits on a FIFO, and after it)."""
     lock.parent.mkdir(parents=True, exist_ok=True)
-    return os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    with contextlib.suppress(FileNotFoundError):
+        _check_kind(os.lstat(lock).st_mode, lock, output)
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(lock, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # made a symbolic link since the check
+            _check_kind(stat.S_IFLNK, lock, output)
+        raise
+    try:
+        _check_kind(os.fstat(fd).st_mode, lock, output)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_kind(mode: int, lock: Path, output: Path | str) -> None:
+    """Refuse a lock file that is not a regular file, naming it."""
+    if stat.S_ISREG(mode):
+        return
+    kinds = (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    kind = next((name for test, name in kinds if test(mode)), "a device or special file")
+    raise ShardforgeError(
+        f"{output}: its lock file {lock} is {kind}, not a file shardforge wrote; remove it "
+        "(shardforge writes a lock file of its own there)"
+    )
+
+
+def _unlinked_if_shared(fd: int, lock: Path, output: Path | str) -> bool:
+    """A lock file with other names (a hard link to another file) is never written through:
+    its name is removed (the other file keeps its content) and a file of its own made instead.
+    True when it was."""
+    if os.fstat(fd).st_nlink <= 1:
+        return False
+    log.warning(
+        "warning: %s: its lock file %s is a hard link to another file; replacing it with a "
+        "lock file of its own (the other file is left as it is)",
+        output,
+        lock,
+    )
+    os.unlink(lock)
+    return True
 
 
 def _unusable(
@@ -215,10 +274,24 @@ def _same_file(fd: int, lock: Path) -> bool:
 
 
 def _judge(
-    lock: Path, output: Path | str, previous: Holder | None, take: bool, option: str
+    lock: Path,
+    output: Path | str,
+    previous: Holder | None,
+    take: bool,
+    option: str,
+    damaged: bool = False,
 ) -> None:
-    """Raise unless the lock file's previous holder (if any) may be taken over; say so when it is."""
+    """Raise unless the lock file's previous holder (if any) may be taken over; say so when it
+    is (and when the file holds no lock line that can be read: no writer holds it, the flock
+    is ours)."""
     if previous is None:
+        if damaged:
+            log.warning(
+                "warning: %s: its lock file %s holds no lock line shardforge can read "
+                "(damaged); taking it over",
+                output,
+                lock,
+            )
         return
     here = me("")
     if previous.host == here.host:
@@ -264,9 +337,12 @@ def _read(fd: int) -> Holder | None:
     """The holder a lock file names; None when it names none (empty, or not a lock line)."""
     try:
         data = json.loads(os.pread(fd, MAX_LOCK_BYTES, 0).decode("utf-8"))
+        pid = data["pid"]
+        if type(pid) is not int or not 0 < pid <= MAX_PID:  # kill(0 or -1) would signal many
+            return None
         return Holder(
             host=str(data["host"]),
-            pid=int(data["pid"]),
+            pid=pid,
             start=None if data.get("start") is None else str(data["start"]),
             boot=None if data.get("boot") is None else str(data["boot"]),
             since=str(data.get("since", "?")),

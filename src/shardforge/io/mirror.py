@@ -22,7 +22,9 @@ ends.
 
 Messages name the URI, not the staging folder: a `ShardforgeError` leaving the block has the
 folder replaced by ``s3://`` in its lines, and so has every line the "shardforge" logger logs
-within the block (`_PublicNames`); `public_path` gives a result path the same way.
+within the block (`_PublicNames`); `public_path` gives a result path the same way. The active
+areas are those of the current context (a context variable): a command on another thread of
+the process neither sees nor uses them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +60,7 @@ DOWNLOAD_LIMIT = 1 << 20
 # of `io.model_files.TOKENIZER_FILES`, and every *.model (sentencepiece), *.jinja (chat
 # templates) and *.tiktoken file
 FETCH_LIMITS = {
-    "metadata": 1 << 30,  # a DCP .metadata: the allow-list unpickler's cap for it
+    "metadata": 32 << 20,  # a DCP .metadata: the allow-list unpickler's cap for it
     "json": 16 << 20,  # trainer_state.json, config.json, an index (`io.files.MAX_JSON_BYTES`)
     "tokenizer": 64 << 20,  # the largest tokenizer.json files are tens of MB
     "text": 1 << 20,  # latest_checkpointed_iteration.txt, a model's code (configuration_*.py)
@@ -196,14 +199,16 @@ def _inside(local: Path, rel: str, uri: RemoteURI) -> Path:
     return local.joinpath(*parts)
 
 
-_ACTIVE: list[StagingArea] = []
+# the staging areas of this context, innermost last: each thread (each command run on it) has
+# its own; a thread a command starts for its work runs in a copy of its context (`io.pins`)
+_ACTIVE: ContextVar[tuple[StagingArea, ...]] = ContextVar("shardforge_staging", default=())
 
 
 def remote_target(path: Path | None) -> RemoteTarget | None:
     """The store prefix the local `path` stands for, when it is a staged output."""
     if path is None:
         return None
-    for area in _ACTIVE:
+    for area in _ACTIVE.get():
         if path in area.targets:
             return area.targets[path]
     return None
@@ -212,7 +217,7 @@ def remote_target(path: Path | None) -> RemoteTarget | None:
 def mirrored_object(path: Path) -> RemoteObject | None:
     """The object (as listed: its ETag) the mirrored local file `path` stands for, or was
     downloaded from (None: not a file of a mirror)."""
-    for area in _ACTIVE:
+    for area in _ACTIVE.get():
         found = area.objects.get(os.path.realpath(path))
         if found is not None:
             return found
@@ -223,14 +228,15 @@ def mirrored(
     text: str, storage_options: Mapping[str, Any] | None = None, empty_ok: bool = False
 ) -> Path:
     """The local mirror of the prefix `text` in the innermost active staging area."""
-    if not _ACTIVE:
+    areas = _ACTIVE.get()
+    if not areas:
         raise RuntimeError("mirrored() needs an active staging() block")
-    return _ACTIVE[-1].mirror(text, storage_options, empty_ok)
+    return areas[-1].mirror(text, storage_options, empty_ok)
 
 
 def public_name(text: str) -> str:
     """`text` with every active staging folder written as the URI it stands for."""
-    for area in _ACTIVE:
+    for area in _ACTIVE.get():
         text = area.rewrite(text)
     return text
 
@@ -244,7 +250,7 @@ def public_path(path: Path) -> Path | str:
 
 def remote_location(path: Path) -> tuple[RemoteURI, Mapping[str, Any] | None] | None:
     """The URI (and its storage options) of a mirrored local `path` (None: not mirrored)."""
-    for area in _ACTIVE:
+    for area in _ACTIVE.get():
         for text, (local, options) in area.mirrors.items():
             if path == local or path.is_relative_to(local):
                 rel = path.relative_to(local).as_posix()
@@ -272,7 +278,7 @@ def whole_copy(path: Path) -> Path:
     """`path`; for a file of a mirrored prefix, a whole local copy of its object instead: in
     the staging area, downloaded once per area by s3fs (not by the merge's ranged reads), for a
     reader that needs a real file (`--verify`'s ``torch.load(mmap=True)`` of a rank file)."""
-    for area in _ACTIVE:
+    for area in _ACTIVE.get():
         for text, (local, options) in area.mirrors.items():
             if path == local or path.is_relative_to(local):
                 rel = path.relative_to(local).as_posix()
@@ -302,7 +308,7 @@ def staging() -> Iterator[StagingArea]:
     if parent is not None:
         Path(parent).mkdir(parents=True, exist_ok=True)
     area = StagingArea(Path(tempfile.mkdtemp(prefix="shardforge-staging-", dir=parent)))
-    _ACTIVE.append(area)
+    token = _ACTIVE.set((*_ACTIVE.get(), area))
     names = _PublicNames(area)
     logger = logging.getLogger("shardforge")  # every module logs through this one logger
     logger.addFilter(names)
@@ -313,5 +319,5 @@ def staging() -> Iterator[StagingArea]:
         raise
     finally:
         logger.removeFilter(names)
-        _ACTIVE.remove(area)
+        _ACTIVE.reset(token)
         area.close()

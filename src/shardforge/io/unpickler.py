@@ -13,17 +13,21 @@ The input, memo, integers, open marks, items at one level and the result's nesti
 (the limits below and in `Profile`); a length field claiming more bytes than remain allocates
 nothing; extension codes and out-of-band buffers (BYTEARRAY8 allocates up front) are refused.
 Memory is bounded by the input's size, not only by the caps: the memo is a list (8 bytes an
-entry) of at most one entry per `BYTES_PER_MEMO` bytes of the pickle, and the containers and
-records it builds are charged as they are made (their approximate size in memory) against
-`MEMORY_PER_BYTE` times its size; either refused the moment it is exceeded, naming the cause.
+entry) of at most one entry per `BYTES_PER_MEMO` bytes of the pickle (and at most the profile's
+`max_memo`), and the containers, records and scalars it builds are charged as they are made
+(their approximate size in memory) against `MEMORY_PER_BYTE` times its size (and at most `MAX_MEMORY`);
+either refused the moment it is exceeded, naming the cause. Time is bounded by the size cap:
+each byte is at most one opcode.
 Every refusal is a one-line `CheckpointError` naming the file, names from the pickle sanitized.
 """
 
 from __future__ import annotations
 
 import collections
+import gc
 import io
 import pickle
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -69,15 +73,18 @@ _CHECK_EVERY = 256  # opcodes between checks of the stack size
 MAX_INT_BYTES = 256  # a LONG4 integer (a pickle's own integers take at most 9)
 MAX_KEY_INT = 1 << 60  # dictionary keys: larger integers could be chosen to collide
 # memory bounded by the input: real pickles memoize about one object per 10 bytes (a DCP
-# .metadata 9.6, torch.save's state dicts 10 to 16) and build about 12 bytes of containers and
+# .metadata 9.6, torch.save's state dicts 10 to 16) and build about 13 bytes of containers and
 # records per byte (a DCP .metadata, as `_COST` estimates them); a hostile one can memoize one
-# per 2 bytes and build over 100 bytes per byte (an empty set per 2 bytes)
+# per 2 bytes and build over 100 bytes per byte (an empty set per 2 bytes). Besides the per-byte
+# bounds, each has a bound of its own whatever the file's size (the memo: `Profile.max_memo`)
 BYTES_PER_MEMO = 4  # the memo holds at most one entry per this many bytes of the pickle
-MEMORY_PER_BYTE = 32  # containers built: at most this many bytes per byte of the pickle
+MEMORY_PER_BYTE = 20  # containers built: at most this many bytes per byte of the pickle
+MAX_MEMORY = 512 << 20  # and at most this many bytes, however large the pickle
 MIN_MEMO = 1 << 12  # entries every pickle may memoize, however small
 MIN_MEMORY = 1 << 20  # bytes of containers every pickle may build, however small
-# approximate bytes a container costs (CPython 3.11, 64-bit), and each item put in it
-_COST = {"list": 56, "dict": 64, "set": 216, "tuple": 40, "record": 112}
+# approximate bytes a container costs (CPython 3.11, 64-bit, its garbage collector's header
+# included), and each item put in it
+_COST = {"list": 72, "dict": 80, "set": 232, "tuple": 56, "record": 128}
 _ITEM = {"list": 8, "dict": 48, "set": 32, "tuple": 8}
 _GAP = object()  # a memo slot the pickle skipped
 
@@ -169,7 +176,7 @@ class SafeUnpickler(pickle._Unpickler):
         self.memo: list[Any] = []
         self._size = len(data)
         self._memo_limit = min(profile.max_memo, max(MIN_MEMO, len(data) // BYTES_PER_MEMO))
-        self._budget = max(MIN_MEMORY, len(data) * MEMORY_PER_BYTE)
+        self._budget = max(MIN_MEMORY, min(MAX_MEMORY, len(data) * MEMORY_PER_BYTE))
         self._spent = 0  # estimated bytes of the containers built so far
         self._callables = {id(v) for v in profile.globals.values() if callable(v)}
 
@@ -179,7 +186,8 @@ class SafeUnpickler(pickle._Unpickler):
         if self._spent > self._budget:
             raise refused(
                 f"builds more than {size_text(self._budget)} of objects from {self._size} bytes "
-                f"(at most {MEMORY_PER_BYTE} bytes per byte of the file)"
+                f"(at most {MEMORY_PER_BYTE} bytes per byte of the file, and "
+                f"{size_text(MAX_MEMORY)} in all)"
             )
 
     # the main loop: as pickle's, with the stack limit checked every `_CHECK_EVERY` opcodes.
@@ -328,7 +336,10 @@ class SafeUnpickler(pickle._Unpickler):
                 f"has a memo that exceeds {self._memo_limit} entries for a file of {self._size} "
                 f"bytes (at most one per {BYTES_PER_MEMO} bytes)"
             )
-        if index >= len(memo):
+        if index == len(memo):  # MEMOIZE, and puts in order
+            memo.append(self.stack[-1])
+            return
+        if index > len(memo):
             memo.extend([_GAP] * (index - len(memo) + 1))
         memo[index] = self.stack[-1]
 
@@ -425,6 +436,26 @@ class SafeUnpickler(pickle._Unpickler):
     del _name, _func
 
 
+def _charged(load: Callable[[Any], None]) -> Callable[[Any], None]:
+    def op(self: SafeUnpickler) -> None:
+        load(self)
+        self._spend(sys.getsizeof(self.stack[-1]))
+
+    return op
+
+
+# the scalars a pickle makes from its bytes (strings, bytes, numbers) are charged too: each is
+# an object of its own (a string of 2 characters from 4 bytes of the file takes 51)
+for _name in (
+    "INT", "BININT", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT", "STRING",
+    "BINSTRING", "SHORT_BINSTRING", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8",
+    "SHORT_BINBYTES", "BINBYTES", "BINBYTES8",
+):  # fmt: skip
+    _code = getattr(pickle, _name)[0]
+    SafeUnpickler.dispatch[_code] = _charged(SafeUnpickler.dispatch[_code])
+del _name, _code
+
+
 def _unknown(code: int) -> Callable[[Any], None]:
     def op(_: Any) -> None:
         raise Problem(f"has an unknown opcode 0x{code:02x} (damaged)")
@@ -450,6 +481,11 @@ def unpickle(data: bytes, source: str, profile: Profile) -> Any:
             f"{source}: refused to load: the pickle is {len(data)} bytes; {profile.what} are at "
             f"most {size_text(profile.max_bytes)}"
         )
+    # no garbage collection while the pickle builds (it makes no cycle the collector could
+    # free): each pass walks every container built so far, which made the time quadratic in
+    # their number (a memo-fill of 90 MB took minutes)
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         obj = SafeUnpickler(data, profile).load()
         check_nesting(obj)
@@ -468,3 +504,6 @@ def unpickle(data: bytes, source: str, profile: Profile) -> Any:
             f"{source}: not a readable pickle of {profile.what}; the file is damaged "
             f"({type(exc).__name__}: {sanitize(str(exc))})"
         ) from None
+    finally:
+        if collecting:
+            gc.enable()

@@ -22,6 +22,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,11 +39,14 @@ from shardforge.formats.safetensors.reader import (
     open_safetensors_file,
 )
 from shardforge.formats.sources import TensorSource
-from shardforge.io.copy import ReadCache
-from shardforge.io.files import read_json
+from shardforge.io.copy import ReadCache, fact_session
+from shardforge.io.files import check_resolvable, read_json
+from shardforge.io.lock import lock_beside, output_lock
+from shardforge.io.pins import pin, pin_session
 from shardforge.io.publish import (
     check_free_space,
     check_output_path,
+    output_error,
     sigterm_as_interrupt,
 )
 from shardforge.io.readahead import prefetch
@@ -57,6 +61,7 @@ from shardforge.sinks.base import Companions, Output, WriteOptions
 from shardforge.sinks.companions import has_tokenizer
 from shardforge.sinks.hf_dir import HfDirectorySink
 from shardforge.sinks.plan import OutputPlan, default_max_shard_size, plan_output
+from shardforge.sinks.resume import pinned_inputs
 
 log = logging.getLogger("shardforge")
 
@@ -68,6 +73,9 @@ ADAPTER_PICKLE = "adapter_model.bin"
 MERGED_DIRNAME = "merged"
 # the largest adapter_config.json read
 MAX_ADAPTER_CONFIG_BYTES = 1 << 20
+# the writer a merge-lora's lock file names, and how a user takes another host's lock over
+LORA_COMMAND = "shardforge merge-lora"
+TAKE_OVER = "--take_over_lock"
 
 
 # ----------------------------------------------------------------------------- the adapter
@@ -332,6 +340,7 @@ def merge_lora(
     overwrite_non_model: bool = False,
     quiet: bool = False,
     save_tokenizer: bool = True,
+    take_over_lock: bool = False,
 ) -> Path:
     """Fuse a PEFT LoRA adapter into its base model; write a Hugging Face model directory.
 
@@ -356,6 +365,8 @@ def merge_lora(
             is deleted).
         quiet: no progress bar.
         save_tokenizer: also write the tokenizer (with the config's chat template).
+        take_over_lock: take over the output's lock file (``<output>.shardforge.lock``) when
+            it names a writer on another host (one writer at a time: a second is refused).
 
     Returns:
         The output directory.
@@ -364,13 +375,44 @@ def merge_lora(
         CheckpointError: the adapter or the base model cannot be found, read or trusted.
         MergeError: the adapter does not fit the base model, the output exists, no disk space,
             failed verification.
+        OutputLocked: another writer holds the output.
+        CheckpointError: an input file changed while the merge read it.
     """
     config = coerce_cfg(cfg, command="merge-lora")
     _local_paths(config, output_path, lora_model_dir)
     out = Path(output_path if output_path is not None else default_output_path(config))
     out = out.absolute()
-    check_output_path(out, overwrite, [], overwrite_non_model)  # before reading anything
-    prep = prepare_lora(config, lora_model_dir, dtype, max_shard_size, keep_dtype)
+    check_resolvable(out)
+    # one writer at a time (`io.lock`), the lock taken before anything is read or written; the
+    # base model's and the adapter's files are pinned from the plan to the last byte read and
+    # checked before publishing (`io.pins`), as every merge's inputs
+    unusable = functools.partial(output_error, out=out)
+    with (
+        output_lock(lock_beside(out), out, LORA_COMMAND, take_over_lock, TAKE_OVER, unusable),
+        fact_session(),
+        pin_session(),
+    ):
+        check_output_path(out, overwrite, [], overwrite_non_model)  # before reading anything
+        prep = prepare_lora(config, lora_model_dir, dtype, max_shard_size, keep_dtype)
+        _write(
+            prep,
+            config,
+            out,
+            WriteOptions(overwrite, verify, quiet, overwrite_non_model=overwrite_non_model),
+            save_tokenizer,
+        )
+    log.info("wrote %s (%.1f MB)", out, prep.plan.total_bytes / 1e6)
+    return out
+
+
+def _write(
+    prep: LoraMerge,
+    config: ShardforgeConfig,
+    out: Path,
+    options: WriteOptions,
+    save_tokenizer: bool,
+) -> None:
+    """Check the output against the inputs, pin the inputs as planned, write and publish."""
     _check_inputs(out, [prep.adapter.directory, prep.base_dir])
     check_free_space(out, prep.plan.total_bytes)
     companions = Companions(
@@ -391,11 +433,21 @@ def merge_lora(
         # what --verify compares with: no checkpoint is involved
         reference="the base model and the adapter, read by safetensors and fused again",
     )
+    # every input pinned as planned: the base model's and the adapter's tensor files (as first
+    # opened) and their configs; checked at every open and before publishing
+    pinned_inputs(output.sources.values())
+    for small in _small_inputs(prep):
+        pin(small)
     with sigterm_as_interrupt():
-        options = WriteOptions(overwrite, verify, quiet, overwrite_non_model=overwrite_non_model)
         HfDirectorySink().write(output, out, options)
-    log.info("wrote %s (%.1f MB)", out, prep.plan.total_bytes / 1e6)
-    return out
+
+
+def _small_inputs(prep: LoraMerge) -> list[Path]:
+    """The adapter's config and the base model's config and index: read whole before the
+    plan, pinned with the tensor files."""
+    found = [prep.adapter.directory / ADAPTER_CONFIG]
+    found += [prep.base_dir / n for n in ("config.json", "model.safetensors.index.json")]
+    return [p for p in found if p.is_file()]
 
 
 __all__ = [

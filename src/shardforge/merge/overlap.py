@@ -39,6 +39,7 @@ so everything here compares dtypes by name (`io.dtypes.dtype_name`).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib.metadata
 import json
 import logging
@@ -248,8 +249,12 @@ class EarlyCopy:
         guess = self._plan()
         self._thread: threading.Thread | None = None  # the copy's (none without a plan)
         if guess is not None:
+            # in a copy of this context: the merge's pins and facts (`io.pins`, `io.copy`)
             self._thread = threading.Thread(
-                target=self._run, args=(guess,), name="shardforge-early", daemon=True
+                target=contextvars.copy_context().run,
+                args=(self._run, guess),
+                name="shardforge-early",
+                daemon=True,
             )
 
     def start(self) -> None:

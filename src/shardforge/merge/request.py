@@ -451,6 +451,7 @@ class LoraMergeRequest:
     overwrite_non_model: bool = field(default=False, metadata=_as_merge("overwrite_non_model"))
     save_tokenizer: bool = flag("Write the tokenizer (default: on).", default=True)
     quiet: bool = field(default=False, metadata=_as_merge("quiet"))
+    take_over_lock: bool = field(default=False, metadata=_as_merge("take_over_lock"))
 
     def __post_init__(self) -> None:
         problems = parse_fields(self)

@@ -38,7 +38,10 @@ from shardforge.io.unpickler import (
 if TYPE_CHECKING:
     import torch
 
-METADATA_MAX_BYTES = 1 << 30  # a .metadata holds ~200 bytes per chunk: 1 GiB is millions
+# a .metadata holds ~200 bytes per chunk: 32 MiB is over 160,000 chunks (a model of 900
+# tensors with its optimizer state, saved by 64 ranks, needs 11 MB); at this cap the allow-list
+# unpickler reads or refuses any file within seconds and under 1 GB (`io.unpickler`)
+METADATA_MAX_BYTES = 32 << 20
 TENSOR_RECORD_MAX_BYTES = 1 << 20  # one tensor's data.pkl is a few hundred bytes
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -105,7 +108,7 @@ METADATA = Profile(
         ("pathlib", "PureWindowsPath"): _path,
     },
     max_bytes=METADATA_MAX_BYTES,
-    max_memo=1 << 26,
+    max_memo=1 << 22,  # 32 MB of memo, whatever the file (real ones: one entry per 10 bytes)
 )
 
 
