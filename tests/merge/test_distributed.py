@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,45 @@ def test_kill_9_of_the_commands_process_group_ends_every_rank(built: Built, tmp_
     assert third.exit_code == 0, third.output
     assert "taking over the lock of a writer that has ended" in third.output, third.output
     assert (out / "model.safetensors").is_file() and not (tmp_path / "out.shardforge.lock").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_signal_to_the_commands_own_process_leaves_nothing_beside_the_output(
+    signum: int, built: Built, tmp_path: Path
+) -> None:
+    """SIGTERM or SIGINT to the command's own process only (what `timeout`, `kill PID` and a
+    container stop send), while rank 0 holds the output's lock and has created its hidden
+    directory: the command stops with the interrupt's status, and nothing is left beside the
+    output - no hidden directory, no lock file, no rank, no launcher's temporary folder."""
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(yaml.safe_dump({"base_model": str(built.base), "output_dir": "unused"}))
+    out = tmp_path / "out"
+    gate = Gate(tmp_path / "gate", "os:mkdir", r"/\.out\.tmp-[^/]+$")
+    cmd = [sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(cfg),
+           "--output_path", str(out), "--checkpoint", str(built.ours), "--nproc_per_node", "2",
+           "--quiet"]  # fmt: skip
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    proc = subprocess.Popen(
+        cmd, env={**gate.env(), "TMPDIR": str(temp)}, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        (paused,) = gate.wait(proc)
+        import psutil
+
+        family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert paused in family
+        proc.send_signal(signum)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - start
+    finally:
+        gate.open()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "error: interrupted" in err, err
+    assert "Traceback" not in err, err
+    assert not still_running(family, seconds=10), "processes of the merge outlived it"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yml", "gate", "temp"], err
+    assert not list(temp.glob("shardforge-*"))  # the launcher's request folder
+    assert took < 20, took  # the ranks stopped at once, not killed after torchrun's wait

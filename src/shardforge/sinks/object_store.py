@@ -89,9 +89,9 @@ def check_target(
         raise MergeError(f"{target.uri}: name a prefix inside the bucket (s3://BUCKET/PREFIX)")
     store.head_bucket()
     left = Journal.found(store)
-    for _, data in left:
+    for key, data in left:
         who = data.get("owner")
-        if isinstance(who, dict) and owner_alive(who):
+        if isinstance(who, dict) and owner_alive(who, key):
             raise MergeError(
                 f"{target.uri}: another merge (pid {who.get('pid')}) is writing there; "
                 "wait for it or choose another --output_path"
@@ -129,6 +129,20 @@ class ObjectStoreSink(Sink):
         local = self.target.staging / "directory"
         local.mkdir(parents=True, exist_ok=True)
         journal = self._journal(output, options.resume)
+        try:
+            self._upload_and_publish(output, local, journal, options)
+            self._finish(local, journal)  # published: whatever fails now removes nothing
+        finally:
+            journal.release()
+            shutil.rmtree(local, ignore_errors=True)
+        log.info("uploaded %s of parts to %s", human(self.uploaded), self.target.uri)
+
+    def _upload_and_publish(
+        self, output: Output, local: Path, journal: Journal, options: WriteOptions
+    ) -> None:
+        """Every file uploaded, then published (`_publish`); any failure before the index is
+        published removes what this merge made (module docstring), but a resumed merge refused
+        at publishing keeps the interrupted merge's journal and uploads (`_PrefixTaken`)."""
         hashes = new_hashes()  # each file's, as its staging file is filled (`sinks.manifest`)
         done: list[str] = []  # what this merge made, or may have (recorded before the request)
         try:
@@ -145,13 +159,14 @@ class ObjectStoreSink(Sink):
             self._manifest(output, local, hashes)
             check_pins()  # every input still the version read (io.pins)
             self._publish(output, local, journal, options, done)
+        except _PrefixTaken:
+            if not journal.resumed:
+                journal.abort_all(self._remove(done)).report(self.target.uri)
+            raise
         except BaseException:
             cleanup = self._remove(done)  # first: the journal is the record of a kill meanwhile
             journal.abort_all(cleanup).report(self.target.uri)
             raise
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
-        log.info("uploaded %s of parts to %s", human(self.uploaded), self.target.uri)
 
     def verify(self, output: Output, location: Path, progress: Progress | None = None) -> int:
         """The uploaded weight files read back into the staging area (with the index about to
@@ -204,6 +219,8 @@ class ObjectStoreSink(Sink):
         journal = Journal(self.store, fp, same[-1][0] if same else "")
         if same:
             left = same[-1][1]
+            journal.resumed = True
+            journal.puts = [str(n) for n in left.get("put") or []]
             for name, e in dict(left.get("files") or {}).items():
                 journal.files[name] = FileUpload(
                     str(e["upload_id"]),
@@ -320,12 +337,10 @@ class ObjectStoreSink(Sink):
         plan = output.plan
         # what the interrupted merge this one resumes completed, or may have
         ours = {n for n, f in journal.files.items() if f.completed is not None or f.completing}
+        ours |= set(journal.puts)  # what it put, or was putting (recorded before the requests)
         before = {self._name(o["Key"]) for o in self.store.objects()} - ours
         if before and not options.overwrite:
-            raise MergeError(
-                f"{self.target.uri}: objects appeared under the prefix while the merge ran; "
-                "nothing was published - choose another --output_path, or pass --overwrite"
-            )
+            raise _PrefixTaken(self.target.uri, sorted(before), journal.resumed)
         if before and options.model_only:  # what appeared meanwhile counts too
             refuse_non_model(self.target.uri, before)
         for name in (SAFE_WEIGHTS_INDEX_NAME, MANIFEST_NAME):
@@ -336,6 +351,8 @@ class ObjectStoreSink(Sink):
             if pf.name != last:
                 self._complete(pf.name, journal, done)
         extra = sorted(p.name for p in local.iterdir() if p.is_file())
+        journal.puts = extra  # a resumed merge counts them as its own (a kill from now on)
+        journal.save()
         for name in extra:
             if name not in (last, MANIFEST_NAME):
                 done.append(name)
@@ -352,10 +369,25 @@ class ObjectStoreSink(Sink):
             self._complete(last, journal, done)
             if options.verify:  # unsharded: the weights file itself is what publishes
                 self._verified(output, options.quiet)
-        if MANIFEST_NAME in extra:
-            done.append(MANIFEST_NAME)
-            self.store.put(MANIFEST_NAME, (local / MANIFEST_NAME).read_bytes())
-        journal.delete()
+
+    def _finish(self, local: Path, journal: Journal) -> None:
+        """Once the model is published: its manifest put, then the journal removed, each
+        request tried again (`uploads.Cleanup`). Whatever fails now removes nothing: the
+        journal stays until the manifest is put, and `--resume` (or a later merge) finishes."""
+        tries = Cleanup()
+        manifest = local / MANIFEST_NAME
+        if manifest.is_file():
+            body = manifest.read_bytes()
+            tries(f"put {MANIFEST_NAME}", functools.partial(self.store.put, MANIFEST_NAME, body))
+        if not tries.failed:
+            tries("delete the journal", journal.delete)
+            tries.report(self.target.uri, "the model is published; --resume or a later merge")
+            return
+        raise StorageError(
+            f"{self.target.uri}: the model is published, but its {MANIFEST_NAME} could not be "
+            f"put ({tries.failed[0]}); the merge's journal is kept beside it: run the same "
+            "merge with --resume to put it (nothing is uploaded again)"
+        )
 
     def _complete(self, name: str, journal: Journal, done: list[str]) -> None:
         """Complete `name`'s upload, recorded in `done` before the request (the cleanup then
@@ -383,6 +415,24 @@ class ObjectStoreSink(Sink):
         for name in dict.fromkeys(done):
             cleanup(f"delete {name}", functools.partial(self.store.delete, self.store.key(name)))
         return cleanup
+
+
+class _PrefixTaken(MergeError):
+    """Objects under the prefix that neither this merge nor the one it resumes made: nothing is
+    published; a resumed merge keeps the journal it took over (and its uploads)."""
+
+    def __init__(self, uri: object, found: list[str], resumed: bool) -> None:
+        if resumed:
+            what = "remove them and run it again with --resume, or pass --overwrite"
+            kept = "; the interrupted merge's journal is kept"
+        else:
+            what = "choose another --output_path, or pass --overwrite"
+            kept = ""
+        super().__init__(
+            f"{uri}: objects appeared under the prefix while the merge ran (listed below); "
+            f"nothing was published{kept} - {what}",
+            found,
+        )
 
 
 class _Parts:

@@ -94,17 +94,27 @@ def owner() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": pid, "start": psutil.Process(pid).create_time()}
 
 
-def owner_alive(who: Mapping[str, Any]) -> bool:
-    """Whether the merge that wrote a journal runs still (on this host; another host's counts
-    as gone: a merge is resumed, or its leftovers removed, from any machine)."""
+def owner_alive(who: Mapping[str, Any], key: str) -> bool:
+    """Whether the merge that wrote the journal `key` runs still (on this host; another host's
+    counts as gone: a merge is resumed, or its leftovers removed, from any machine). This
+    process's own journal counts while one of its merges writes it (`Journal.release`)."""
     import psutil
 
     if who.get("host") != socket.gethostname():
         return False
     try:
-        return bool(psutil.Process(int(who["pid"])).create_time() == who["start"])
+        alive = bool(psutil.Process(int(who["pid"])).create_time() == who["start"])
     except (psutil.Error, KeyError, TypeError, ValueError):
         return False
+    if alive and int(who["pid"]) == os.getpid():
+        with _WRITING_LOCK:
+            return key in _WRITING
+    return alive
+
+
+# the journal keys this process's merges write now
+_WRITING: set[str] = set()
+_WRITING_LOCK = threading.Lock()
 
 
 @dataclass
@@ -274,14 +284,14 @@ class Cleanup:
         if "cannot be reached" in last:
             self.unreachable = "the object store cannot be reached"
 
-    def report(self, where: object) -> None:
-        """One notice listing what the cleanup could not do (a later merge removes it)."""
+    def report(self, where: object, who: str = "a later merge") -> None:
+        """One notice listing what the cleanup could not do (`who` removes it)."""
         if self.failed:
             log.warning(
-                "%s: the cleanup left %d request(s) undone (a later merge to it removes what "
-                "is left): %s",
+                "%s: the cleanup left %d request(s) undone (%s to it removes what is left): %s",
                 where,
                 len(self.failed),
+                who,
                 "; ".join(self.failed[:5]),
             )
 
@@ -349,10 +359,20 @@ class Journal:
     fingerprint: Mapping[str, Any]  # `sinks.resume.fingerprint`
     key: str = ""
     files: dict[str, FileUpload] = field(default_factory=dict)
+    # the small files (config, index, manifest) it puts, recorded before the first request
+    puts: list[str] = field(default_factory=list)
+    resumed: bool = False  # the journal of an interrupted merge, taken over
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.key = self.key or self.store.new_journal_key()
+        with _WRITING_LOCK:
+            _WRITING.add(self.key)
+
+    def release(self) -> None:
+        """This merge has ended: a later one of this process may take the journal over."""
+        with _WRITING_LOCK:
+            _WRITING.discard(self.key)
 
     def save(self) -> None:
         with self._lock:
@@ -369,6 +389,7 @@ class Journal:
                     }
                     for n, f in self.files.items()
                 },
+                "put": list(self.puts),
             }
         body = json.dumps(data, indent=1).encode()
         self.store.call("put_object", Bucket=self.store.uri.bucket, Key=self.key, Body=body)
