@@ -101,7 +101,11 @@ class ResumeRefused(MergeError):
 
 
 class StorageError(ShardforgeError):
-    """Object storage refused or failed a request (credentials, bucket, endpoint, outage)."""
+    """Object storage refused or failed a request (credentials, bucket, endpoint, outage).
+    `kind`: what the request's error was (`io.s3_adapter.kind`: "missing", "unreachable", ...;
+    empty where no request failed)."""
+
+    kind = ""
 
 
 def printable(text: str) -> str:

@@ -269,7 +269,7 @@ class ObjectStoreSink(Sink):
         try:
             head = self.store.on_object("head_object", pf.name)
         except StorageError as exc:
-            if "not found" in exc.message:  # removed since
+            if exc.kind == "missing":  # removed since
                 return False
             raise
         return int(head["ContentLength"]) == pf.size and str(head["ETag"]) == etag

@@ -17,8 +17,6 @@ never deletes an object a moment before the store makes it.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import io
 import json
@@ -37,6 +35,7 @@ from typing import Any
 from shardforge.errors import StorageError
 from shardforge.io.mirror import RemoteTarget
 from shardforge.io.remote import RemoteURI, storage_errors
+from shardforge.io.s3_adapter import call, call_waiting
 
 # S3's limits: every part but the last at least 5 MiB, at most 10,000 parts
 MIN_PART = 5 << 20
@@ -129,9 +128,9 @@ class Store:
 
     def call(self, method: str, where: object = None, **kwargs: Any) -> Any:
         with storage_errors(where or self.uri, self.target.storage_options):
-            if method in _MAKERS:
-                return _finished(self.target.fs, method, kwargs)
-            return self.target.fs.call_s3(method, **kwargs)
+            if method in _MAKERS:  # a signal waits for its answer (module docstring)
+                return call_waiting(self.target.fs, method, IN_FLIGHT_S, **kwargs)
+            return call(self.target.fs, method, **kwargs)
 
     def key(self, name: str) -> str:
         return self.uri.child(name).key
@@ -181,7 +180,7 @@ class Store:
         try:
             self.call("head_bucket", where=where, Bucket=self.uri.bucket)
         except StorageError as exc:
-            if ": not found" in exc.message:
+            if exc.kind == "missing":
                 raise StorageError(f"{where}: no such bucket; create it or fix the URI") from None
             raise
 
@@ -234,21 +233,6 @@ class Store:
         self.on_object("abort_multipart_upload", name, UploadId=upload_id)
 
 
-def _finished(fs: Any, method: str, kwargs: Mapping[str, Any]) -> Any:
-    """`fs.call_s3(method, **kwargs)`; a signal (SIGTERM, Ctrl-C) that interrupts the wait waits
-    for the request's answer (at most `IN_FLIGHT_S`) before it goes on: the object the request
-    may make exists before the cleanup that follows deletes it."""
-    future = asyncio.run_coroutine_threadsafe(fs._call_s3(method, **kwargs), fs.loop)
-    try:
-        return future.result()
-    except Exception:
-        raise
-    except BaseException:
-        with contextlib.suppress(BaseException):
-            future.result(timeout=IN_FLIGHT_S)
-        raise
-
-
 class Cleanup:
     """The requests of a cleanup after a failure: each tried `CLEANUP_TRIES` times (while
     `CLEANUP_S` have not passed), a failed one recorded and the next made; a missing object or
@@ -264,15 +248,15 @@ class Cleanup:
         if self.unreachable:  # a store that is down: the next requests are not tried
             self.failed.append(f"{what}: not tried ({self.unreachable})")
             return
-        last = ""
+        last, unreachable = "", False
         for attempt in range(CLEANUP_TRIES):
             try:
                 request()
                 return
             except StorageError as exc:
-                if _gone(exc):
+                if exc.kind == "missing":  # an upload aborted or completed, an object deleted
                     return
-                last = exc.message
+                last, unreachable = exc.message, exc.kind == "unreachable"
             except Exception as exc:  # not a store error: nothing to retry
                 self.failed.append(f"{what}: {type(exc).__name__}")
                 return
@@ -281,7 +265,7 @@ class Cleanup:
             log.info("cleanup: %s failed (%s); trying again", what, last)
             time.sleep(min(0.5 * 2**attempt, 4.0, max(0.0, self.deadline - time.monotonic())))
         self.failed.append(f"{what}: {last}")
-        if "cannot be reached" in last:
+        if unreachable:
             self.unreachable = "the object store cannot be reached"
 
     def report(self, where: object, who: str = "a later merge") -> None:
@@ -294,12 +278,6 @@ class Cleanup:
                 who,
                 "; ".join(self.failed[:5]),
             )
-
-
-def _gone(exc: StorageError) -> bool:
-    """A request on something that no longer exists (an upload aborted or completed, an object
-    deleted): what a cleanup wanted."""
-    return "not found" in exc.message or "NoSuchUpload" in exc.message
 
 
 class FileRange:
@@ -407,7 +385,7 @@ class Journal:
                 with storage_errors(store.uri, store.target.storage_options):
                     body = store.target.fs.cat_file(f"{store.uri.bucket}/{obj['Key']}")
             except StorageError as exc:
-                if "not found" in exc.message:  # removed meanwhile (its merge finished)
+                if exc.kind == "missing":  # removed meanwhile (its merge finished)
                     continue
                 raise
             try:
