@@ -15,18 +15,22 @@ finds an index before every shard is complete. --overwrite replaces a model only
 holding anything a merge does not write is refused (`io.model_files`) unless
 --overwrite_non_model, before anything is read and again before publishing.
 
-Cleanup: any failure, SIGTERM or Ctrl-C removes every object this merge may have made (each is
-recorded before the request that makes it, and such a request is waited for when a signal
-interrupts it: `uploads.Store.call`), aborts the uploads and then removes this merge's journal
-(its own key: never another merge's), each request tried again (`uploads.Cleanup`).
+Cleanup: any failure, SIGTERM or Ctrl-C before the index is published removes every object
+this merge may have made (each is recorded before the request that makes it, and such a request
+is waited for when a signal interrupts it: `uploads.Store.call`), aborts the uploads and then
+removes this merge's journal (its own key: never another merge's), each request tried again
+(`uploads.Cleanup`). Once the index is published nothing is removed (`_finish`).
 
 Resume (--resume): the journal of the interrupted merge must name the same plan and inputs;
 its completed files are kept when their size and ETag still match, its uploaded parts when
-their size matches, and only the rest is read and uploaded.
+their size matches, and only the rest is read and uploaded; the small objects it put (listed
+in the journal before the first PUT) count as its own. Refused at publishing, a resumed merge
+keeps the journal it took over.
 
 The integrity manifest (`sinks.manifest`) is put last: each file's SHA-256 is computed as its
 staging file is filled (every tensor is then written, also those of parts an interrupted merge
-uploaded, which are not uploaded again) and kept in the journal for a resumed merge.
+uploaded, which are not uploaded again) and kept in the journal for a resumed merge; the journal
+is removed once the manifest is put.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ The fingerprint is the plan's SHA-256 and, for every input file, its pin (`io.pi
 file's device, inode, size and mtime; an object's ETag and VersionId) and the SHA-256 of what
 the manifest records of it (its records' CRC-32s, a `.metadata`'s or an index's SHA-256): not
 the inputs' names alone. `--resume` over a checkpoint that was replaced since (another save of
-the same shapes, a file rewritten) is refused, naming each file that changed and how.
+the same shapes, a file rewritten) is refused, naming each file that changed and how (`_PLACE`:
+a copy or a remount, which number devices and inodes anew, is not a change); the refusal
+(`ResumeRefused`) keeps what the interrupted merge left.
 
 Every local Hugging Face directory write keeps ``.shardforge-resume.json`` in its hidden
 directory: the fingerprint, and for each finished file (written and fsynced) its size and
