@@ -69,6 +69,7 @@ from shardforge.sinks.uploads import (
     FileUpload,
     Journal,
     PartSizer,
+    PrefixTaken,
     Store,
     abort_left,
     owner_alive,
@@ -146,7 +147,7 @@ class ObjectStoreSink(Sink):
     ) -> None:
         """Every file uploaded, then published (`_publish`); any failure before the index is
         published removes what this merge made (module docstring), but a resumed merge refused
-        at publishing keeps the interrupted merge's journal and uploads (`_PrefixTaken`)."""
+        at publishing keeps the interrupted merge's journal and uploads (`PrefixTaken`)."""
         hashes = new_hashes()  # each file's, as its staging file is filled (`sinks.manifest`)
         done: list[str] = []  # what this merge made, or may have (recorded before the request)
         try:
@@ -163,7 +164,7 @@ class ObjectStoreSink(Sink):
             self._manifest(output, local, hashes)
             check_pins()  # every input still the version read (io.pins)
             self._publish(output, local, journal, options, done)
-        except _PrefixTaken:
+        except PrefixTaken:
             if not journal.resumed:
                 journal.abort_all(self._remove(done)).report(self.target.uri)
             raise
@@ -344,7 +345,7 @@ class ObjectStoreSink(Sink):
         ours |= set(journal.puts)  # what it put, or was putting (recorded before the requests)
         before = {self._name(o["Key"]) for o in self.store.objects()} - ours
         if before and not options.overwrite:
-            raise _PrefixTaken(self.target.uri, sorted(before), journal.resumed)
+            raise PrefixTaken(self.target.uri, sorted(before), journal.resumed)
         if before and options.model_only:  # what appeared meanwhile counts too
             refuse_non_model(self.target.uri, before)
         for name in (SAFE_WEIGHTS_INDEX_NAME, MANIFEST_NAME):
@@ -419,24 +420,6 @@ class ObjectStoreSink(Sink):
         for name in dict.fromkeys(done):
             cleanup(f"delete {name}", functools.partial(self.store.delete, self.store.key(name)))
         return cleanup
-
-
-class _PrefixTaken(MergeError):
-    """Objects under the prefix that neither this merge nor the one it resumes made: nothing is
-    published; a resumed merge keeps the journal it took over (and its uploads)."""
-
-    def __init__(self, uri: object, found: list[str], resumed: bool) -> None:
-        if resumed:
-            what = "remove them and run it again with --resume, or pass --overwrite"
-            kept = "; the interrupted merge's journal is kept"
-        else:
-            what = "choose another --output_path, or pass --overwrite"
-            kept = ""
-        super().__init__(
-            f"{uri}: objects appeared under the prefix while the merge ran (listed below); "
-            f"nothing was published{kept} - {what}",
-            found,
-        )
 
 
 class _Parts:

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardforge.errors import StorageError
+from shardforge.errors import MergeError, StorageError
 from shardforge.io.mirror import RemoteTarget
 from shardforge.io.remote import RemoteURI, storage_errors
 from shardforge.io.s3_adapter import call, call_waiting
@@ -417,3 +417,21 @@ def abort_left(store: Store, key: str, data: Mapping[str, Any]) -> Cleanup:
             cleanup(f"abort {name}", abort)
     cleanup("delete the journal", functools.partial(store.delete, key))
     return cleanup
+
+
+class PrefixTaken(MergeError):
+    """Objects under the prefix that neither this merge nor the one it resumes made: nothing is
+    published; a resumed merge keeps the journal it took over (and its uploads)."""
+
+    def __init__(self, uri: object, found: list[str], resumed: bool) -> None:
+        if resumed:
+            what = "remove them and run it again with --resume, or pass --overwrite"
+            kept = "; the interrupted merge's journal is kept"
+        else:
+            what = "choose another --output_path, or pass --overwrite"
+            kept = ""
+        super().__init__(
+            f"{uri}: objects appeared under the prefix while the merge ran (listed below); "
+            f"nothing was published{kept} - {what}",
+            found,
+        )
