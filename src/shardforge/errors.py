@@ -95,8 +95,17 @@ class MergeError(ShardforgeError):
     """The merge cannot proceed (architecture mismatch, output exists, no disk space, ...)."""
 
 
+class ResumeRefused(MergeError):
+    """--resume refused: what the interrupted merge left (its hidden directory, its journal)
+    is kept, for a later --resume or a merge without it to remove."""
+
+
 class StorageError(ShardforgeError):
-    """Object storage refused or failed a request (credentials, bucket, endpoint, outage)."""
+    """Object storage refused or failed a request (credentials, bucket, endpoint, outage).
+    `kind`: what the request's error was (`io.s3_adapter.kind`: "missing", "unreachable", ...;
+    empty where no request failed)."""
+
+    kind = ""
 
 
 def printable(text: str) -> str:

@@ -220,3 +220,44 @@ def test_kill_9_of_the_commands_process_group_ends_every_rank(built: Built, tmp_
     assert third.exit_code == 0, third.output
     assert "taking over the lock of a writer that has ended" in third.output, third.output
     assert (out / "model.safetensors").is_file() and not (tmp_path / "out.shardforge.lock").exists()
+
+
+def test_sigterm_to_the_commands_own_process_leaves_nothing_beside_the_output(
+    built: Built, tmp_path: Path
+) -> None:
+    """SIGTERM to the command's own process only (what `timeout`, `kill PID` and a container
+    stop send), while rank 0 holds the output's lock and creates its hidden directory: the
+    command stops as interrupted, and nothing is left beside the output - no hidden directory,
+    no lock file, no rank, no launcher's request folder. (SIGINT, Ctrl-C to that process, stops
+    the ranks the same way: the launcher asks torchrun to stop them with SIGTERM.)"""
+    signum = signal.SIGTERM
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(yaml.safe_dump({"base_model": str(built.base), "output_dir": "unused"}))
+    out = tmp_path / "out"
+    gate = Gate(tmp_path / "gate", "os:mkdir", r"/\.out\.tmp-[^/]+$")
+    cmd = [sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(cfg),
+           "--output_path", str(out), "--checkpoint", str(built.ours), "--nproc_per_node", "2",
+           "--quiet"]  # fmt: skip
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    proc = subprocess.Popen(
+        cmd, env={**gate.env(), "TMPDIR": str(temp)}, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        (paused,) = gate.wait(proc)
+        import psutil
+
+        family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert paused in family
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        gate.open()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "error: interrupted" in err, err
+    assert "Traceback" not in err, err
+    assert not still_running(family, seconds=10), "processes of the merge outlived it"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yml", "gate", "temp"], err
+    # (a rank killed after torchrun's wait instead of stopping would have left its directory)
+    assert not list(temp.glob("shardforge-*"))  # the launcher's request folder

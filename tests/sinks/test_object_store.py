@@ -24,7 +24,7 @@ from helpers.gate import Gate
 from helpers.s3 import LAYOUTS, S3Server, killed_at, layout_folder, start_server, tree_bytes
 from shardforge.errors import MergeError, StorageError
 from shardforge.io import mirror
-from shardforge.io.remote import RemoteURI, filesystem
+from shardforge.io.remote import RemoteURI, filesystem, storage_errors
 from shardforge.merge.api import merge_fsdp_weights
 from shardforge.sinks.object_store import ObjectStoreSink
 from shardforge.sinks.uploads import FileRange, Store
@@ -339,6 +339,101 @@ def test_a_refused_merge_leaves_the_other_merges_journal(
         for p in started:
             if p.poll() is None:
                 p.kill()
+    merge_fsdp_weights(config, uri, checkpoint=folder, max_shard_size="150KB", resume=True)
+    assert stored(s3_server, f"{bucket}/model", tmp_path / "resumed") == want
+    assert journals(s3_server, bucket, "model") == []
+
+
+@pytest.mark.parametrize("fails_from", ["manifest", "journal"])
+def test_an_outage_right_after_the_index_is_published_keeps_the_model(
+    fails_from: str,
+    checkpoints: Built,
+    s3_server: S3Server,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The store stops answering the moment the index is published (a fault hook on the
+    store's requests): from the manifest's PUT on, or at the journal's removal only. The
+    published model stays; a manifest not put is an error that says so, its journal kept, and
+    `--resume` puts it and removes the journal; a journal not removed is a warning, and the
+    next plain merge to the prefix removes it (and refuses to replace the model)."""
+    from shardforge.sinks import uploads
+
+    folder = layout_folder(checkpoints.root, "dcp")
+    bucket = s3_server.bucket(f"out-after-index-{fails_from}")
+    uri = f"s3://{bucket}/model"
+    config = cfg(checkpoints, s3_server)
+    want = tree_bytes(
+        merge_fsdp_weights(config, tmp_path / "local", checkpoint=folder, max_shard_size="150KB")
+    )
+    down = [False]
+    real_put, real_call = uploads.Store.put, uploads.Store.call
+
+    def put(store: Store, name: str, body: bytes) -> None:
+        real_put(store, name, body)
+        down[0] = down[0] or name == "model.safetensors.index.json"
+
+    def call(store: Store, method: str, where: object = None, **kwargs: Any) -> Any:
+        manifest = kwargs.get("Key", "").endswith("/shardforge-manifest.json")
+        if down[0] and (fails_from == "manifest" or not manifest):
+            with storage_errors(where or store.uri):
+                raise ConnectionRefusedError("Cannot connect to host (the test's outage)")
+        return real_call(store, method, where, **kwargs)
+
+    monkeypatch.setattr(uploads, "CLEANUP_TRIES", 1)
+    monkeypatch.setattr(uploads.Store, "put", put)
+    monkeypatch.setattr(uploads.Store, "call", call)
+    published = sorted(n for n in want if n != "shardforge-manifest.json")
+    assert len(published) < len(want)
+    if fails_from == "manifest":
+        with pytest.raises(StorageError) as err:
+            merge_fsdp_weights(config, uri, checkpoint=folder, max_shard_size="150KB")
+        assert "the model is published" in err.value.message and "--resume" in err.value.message
+    else:
+        with caplog.at_level("WARNING", logger="shardforge"):
+            merge_fsdp_weights(config, uri, checkpoint=folder, max_shard_size="150KB")
+        assert "--resume or a later merge to it removes what is left" in caplog.text
+        published = sorted(want)
+    monkeypatch.undo()
+    assert sorted(stored(s3_server, f"{bucket}/model", tmp_path / "left")) == published
+    assert len(journals(s3_server, bucket, "model")) == 1
+    if fails_from == "manifest":
+        merge_fsdp_weights(config, uri, checkpoint=folder, max_shard_size="150KB", resume=True)
+    else:
+        with pytest.raises(MergeError, match="pass --overwrite"):
+            merge_fsdp_weights(config, uri, checkpoint=folder, max_shard_size="150KB")
+    assert stored(s3_server, f"{bucket}/model", tmp_path / "finished") == want
+    assert journals(s3_server, bucket, "model") == []
+
+
+def test_resume_after_a_kill_9_in_the_publish_finishes_it(
+    checkpoints: Built, s3_server: S3Server, tmp_path: Path
+) -> None:
+    """`kill -9` of a merge right after its first small object (the chat template) is put, before
+    the index and the manifest: `--resume` counts what the interrupted merge put as its own (its
+    journal lists them). An object that did appear meanwhile refuses it, naming that object
+    and keeping the journal; once it is gone, `--resume` publishes the model and removes the
+    journal."""
+    folder = layout_folder(checkpoints.root, "dcp")
+    bucket = s3_server.bucket("out-kill-in-publish")
+    uri = f"s3://{bucket}/model"
+    config = cfg(checkpoints, s3_server)
+    want = tree_bytes(
+        merge_fsdp_weights(config, tmp_path / "local", checkpoint=folder, max_shard_size="150KB")
+    )
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump({**config, "storage_options": None}))
+    gate = Gate(tmp_path / "gate", "shardforge.sinks.uploads:Store.put", r"model")
+    killed_at(gate, _merge_cmd(tmp_path, folder, uri), gate.env(s3_server.env()))
+    assert [k for k in keys(s3_server, f"{bucket}/model") if not k.endswith(".safetensors")]
+    assert len(journals(s3_server, bucket, "model")) == 1
+    fs = s3_server.fs()
+    fs.pipe(f"{bucket}/model/notes.md", b"mine")
+    with pytest.raises(MergeError, match="objects appeared under the prefix") as err:
+        merge_fsdp_weights(config, uri, checkpoint=folder, max_shard_size="150KB", resume=True)
+    assert err.value.details == ["notes.md"], err.value.details
+    assert len(journals(s3_server, bucket, "model")) == 1
+    fs.rm(f"{bucket}/model/notes.md")
     merge_fsdp_weights(config, uri, checkpoint=folder, max_shard_size="150KB", resume=True)
     assert stored(s3_server, f"{bucket}/model", tmp_path / "resumed") == want
     assert journals(s3_server, bucket, "model") == []

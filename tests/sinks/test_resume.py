@@ -45,7 +45,10 @@ JOURNAL_SAVED = r"/\.out\.tmp-[^/]+/" + re.escape(Path(JOURNAL_NAME).with_suffix
 def test_a_killed_merge_resumes_keeping_its_finished_files(
     checkpoints: Built, tmp_path: Path
 ) -> None:
-    folder = checkpoints.root / f"hf/checkpoint-{HF_STEP}/pytorch_model_fsdp_0"
+    """... also once the checkpoint is a copy of the one it read (new inode numbers, as after a
+    copy or a remount; the same content, sizes and mtimes)."""
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(checkpoints.root / f"hf/checkpoint-{HF_STEP}/pytorch_model_fsdp_0", folder)
     config = {"base_model": str(checkpoints.base), "output_dir": "unused"}
     whole = merge_fsdp_weights(
         config, tmp_path / "whole", checkpoint=folder, max_shard_size="150KB"
@@ -71,6 +74,11 @@ def test_a_killed_merge_resumes_keeping_its_finished_files(
     with (hidden / second).open("r+b") as f:  # damaged since: must be written again
         f.seek(-1, 2)
         f.write(b"\x7f")
+    inodes = {p.name: p.stat().st_ino for p in folder.iterdir()}
+    shutil.copytree(folder, tmp_path / "copy")  # copy2: mtimes kept, inodes new
+    shutil.rmtree(folder)
+    (tmp_path / "copy").rename(folder)
+    assert all(p.stat().st_ino != inodes[p.name] for p in folder.iterdir())
     merge_fsdp_weights(
         config, out, checkpoint=folder, max_shard_size="150KB", resume=True, verify=True
     )
@@ -116,7 +124,10 @@ def test_resume_over_a_checkpoint_replaced_by_another_save_is_refused(
     for name in (".metadata", "__0_0.distcp"):
         assert f"{ck / name} changed since the interrupted merge read it" in text, text
     assert "its content differs" in text and "mtime" in text, text
+    assert "its finished files are kept" in text, text
     assert not out.exists()  # nothing published
+    (kept,) = tmp_path.glob(".out.tmp-*")  # with its finished files, for a later --resume
+    assert len(json.loads((kept / JOURNAL_NAME).read_text())["files"]) >= 2
 
 
 def _upload(server: S3Server, folder: Path, prefix: str) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.s3 import start_server
+from helpers.s3 import S3Server, start_server
+from shardforge.errors import StorageError
 from shardforge.io.mirror import RemoteTarget
 from shardforge.io.remote import RemoteURI, filesystem
 from shardforge.sinks import uploads
@@ -68,3 +69,53 @@ def test_abort_all_goes_on_after_a_failure_and_through_a_restart(
         assert Journal.found(store) == [] and _open_uploads(store) == []
     finally:
         server.stop()
+
+
+def test_a_failure_is_told_apart_by_its_type_and_code_not_its_words(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upload that is gone (NoSuchUpload) is done for a cleanup, and a store that cannot be
+    reached is not asked again, whatever the messages say (here: words that say nothing)."""
+    from helpers.s3 import free_ports
+    from shardforge.io import remote
+
+    bucket = s3_server.bucket("uploads-kinds")
+    options = s3_server.storage_options
+    store = Store(RemoteTarget(RemoteURI(bucket, "m"), filesystem(options), options, tmp_path))
+    upload = store.create("w")
+    store.abort("w", upload)
+    monkeypatch.setattr(remote, "_reason", lambda exc: "words that say nothing")
+    monkeypatch.setattr(uploads, "CLEANUP_TRIES", 2)
+    with pytest.raises(StorageError) as err:
+        store.on_object("list_parts", "w", UploadId=upload)
+    assert err.value.kind == "missing", err.value.message
+    cleanup = uploads.Cleanup()
+    cleanup("list w", lambda: store.on_object("list_parts", "w", UploadId=upload))
+    assert cleanup.failed == []
+    (port,) = free_ports(1)
+    dead = {
+        **options,
+        "endpoint_url": f"http://127.0.0.1:{port}",  # nothing listens there
+        "skip_instance_cache": True,
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    monkeypatch.setattr(uploads, "CLEANUP_TRIES", 1)
+    down = Store(RemoteTarget(RemoteURI(bucket, "m"), filesystem(dead), dead, tmp_path))
+    cleanup("delete a", lambda: down.delete(down.key("a")))
+    cleanup("delete b", lambda: down.delete(down.key("b")))
+    assert cleanup.unreachable and cleanup.failed[1].endswith(
+        "not tried (the object store cannot be reached)"
+    ), cleanup.failed
+
+
+def test_only_the_adapter_uses_s3fs_internals() -> None:
+    """s3fs's private request coroutine, its event loop and fsspec's `sync` appear in one module
+    (`io/s3_adapter.py`)."""
+    import re
+
+    import shardforge
+
+    src = Path(shardforge.__file__).parent
+    uses = re.compile(r"_call_s3|\bcall_s3\b|fs\.loop\b|fsspec\.asyn")
+    found = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if uses.search(p.read_text()))
+    assert found == ["io/s3_adapter.py"], found

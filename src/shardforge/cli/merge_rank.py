@@ -11,6 +11,7 @@ from pathlib import Path
 from shardforge.cli._common import run_guarded, setup_logging, split_debug
 from shardforge.cli.main import exit_now
 from shardforge.errors import ShardforgeError
+from shardforge.io.publish import sigterm_as_interrupt
 from shardforge.io.ranks import die_with_launcher
 
 
@@ -50,7 +51,10 @@ def main(argv: list[str]) -> None:
             if not finished:
                 dist.destroy_process_group()
 
-    run_guarded(merge, debug)
+    # SIGTERM (torchrun's agent sends it to stop the ranks) is an interrupt: rank 0 removes
+    # its hidden directory and lets go of the output's lock on its way out
+    with sigterm_as_interrupt():
+        run_guarded(merge, debug)
     # Every rank finished together and the output is published: leave without gloo's
     # teardown, which once aborted a rank after a complete merge ("terminate called without
     # an active exception"), and without the interpreter's.

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
-from shardforge.errors import MergeError
+from shardforge.errors import MergeError, ResumeRefused
 from shardforge.io.fs import fsync_dir, fsync_file, fsync_tree
 from shardforge.io.model_files import check_model_folder
 from shardforge.io.pins import check_and_release as check_pins
@@ -138,13 +138,31 @@ def _fresh_temp_sibling(out: Path, tag: str = "tmp", resume: bool = False) -> Pa
     out.parent.mkdir(parents=True, exist_ok=True)
     left = _newest_stale_dir(out) if resume else None
     if left is not None:
-        taken = Path(tempfile.mkdtemp(prefix=f"{_prefix(out)}.{tag}-{_owner()}-", dir=out.parent))
+        taken = _new_temp_dir(out, tag)
         os.rename(left, taken)  # `taken` is an empty directory: the rename replaces it
         log.info("resuming the interrupted merge to %s", out)
     remove_stale_temps(out)
     if left is not None:
         return taken
-    return Path(tempfile.mkdtemp(prefix=f"{_prefix(out)}.{tag}-{_owner()}-", dir=out.parent))
+    return _new_temp_dir(out, tag)
+
+
+def _new_temp_dir(out: Path, tag: str) -> Path:
+    """A new private directory beside `out`, named after its owner (as `tempfile.mkdtemp`
+    makes it), removed again when a signal (SIGTERM, Ctrl-C) lands the moment it is made,
+    before the caller's cleanup knows it."""
+    while True:
+        path = out.parent / f"{_prefix(out)}.{tag}-{_owner()}-{os.urandom(4).hex()}"
+        try:
+            os.mkdir(path, 0o700)
+            return path
+        except FileExistsError:
+            continue
+        except BaseException as exc:
+            if not isinstance(exc, OSError):  # an interrupt: made or not, it is not kept
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+            raise
 
 
 def _newest_stale_dir(out: Path) -> Path | None:
@@ -400,6 +418,8 @@ def atomic_directory(
             _as_umask_allows(tmp)
             _publish_dir(tmp, out, overwrite, model_only)
             fsync_dir(out.parent)
+    except ResumeRefused:  # the finished files stay, for a later --resume (or removal)
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -121,9 +121,13 @@ def run_agent(argv: list[str]) -> None:
     """`python -m shardforge.io.ranks [torchrun args]`: torchrun (`torch.distributed.run`),
     dying with the command that started it, its ranks told its pid."""
     die_with_launcher(always=False)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main
 
-    main(argv)
+    try:
+        main(argv)
+    except SignalException as exc:  # stopped (its ranks too): the command reports it
+        raise SystemExit(128 + int(exc.sigval)) from None
 
 
 if __name__ == "__main__":

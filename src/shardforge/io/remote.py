@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardforge.errors import CheckpointError, ShardforgeError, StorageError
+from shardforge.io.s3_adapter import acall, error_code, kind, run
 
 SCHEME = "s3://"
 # a large read is split into ranged GETs of this size, `PARALLEL` at a time, each streamed
@@ -145,22 +146,30 @@ def _reason(exc: BaseException) -> str:
 
 
 def storage_error(exc: BaseException, where: str, hidden: list[str] | None = None) -> StorageError:
-    """One line for a failed request at `where`: what went wrong and what to do."""
+    """One line for a failed request at `where`: what went wrong and what to do. Its `kind`
+    (`s3_adapter.kind`: from the error's type and S3 code) is what callers decide by."""
     reason = redact(_reason(exc), hidden or [])
     name = type(exc).__name__
-    if isinstance(exc, PermissionError) or "AccessDenied" in reason or "signature" in reason:
+    found = kind(exc)
+    if found == "failed" and ("AccessDenied" in reason or "signature" in reason):
+        found = "denied"
+    elif found == "failed" and "connect" in (reason + name).lower():
+        found = "unreachable"
+    if found == "denied":
         hint = "access denied ({}); check the credentials (storage_options key/secret or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
-    elif isinstance(exc, FileNotFoundError) and "bucket" in reason.lower():
+    elif found == "missing" and (error_code(exc) == "NoSuchBucket" or "bucket" in reason.lower()):
         hint = "no such bucket ({}); create it or fix the URI"
-    elif isinstance(exc, FileNotFoundError):
+    elif found == "missing":
         hint = "not found ({})"
-    elif "connect" in (reason + name).lower() or isinstance(exc, ConnectionError | TimeoutError):
+    elif found == "unreachable":
         hint = "the object store cannot be reached ({}); check the endpoint and that it is up"
     else:
         hint = (
             f"the request failed ({name}: {{}}); the store may be down or throttling - retry later"
         )
-    return StorageError(f"{where}: {hint.format(reason)}")
+    error = StorageError(f"{where}: {hint.format(reason)}")
+    error.kind = found
+    return error
 
 
 @contextlib.contextmanager
@@ -281,13 +290,11 @@ class RemoteObject:
         """Fetch [offset, offset + n) in parts of `PART_BYTES`, `PARALLEL` GETs at a time on
         the file system's event loop, each body handed to `sink` as it arrives (no part is
         held whole); the bytes received (fewer only where the object ends first)."""
-        from fsspec.asyn import sync
-
         end = min(self.size, offset + n)
         if end <= offset:
             return 0
         with storage_errors(self.uri, self.storage_options):
-            return int(sync(self.fs.loop, self._parts, offset, end, sink))
+            return int(run(self.fs, self._parts, offset, end, sink))
 
     async def _parts(self, offset: int, end: int, sink: _Sink) -> int:
         import asyncio
@@ -329,7 +336,8 @@ class RemoteObject:
         """One ranged GET of the pinned version, its body written to `sink` chunk by chunk as
         it arrives."""
         try:
-            resp = await self.fs._call_s3(
+            resp = await acall(
+                self.fs,
                 "get_object",
                 Bucket=self.uri.bucket,
                 Key=self.uri.key,
@@ -337,8 +345,8 @@ class RemoteObject:
                 **self._pinned(),
             )
         except OSError as exc:
-            if _code(exc) in _CHANGED:  # another version now, or a shorter one
-                how = f"a GET of the version with ETag {self.etag} answers {_code(exc)}"
+            if kind(exc) == "changed":  # another version now, or a shorter one
+                how = f"a GET of the version with ETag {self.etag} answers {error_code(exc)}"
                 raise changed_error(self.uri, how) from None
             raise
         body = resp["Body"]
@@ -357,9 +365,11 @@ class RemoteObject:
     async def _change(self) -> str | None:
         """How the object differs from the pinned version now (None: it does not)."""
         try:
-            head = await self.fs._call_s3("head_object", Bucket=self.uri.bucket, Key=self.uri.key)
-        except FileNotFoundError:
-            return "it was removed"
+            head = await acall(self.fs, "head_object", Bucket=self.uri.bucket, Key=self.uri.key)
+        except OSError as exc:
+            if kind(exc) == "missing":
+                return "it was removed"
+            raise
         etag, size = head.get("ETag"), int(head.get("ContentLength", -1))
         if self.etag and etag != self.etag:
             return f"ETag {self.etag} -> {etag}"
@@ -375,21 +385,9 @@ def changed_error(name: object, how: str) -> CheckpointError:
     )
 
 
-# the error codes of a GET whose pinned version is gone (412: If-Match failed; 416: a range
-# past the end of what the key holds now)
-_CHANGED = frozenset({"PreconditionFailed", "412", "InvalidRange", "416"})
-
-
-def _code(exc: BaseException) -> str | None:
-    """The S3 error code behind an error s3fs translated (None: not a store's answer)."""
-    response = getattr(exc.__cause__, "response", None)
-    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
-
-
 def changed_objects(objects: list[RemoteObject]) -> list[tuple[RemoteObject, str]]:
     """The objects that differ from their pinned version now, and how (one HEAD each, all at
     once on each file system's event loop)."""
-    from fsspec.asyn import sync
 
     async def each(group: list[RemoteObject]) -> list[str | None]:
         import asyncio
@@ -403,7 +401,7 @@ def changed_objects(objects: list[RemoteObject]) -> list[tuple[RemoteObject, str
     for group in groups.values():
         first = group[0]
         with storage_errors(first.uri, first.storage_options):
-            answers = sync(first.fs.loop, each, group)
+            answers = run(first.fs, each, group)
         found += [(o, how) for o, how in zip(group, answers, strict=True) if how is not None]
     return found
 

@@ -15,18 +15,22 @@ finds an index before every shard is complete. --overwrite replaces a model only
 holding anything a merge does not write is refused (`io.model_files`) unless
 --overwrite_non_model, before anything is read and again before publishing.
 
-Cleanup: any failure, SIGTERM or Ctrl-C removes every object this merge may have made (each is
-recorded before the request that makes it, and such a request is waited for when a signal
-interrupts it: `uploads.Store.call`), aborts the uploads and then removes this merge's journal
-(its own key: never another merge's), each request tried again (`uploads.Cleanup`).
+Cleanup: any failure, SIGTERM or Ctrl-C before the index is published removes every object
+this merge may have made (each is recorded before the request that makes it, and such a request
+is waited for when a signal interrupts it: `uploads.Store.call`), aborts the uploads and then
+removes this merge's journal (its own key: never another merge's), each request tried again
+(`uploads.Cleanup`). Once the index is published nothing is removed (`_finish`).
 
 Resume (--resume): the journal of the interrupted merge must name the same plan and inputs;
 its completed files are kept when their size and ETag still match, its uploaded parts when
-their size matches, and only the rest is read and uploaded.
+their size matches, and only the rest is read and uploaded; the small objects it put (listed
+in the journal before the first PUT) count as its own. Refused at publishing, a resumed merge
+keeps the journal it took over.
 
 The integrity manifest (`sinks.manifest`) is put last: each file's SHA-256 is computed as its
 staging file is filled (every tensor is then written, also those of parts an interrupted merge
-uploaded, which are not uploaded again) and kept in the journal for a resumed merge.
+uploaded, which are not uploaded again) and kept in the journal for a resumed merge; the journal
+is removed once the manifest is put.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from shardforge.sinks.uploads import (
     FileUpload,
     Journal,
     PartSizer,
+    PrefixTaken,
     Store,
     abort_left,
     owner_alive,
@@ -89,9 +94,9 @@ def check_target(
         raise MergeError(f"{target.uri}: name a prefix inside the bucket (s3://BUCKET/PREFIX)")
     store.head_bucket()
     left = Journal.found(store)
-    for _, data in left:
+    for key, data in left:
         who = data.get("owner")
-        if isinstance(who, dict) and owner_alive(who):
+        if isinstance(who, dict) and owner_alive(who, key):
             raise MergeError(
                 f"{target.uri}: another merge (pid {who.get('pid')}) is writing there; "
                 "wait for it or choose another --output_path"
@@ -129,6 +134,20 @@ class ObjectStoreSink(Sink):
         local = self.target.staging / "directory"
         local.mkdir(parents=True, exist_ok=True)
         journal = self._journal(output, options.resume)
+        try:
+            self._upload_and_publish(output, local, journal, options)
+            self._finish(local, journal)  # published: whatever fails now removes nothing
+        finally:
+            journal.release()
+            shutil.rmtree(local, ignore_errors=True)
+        log.info("uploaded %s of parts to %s", human(self.uploaded), self.target.uri)
+
+    def _upload_and_publish(
+        self, output: Output, local: Path, journal: Journal, options: WriteOptions
+    ) -> None:
+        """Every file uploaded, then published (`_publish`); any failure before the index is
+        published removes what this merge made (module docstring), but a resumed merge refused
+        at publishing keeps the interrupted merge's journal and uploads (`PrefixTaken`)."""
         hashes = new_hashes()  # each file's, as its staging file is filled (`sinks.manifest`)
         done: list[str] = []  # what this merge made, or may have (recorded before the request)
         try:
@@ -145,13 +164,14 @@ class ObjectStoreSink(Sink):
             self._manifest(output, local, hashes)
             check_pins()  # every input still the version read (io.pins)
             self._publish(output, local, journal, options, done)
+        except PrefixTaken:
+            if not journal.resumed:
+                journal.abort_all(self._remove(done)).report(self.target.uri)
+            raise
         except BaseException:
             cleanup = self._remove(done)  # first: the journal is the record of a kill meanwhile
             journal.abort_all(cleanup).report(self.target.uri)
             raise
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
-        log.info("uploaded %s of parts to %s", human(self.uploaded), self.target.uri)
 
     def verify(self, output: Output, location: Path, progress: Progress | None = None) -> int:
         """The uploaded weight files read back into the staging area (with the index about to
@@ -204,6 +224,8 @@ class ObjectStoreSink(Sink):
         journal = Journal(self.store, fp, same[-1][0] if same else "")
         if same:
             left = same[-1][1]
+            journal.resumed = True
+            journal.puts = [str(n) for n in left.get("put") or []]
             for name, e in dict(left.get("files") or {}).items():
                 journal.files[name] = FileUpload(
                     str(e["upload_id"]),
@@ -252,7 +274,7 @@ class ObjectStoreSink(Sink):
         try:
             head = self.store.on_object("head_object", pf.name)
         except StorageError as exc:
-            if "not found" in exc.message:  # removed since
+            if exc.kind == "missing":  # removed since
                 return False
             raise
         return int(head["ContentLength"]) == pf.size and str(head["ETag"]) == etag
@@ -320,12 +342,10 @@ class ObjectStoreSink(Sink):
         plan = output.plan
         # what the interrupted merge this one resumes completed, or may have
         ours = {n for n, f in journal.files.items() if f.completed is not None or f.completing}
+        ours |= set(journal.puts)  # what it put, or was putting (recorded before the requests)
         before = {self._name(o["Key"]) for o in self.store.objects()} - ours
         if before and not options.overwrite:
-            raise MergeError(
-                f"{self.target.uri}: objects appeared under the prefix while the merge ran; "
-                "nothing was published - choose another --output_path, or pass --overwrite"
-            )
+            raise PrefixTaken(self.target.uri, sorted(before), journal.resumed)
         if before and options.model_only:  # what appeared meanwhile counts too
             refuse_non_model(self.target.uri, before)
         for name in (SAFE_WEIGHTS_INDEX_NAME, MANIFEST_NAME):
@@ -336,6 +356,8 @@ class ObjectStoreSink(Sink):
             if pf.name != last:
                 self._complete(pf.name, journal, done)
         extra = sorted(p.name for p in local.iterdir() if p.is_file())
+        journal.puts = extra  # a resumed merge counts them as its own (a kill from now on)
+        journal.save()
         for name in extra:
             if name not in (last, MANIFEST_NAME):
                 done.append(name)
@@ -352,10 +374,25 @@ class ObjectStoreSink(Sink):
             self._complete(last, journal, done)
             if options.verify:  # unsharded: the weights file itself is what publishes
                 self._verified(output, options.quiet)
-        if MANIFEST_NAME in extra:
-            done.append(MANIFEST_NAME)
-            self.store.put(MANIFEST_NAME, (local / MANIFEST_NAME).read_bytes())
-        journal.delete()
+
+    def _finish(self, local: Path, journal: Journal) -> None:
+        """Once the model is published: its manifest put, then the journal removed, each
+        request tried again (`uploads.Cleanup`). Whatever fails now removes nothing: the
+        journal stays until the manifest is put, and `--resume` (or a later merge) finishes."""
+        tries = Cleanup()
+        manifest = local / MANIFEST_NAME
+        if manifest.is_file():
+            body = manifest.read_bytes()
+            tries(f"put {MANIFEST_NAME}", functools.partial(self.store.put, MANIFEST_NAME, body))
+        if not tries.failed:
+            tries("delete the journal", journal.delete)
+            tries.report(self.target.uri, "the model is published; --resume or a later merge")
+            return
+        raise StorageError(
+            f"{self.target.uri}: the model is published, but its {MANIFEST_NAME} could not be "
+            f"put ({tries.failed[0]}); the merge's journal is kept beside it: run the same "
+            "merge with --resume to put it (nothing is uploaded again)"
+        )
 
     def _complete(self, name: str, journal: Journal, done: list[str]) -> None:
         """Complete `name`'s upload, recorded in `done` before the request (the cleanup then

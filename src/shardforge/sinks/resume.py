@@ -5,7 +5,9 @@ The fingerprint is the plan's SHA-256 and, for every input file, its pin (`io.pi
 file's device, inode, size and mtime; an object's ETag and VersionId) and the SHA-256 of what
 the manifest records of it (its records' CRC-32s, a `.metadata`'s or an index's SHA-256): not
 the inputs' names alone. `--resume` over a checkpoint that was replaced since (another save of
-the same shapes, a file rewritten) is refused, naming each file that changed and how.
+the same shapes, a file rewritten) is refused, naming each file that changed and how (`_PLACE`:
+a copy or a remount, which number devices and inodes anew, is not a change); the refusal
+(`ResumeRefused`) keeps what the interrupted merge left.
 
 Every local Hugging Face directory write keeps ``.shardforge-resume.json`` in its hidden
 directory: the fingerprint, and for each finished file (written and fsynced) its size and
@@ -28,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from shardforge.errors import MergeError
+from shardforge.errors import ResumeRefused
 from shardforge.formats.base import TensorSource
 from shardforge.io.copy import session_memo
 from shardforge.io.mirror import public_name
@@ -72,23 +74,38 @@ def pinned_inputs(sources: Iterable[TensorSource]) -> dict[str, dict[str, Any]]:
     return session_memo(("pinned inputs", where), compute)
 
 
-def resume_refused(where: object, left: object, fp: Fingerprint) -> MergeError | None:
+# a local file's pin fields that say where it is, not what it holds: a copy, a remount (NFS,
+# Lustre, FUSE and container mounts number devices and inodes anew) changes them; across
+# processes the content, size and mtime decide (`io.pins` checks them all within one)
+_PLACE = frozenset({"device", "inode", "ctime_ns"})
+
+
+def resume_refused(where: object, left: object, fp: Fingerprint) -> ResumeRefused | None:
     """Why the interrupted merge's fingerprint `left` is not `fp` (None: it is): the error
-    names each input that changed, and how."""
-    again = "merge without --resume to start over"
+    names each input that changed, and how. What the interrupted merge left is kept."""
+    again = (
+        "its finished files are kept: --resume again once the checkpoint is the one it read, "
+        "or merge without --resume to start over"
+    )
     if not isinstance(left, dict) or left.get("plan") != fp["plan"]:
-        return MergeError(
+        return ResumeRefused(
             f"{where}: --resume refused: the interrupted merge planned other files (or another "
-            f"shardforge version wrote it); {again}"
+            "shardforge version wrote it); merge without --resume to start over"
         )
     found = _inputs_changed(left.get("inputs") or {}, fp["inputs"])
     if not found:
         return None
-    return MergeError(
+    return ResumeRefused(
         f"{where}: --resume refused: the checkpoint is not what the interrupted merge read "
         f"({len(found)} file{'s' if len(found) > 1 else ''} changed, listed below); {again}",
         found,
     )
+
+
+def _content(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """What an input's fingerprint entry says of its content (not of where it is stored)."""
+    pin = {k: v for k, v in dict(entry.get("pin") or {}).items() if k not in _PLACE}
+    return {"pin": pin, "content": entry.get("content")}
 
 
 def _inputs_changed(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
@@ -99,8 +116,8 @@ def _inputs_changed(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[s
             found.append(f"{name} was not read by the interrupted merge")
         elif new is None:
             found.append(f"{name} was read by the interrupted merge, not by this one")
-        elif was != new:
-            how = [what_changed(was.get("pin") or {}, new["pin"])]
+        elif _content(was) != _content(new):
+            how = [what_changed(_content(was)["pin"], _content(new)["pin"])]
             if was.get("content") != new["content"]:
                 how.append("its content differs (records' CRC-32 or SHA-256)")
             found.append(

@@ -17,8 +17,6 @@ never deletes an object a moment before the store makes it.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import io
 import json
@@ -34,9 +32,10 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardforge.errors import StorageError
+from shardforge.errors import MergeError, StorageError
 from shardforge.io.mirror import RemoteTarget
 from shardforge.io.remote import RemoteURI, storage_errors
+from shardforge.io.s3_adapter import call, call_waiting
 
 # S3's limits: every part but the last at least 5 MiB, at most 10,000 parts
 MIN_PART = 5 << 20
@@ -94,17 +93,27 @@ def owner() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": pid, "start": psutil.Process(pid).create_time()}
 
 
-def owner_alive(who: Mapping[str, Any]) -> bool:
-    """Whether the merge that wrote a journal runs still (on this host; another host's counts
-    as gone: a merge is resumed, or its leftovers removed, from any machine)."""
+def owner_alive(who: Mapping[str, Any], key: str) -> bool:
+    """Whether the merge that wrote the journal `key` runs still (on this host; another host's
+    counts as gone: a merge is resumed, or its leftovers removed, from any machine). This
+    process's own journal counts while one of its merges writes it (`Journal.release`)."""
     import psutil
 
     if who.get("host") != socket.gethostname():
         return False
     try:
-        return bool(psutil.Process(int(who["pid"])).create_time() == who["start"])
+        alive = bool(psutil.Process(int(who["pid"])).create_time() == who["start"])
     except (psutil.Error, KeyError, TypeError, ValueError):
         return False
+    if alive and int(who["pid"]) == os.getpid():
+        with _WRITING_LOCK:
+            return key in _WRITING
+    return alive
+
+
+# the journal keys this process's merges write now
+_WRITING: set[str] = set()
+_WRITING_LOCK = threading.Lock()
 
 
 @dataclass
@@ -119,9 +128,9 @@ class Store:
 
     def call(self, method: str, where: object = None, **kwargs: Any) -> Any:
         with storage_errors(where or self.uri, self.target.storage_options):
-            if method in _MAKERS:
-                return _finished(self.target.fs, method, kwargs)
-            return self.target.fs.call_s3(method, **kwargs)
+            if method in _MAKERS:  # a signal waits for its answer (module docstring)
+                return call_waiting(self.target.fs, method, IN_FLIGHT_S, **kwargs)
+            return call(self.target.fs, method, **kwargs)
 
     def key(self, name: str) -> str:
         return self.uri.child(name).key
@@ -171,7 +180,7 @@ class Store:
         try:
             self.call("head_bucket", where=where, Bucket=self.uri.bucket)
         except StorageError as exc:
-            if ": not found" in exc.message:
+            if exc.kind == "missing":
                 raise StorageError(f"{where}: no such bucket; create it or fix the URI") from None
             raise
 
@@ -224,21 +233,6 @@ class Store:
         self.on_object("abort_multipart_upload", name, UploadId=upload_id)
 
 
-def _finished(fs: Any, method: str, kwargs: Mapping[str, Any]) -> Any:
-    """`fs.call_s3(method, **kwargs)`; a signal (SIGTERM, Ctrl-C) that interrupts the wait waits
-    for the request's answer (at most `IN_FLIGHT_S`) before it goes on: the object the request
-    may make exists before the cleanup that follows deletes it."""
-    future = asyncio.run_coroutine_threadsafe(fs._call_s3(method, **kwargs), fs.loop)
-    try:
-        return future.result()
-    except Exception:
-        raise
-    except BaseException:
-        with contextlib.suppress(BaseException):
-            future.result(timeout=IN_FLIGHT_S)
-        raise
-
-
 class Cleanup:
     """The requests of a cleanup after a failure: each tried `CLEANUP_TRIES` times (while
     `CLEANUP_S` have not passed), a failed one recorded and the next made; a missing object or
@@ -254,15 +248,15 @@ class Cleanup:
         if self.unreachable:  # a store that is down: the next requests are not tried
             self.failed.append(f"{what}: not tried ({self.unreachable})")
             return
-        last = ""
+        last, unreachable = "", False
         for attempt in range(CLEANUP_TRIES):
             try:
                 request()
                 return
             except StorageError as exc:
-                if _gone(exc):
+                if exc.kind == "missing":  # an upload aborted or completed, an object deleted
                     return
-                last = exc.message
+                last, unreachable = exc.message, exc.kind == "unreachable"
             except Exception as exc:  # not a store error: nothing to retry
                 self.failed.append(f"{what}: {type(exc).__name__}")
                 return
@@ -271,25 +265,19 @@ class Cleanup:
             log.info("cleanup: %s failed (%s); trying again", what, last)
             time.sleep(min(0.5 * 2**attempt, 4.0, max(0.0, self.deadline - time.monotonic())))
         self.failed.append(f"{what}: {last}")
-        if "cannot be reached" in last:
+        if unreachable:
             self.unreachable = "the object store cannot be reached"
 
-    def report(self, where: object) -> None:
-        """One notice listing what the cleanup could not do (a later merge removes it)."""
+    def report(self, where: object, who: str = "a later merge") -> None:
+        """One notice listing what the cleanup could not do (`who` removes it)."""
         if self.failed:
             log.warning(
-                "%s: the cleanup left %d request(s) undone (a later merge to it removes what "
-                "is left): %s",
+                "%s: the cleanup left %d request(s) undone (%s to it removes what is left): %s",
                 where,
                 len(self.failed),
+                who,
                 "; ".join(self.failed[:5]),
             )
-
-
-def _gone(exc: StorageError) -> bool:
-    """A request on something that no longer exists (an upload aborted or completed, an object
-    deleted): what a cleanup wanted."""
-    return "not found" in exc.message or "NoSuchUpload" in exc.message
 
 
 class FileRange:
@@ -349,10 +337,20 @@ class Journal:
     fingerprint: Mapping[str, Any]  # `sinks.resume.fingerprint`
     key: str = ""
     files: dict[str, FileUpload] = field(default_factory=dict)
+    # the small files (config, index, manifest) it puts, recorded before the first request
+    puts: list[str] = field(default_factory=list)
+    resumed: bool = False  # the journal of an interrupted merge, taken over
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.key = self.key or self.store.new_journal_key()
+        with _WRITING_LOCK:
+            _WRITING.add(self.key)
+
+    def release(self) -> None:
+        """This merge has ended: a later one of this process may take the journal over."""
+        with _WRITING_LOCK:
+            _WRITING.discard(self.key)
 
     def save(self) -> None:
         with self._lock:
@@ -369,6 +367,7 @@ class Journal:
                     }
                     for n, f in self.files.items()
                 },
+                "put": list(self.puts),
             }
         body = json.dumps(data, indent=1).encode()
         self.store.call("put_object", Bucket=self.store.uri.bucket, Key=self.key, Body=body)
@@ -386,7 +385,7 @@ class Journal:
                 with storage_errors(store.uri, store.target.storage_options):
                     body = store.target.fs.cat_file(f"{store.uri.bucket}/{obj['Key']}")
             except StorageError as exc:
-                if "not found" in exc.message:  # removed meanwhile (its merge finished)
+                if exc.kind == "missing":  # removed meanwhile (its merge finished)
                     continue
                 raise
             try:
@@ -418,3 +417,21 @@ def abort_left(store: Store, key: str, data: Mapping[str, Any]) -> Cleanup:
             cleanup(f"abort {name}", abort)
     cleanup("delete the journal", functools.partial(store.delete, key))
     return cleanup
+
+
+class PrefixTaken(MergeError):
+    """Objects under the prefix that neither this merge nor the one it resumes made: nothing is
+    published; a resumed merge keeps the journal it took over (and its uploads)."""
+
+    def __init__(self, uri: object, found: list[str], resumed: bool) -> None:
+        if resumed:
+            what = "remove them and run it again with --resume, or pass --overwrite"
+            kept = "; the interrupted merge's journal is kept"
+        else:
+            what = "choose another --output_path, or pass --overwrite"
+            kept = ""
+        super().__init__(
+            f"{uri}: objects appeared under the prefix while the merge ran (listed below); "
+            f"nothing was published{kept} - {what}",
+            found,
+        )

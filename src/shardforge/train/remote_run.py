@@ -112,7 +112,7 @@ class RemoteOutput:
             with storage_errors(self.url(rel), self.storage_options):
                 self.fs.get_file(self.uri.child(rel).path, str(local))
         except StorageError as exc:
-            if "not found" in exc.message:
+            if exc.kind == "missing":
                 return False
             raise
         return True
