@@ -329,7 +329,8 @@ def run_variant(variant: Variant, cfg_data: dict[str, Any], warmup: int) -> dict
     from shardforge.train.runtime import init_distributed
 
     cfg = validate_cfg(cfg_data)
-    loop.materialize_and_load = random_weights
+    real = loop.materialize_and_load
+    loop.materialize_and_load = random_weights  # put back below: --in_process shares the module
     rt = init_distributed()
     try:
         meter = MemoryMeter(rt.device)
@@ -357,6 +358,7 @@ def run_variant(variant: Variant, cfg_data: dict[str, Any], warmup: int) -> dict
             callback.on_end(trainer, False)
     finally:
         dist.destroy_process_group()
+        loop.materialize_and_load = real
     return _figures(variant, cfg, rt, times, records, warmup) | {
         "attention_used": used,
         "setup_s": setup_s,

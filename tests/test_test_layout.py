@@ -18,6 +18,7 @@ EXEMPT = {"__init__.py", "__main__.py", "version.py"}
 
 # module (relative to src/shardforge) -> "the test file that exercises it: why not its own"
 TESTED_ELSEWHERE: dict[str, str] = {
+    "io/s3_adapter.py": "tests/sinks/test_uploads.py: failures told apart by type and code, on the server",
     "config/paths.py": "tests/config/test_loader.py: the object-storage path check, per key",
     "config/schema_data.py": "tests/config/test_schema.py: ShardforgeConfig's mixins, as one",
     "config/schema_fsdp.py": "tests/config/test_schema.py: ShardforgeConfig's mixins, as one",

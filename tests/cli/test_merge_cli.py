@@ -649,7 +649,7 @@ def test_any_axolotl_config_drives_the_merge(env: Path, pristine: Path) -> None:
     assert "wandb_project" not in checked.output  # a null placeholder is fine
     merge_ok = CliRunner().invoke(validate, [str(env / "cfg.yml"), "--for", "merge"])
     assert merge_ok.exit_code == 0, merge_ok.output
-    assert "merge uses 3 of the config's 19 top-level keys" in merge_ok.stderr
+    assert "merge uses 6 of the config's 19 top-level keys" in merge_ok.stderr
     # the Python API takes the same config by path
     from safetensors.torch import load_file
 

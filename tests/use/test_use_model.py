@@ -67,16 +67,18 @@ def test_an_adapter_directory_is_checked_before_loading(tmp_path: Path) -> None:
 
 def test_without_a_run_the_error_says_how_to_name_the_model(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
-    with pytest.raises(CheckpointError, match=r"out: no such directory, so no checkpoint") as info:
+    with pytest.raises(
+        CheckpointError, match=r"out: no such directory: the run has no checkpoint"
+    ) as info:
         _pick(cfg)
     assert info.value.details == [
         "or name the model: --model_dir DIR, --lora_model_dir DIR or --checkpoint PATH"
     ]
     (tmp_path / "out").mkdir()
-    with pytest.raises(CheckpointError, match=r"out: directory is empty; no checkpoint") as info:
+    with pytest.raises(CheckpointError, match=r"out: an empty directory: the run has no") as info:
         _pick(cfg)
     assert info.value.details[-1].startswith("or name the model")
-    with pytest.raises(CheckpointError, match=r"out: directory is empty") as info:
+    with pytest.raises(CheckpointError, match=r"out: an empty directory: no checkpoint$") as info:
         _pick(cfg, step=3)  # an explicit choice: no hint
     assert info.value.details == []
 
