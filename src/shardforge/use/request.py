@@ -3,7 +3,8 @@
 them (`cli._common.request_options`). Torch-free: `--help` imports this module alone.
 
     ModelRequest       which weights: --model_dir, --lora_model_dir, --checkpoint / --step
-    InferenceRequest   that, the prompt and transformers' generation options
+    InferenceRequest   that, the prompt and transformers' generation options, --chat, --gradio
+    QuantizeRequest    `quantize`: Axolotl's flags (--base_model, --weight_dtype, ...)
 """
 
 from __future__ import annotations
@@ -143,9 +144,25 @@ class InferenceRequest(ModelRequest):
         type=float,
         metavar="X",
     )
+    chat: bool = flag(
+        "A multi-turn chat in the terminal, with slash commands (/help) and the generation "
+        "settings changed as it runs.",
+        doc="See [--chat](inference.md#chat-in-the-terminal---chat). The generation options "
+        "are its starting settings (sampling by default, as Axolotl's).",
+    )
+    gradio: bool = flag(
+        "A multi-turn chat page in the browser (Gradio, the `ui` extra), on 127.0.0.1 unless "
+        "gradio_server_name says otherwise.",
+        doc="See [--gradio](inference.md#a-chat-page---gradio). Not with --chat.",
+    )
 
     def problems(self) -> list[str]:
         out = super().problems()
+        if self.chat and self.gradio:
+            out.append("--chat and --gradio are exclusive: the chat runs in the terminal or on a page")
+        if (self.chat or self.gradio) and self.prompt is not None:
+            mode = "--chat" if self.chat else "--gradio"
+            out.append(f"--prompt with {mode}: the prompts are typed in the chat; drop --prompt")
         if self.prompt is not None and not self.prompt.strip():
             out.append("empty prompt: give --prompt TEXT or the prompt on standard input")
         for name, ok, expected in CHECKS:
@@ -153,7 +170,7 @@ class InferenceRequest(ModelRequest):
             if value is not None and not ok(value):
                 out.append(f"--{name} {value}: expected {expected}")
         unused = [f"--{n}" for n in SAMPLING if getattr(self, n) is not None]
-        if unused and not self.do_sample:
+        if unused and not (self.do_sample or self.chat or self.gradio):
             out.append(
                 f"{', '.join(unused)} only apply to sampling: add --do_sample (greedy decoding "
                 "is the default)"
