@@ -74,11 +74,11 @@ def do_chat(cfg: Any, named_base: bool, **options: Any) -> None:
 
     InferenceRequest(**options)  # conflicts first
     page = bool(options.get("gradio"))
-    if page:
-        from shardforge.use.gradio_page import import_gradio, serve
-
-        import_gradio()
     with quiet_libraries():
+        if page:
+            from shardforge.use.gradio_page import import_gradio, serve
+
+            import_gradio()
         config, loaded, settings, name = open_chat(cfg, named_base, page, **options)
         if page:
             serve(loaded, config, settings, name)

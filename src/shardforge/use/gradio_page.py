@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ShardforgeError
+from shardforge.io.publish import sigterm_as_interrupt
 from shardforge.use.chat import SPECS, Settings, stream_reply
 from shardforge.use.model import Loaded
 
@@ -105,7 +107,7 @@ def build_page(
 
 
 def serve(loaded: Loaded, cfg: ShardforgeConfig, settings: Settings, model_name: str) -> None:
-    """Serve the chat page until interrupted (Ctrl-C, SIGTERM)."""
+    """Serve the chat page until interrupted (Ctrl-C, SIGTERM: the server closed, exit 0)."""
     gr = import_gradio()
     title = cfg.gradio_title or f"shardforge: {model_name}"
     page = build_page(loaded, cfg, settings, title, gr)
@@ -115,7 +117,8 @@ def serve(loaded: Loaded, cfg: ShardforgeConfig, settings: Settings, model_name:
         log.warning("gradio_share: true: Gradio makes a public link to this page (gradio.live)")
     system = ["ui-sans-serif", "system-ui", "sans-serif"]
     theme = gr.themes.Default(font=system, font_mono=["ui-monospace", "monospace"])
-    page.queue().launch(
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own requests to the page
+    _, local_url, share_url = page.queue().launch(
         server_name=host,
         server_port=cfg.gradio_server_port,
         share=share,
@@ -123,5 +126,15 @@ def serve(loaded: Loaded, cfg: ShardforgeConfig, settings: Settings, model_name:
         ssr_mode=False,
         theme=theme,
         footer_links=[],
-        quiet=False,
+        quiet=True,
+        prevent_thread_lock=True,
     )
+    log.info("page: %s%s (Ctrl-C stops it)", local_url, f" and {share_url}" if share_url else "")
+    try:
+        with sigterm_as_interrupt():
+            while page.is_running:
+                time.sleep(0.2)
+    except KeyboardInterrupt:
+        log.info("page closed")
+    finally:
+        page.close()
