@@ -188,3 +188,60 @@ class InferenceRequest(ModelRequest):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
+
+
+WEIGHT_DTYPES = ("int8", "int4")
+ACTIVATION_DTYPES = ("int8",)
+
+
+@dataclass(frozen=True)
+class QuantizeRequest(ModelRequest):
+    """`quantize`: which model (ModelRequest's options, or Axolotl's --base_model DIR) and how
+    (Axolotl's flags)."""
+
+    base_model: Path | None = optional(
+        "The model directory to quantize, as Axolotl's --base_model (the same as --model_dir).",
+        metavar="DIR",
+        parse=parse_local_path,
+    )
+    weight_dtype: str = optional(
+        "The weights' type: int8 (per output channel) or int4 (groups of --group_size; a "
+        "CUDA GPU).",
+        default="int8",
+        choices=WEIGHT_DTYPES,
+        doc="torchao's `Int8WeightOnlyConfig` / `Int4WeightOnlyConfig`.",
+    )
+    activation_dtype: str | None = optional(
+        "int8: quantize the activations too, as they come (dynamic); default: weights only.",
+        choices=ACTIVATION_DTYPES,
+        doc="torchao's `Int8DynamicActivationInt8WeightConfig` / "
+        "`Int8DynamicActivationIntxWeightConfig`.",
+    )
+    group_size: int | None = optional(
+        "Weights per quantization group for int4 (default 32, as Axolotl).",
+        type=int,
+        metavar="N",
+    )
+    quantize_embedding: bool = flag(
+        "Quantize the input embedding (int8 per row) and the LM head too (default: kept as "
+        "they are, as transformers keeps them)."
+    )
+    output_dir: Path | None = optional(
+        "Where to write: OUTPUT_DIR/quantized, as Axolotl (default: the config's output_dir).",
+        metavar="DIR",
+        parse=parse_local_path,
+    )
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if self.base_model is not None and self.model_dir is not None:
+            out.append("--base_model and --model_dir each name the model; give one of them")
+        elif self.base_model is not None and (
+            self.lora_model_dir is not None or self.checkpoint is not None or self.step is not None
+        ):
+            out.append("--base_model names the model; drop --lora_model_dir/--checkpoint/--step")
+        if self.group_size is not None and self.group_size < 1:
+            out.append(f"--group_size {self.group_size}: expected 1 or more")
+        if self.group_size is not None and self.weight_dtype == "int8":
+            out.append("--group_size applies to --weight_dtype int4 (int8 is per output channel)")
+        return out
