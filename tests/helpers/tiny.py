@@ -8,6 +8,7 @@ example's base model and data:
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -192,7 +193,7 @@ def make_parrot_model(out_dir: str | Path, answer: str = PARROT_ANSWER) -> Path:
             weights[name].zero_()
     embed = torch.zeros_like(weights["model.embed_tokens.weight"])
     head = torch.zeros_like(weights["lm_head.weight"])
-    for k, (token, following) in enumerate(zip(chain, chain[1:])):
+    for k, (token, following) in enumerate(itertools.pairwise(chain)):
         embed[token, k] = 1.0
         head[following, k] = 10.0
     weights["model.embed_tokens.weight"], weights["lm_head.weight"] = embed, head

@@ -35,6 +35,10 @@ def parrot(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def parrot_cfg(parrot: Path, tmp_path: Path) -> Path:
     """A config of the parrot model that chats with the tokenizer's template."""
     path = tmp_path / "chat.yml"
-    data = {"base_model": str(parrot), "output_dir": str(tmp_path / "out"), "chat_template": "tokenizer_default"}
+    data = {
+        "base_model": str(parrot),
+        "output_dir": str(tmp_path / "out"),
+        "chat_template": "tokenizer_default",
+    }
     path.write_text(yaml.safe_dump(data))
     return path

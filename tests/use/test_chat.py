@@ -35,7 +35,11 @@ def test_settings_take_axolotls_names_ranges_and_aliases() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             s.set(name, raw)
-    assert s.generation_kwargs() == {"max_new_tokens": 12, "repetition_penalty": 1.1, "do_sample": False}
+    assert s.generation_kwargs() == {
+        "max_new_tokens": 12,
+        "repetition_penalty": 1.1,
+        "do_sample": False,
+    }
     s.set("temperature", "0.7")
     assert s.generation_kwargs()["do_sample"] is True
     assert s.generation_kwargs()["top_k"] == 40
@@ -54,15 +58,19 @@ def test_undo_retry_and_save(tmp_path: Path) -> None:
     conv.save(out)
     conv.save(out)  # appended
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert rows == [
-        {
-            "messages": [
-                {"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello."},
-            ]
-        }
-    ] * 2
+    assert (
+        rows
+        == [
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello."},
+                ]
+            }
+        ]
+        * 2
+    )
 
 
 def test_a_reply_streams_in_pieces_and_a_saved_chat_is_training_data(

@@ -25,7 +25,7 @@ import pytest
 from helpers.procs import still_running
 from helpers.tiny import PARROT_ANSWER
 
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 # Chromium as root, headless, asking nothing of the network on its own
 CHROMIUM_FLAGS = (
     "--headless",
@@ -68,7 +68,9 @@ def page(parrot: Path, parrot_cfg: Path, tmp_path: Path) -> Iterator[tuple[str, 
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(
-            lambda: f"page: {url}" in (tmp_path / "stderr").read_text() or server.poll() is not None,
+            lambda: (
+                f"page: {url}" in (tmp_path / "stderr").read_text() or server.poll() is not None
+            ),
             240,
             "the page",
         )
@@ -86,7 +88,7 @@ def page(parrot: Path, parrot_cfg: Path, tmp_path: Path) -> Iterator[tuple[str, 
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+    if CHROMIUM is None or CHROMEDRIVER is None:
         pytest.skip("Debian's chromium and chromium-driver are not installed (cicd/setup.sh)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service

@@ -31,7 +31,9 @@ def tasks(tmp_path: Path) -> Path:
     folder = tmp_path / "tasks"
     folder.mkdir()
     text = (DATA / "tiny_choice.yaml").read_text()
-    (folder / "tiny_choice.yaml").write_text(text.replace("DATA_FILE", str(DATA / "tiny_choice.jsonl")))
+    (folder / "tiny_choice.yaml").write_text(
+        text.replace("DATA_FILE", str(DATA / "tiny_choice.jsonl"))
+    )
     return folder
 
 
@@ -75,7 +77,9 @@ def test_same_accuracy_as_the_lm_eval_command(runs: Runs, tasks: Path, tmp_path:
     )  # fmt: skip
     theirs = json.loads(next(out.rglob("results_*.json")).read_text())
     for metric in ("acc,none", "acc_stderr,none"):
-        assert ours["results"][TASK][metric] == pytest.approx(theirs["results"][TASK][metric], abs=1e-9)
+        assert ours["results"][TASK][metric] == pytest.approx(
+            theirs["results"][TASK][metric], abs=1e-9
+        )
     assert ours["results"][TASK]["sample_len"] == theirs["results"][TASK]["sample_len"] == 12
 
 
@@ -86,7 +90,10 @@ def test_bad_keys_are_one_error_line(tmp_path: Path, tasks: Path) -> None:
         ({}, "error: lm_eval_tasks: no tasks"),
         ({"lm_eval_tasks": ["x:y"]}, "error: lm_eval_tasks[0]"),
         ({"lm_eval_tasks": ["x"], "fewshot_as_multiturn": True}, "error: fewshot_as_multiturn"),
-        ({"lm_eval_tasks": ["x"], "lm_eval_include_path": str(tmp_path / "no")}, "error: lm_eval_include_path"),
+        (
+            {"lm_eval_tasks": ["x"], "lm_eval_include_path": str(tmp_path / "no")},
+            "error: lm_eval_include_path",
+        ),
     ):
         cfg = tmp_path / "cfg.yml"
         cfg.write_text(yaml.safe_dump({**data, **keys}))

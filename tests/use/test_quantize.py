@@ -30,7 +30,9 @@ def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def cfg(bf16_model: Path, tmp_path: Path) -> Path:
     path = tmp_path / "cfg.yml"
-    path.write_text(yaml.safe_dump({"base_model": str(bf16_model), "output_dir": str(tmp_path / "out")}))
+    path.write_text(
+        yaml.safe_dump({"base_model": str(bf16_model), "output_dir": str(tmp_path / "out")})
+    )
     return path
 
 
@@ -40,13 +42,18 @@ def test_int8_loads_in_transformers_generates_and_is_at_most_055x(
     from transformers import AutoModelForCausalLM
 
     args = ["quantize", str(cfg), "--base-model", str(bf16_model), "--weight_dtype", "int8"]
-    result = CliRunner().invoke(cli, [*args, "--quantize-embedding", "--output_dir", str(tmp_path / "q")])
+    result = CliRunner().invoke(
+        cli, [*args, "--quantize-embedding", "--output_dir", str(tmp_path / "q")]
+    )
     assert result.exit_code == 0, result.output
     out = tmp_path / "q" / "quantized"
     assert result.stdout.splitlines()[0] == f"quantized: {out}"
     assert weight_bytes(out) <= 0.55 * weight_bytes(bf16_model), result.stdout
     assert "-> " in result.stdout.splitlines()[1] and "x)" in result.stdout.splitlines()[1]
-    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "torchao"
+    assert (
+        json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"]
+        == "torchao"
+    )
 
     model = AutoModelForCausalLM.from_pretrained(out)
     weight = model.model.layers[0].mlp.up_proj.weight

@@ -44,9 +44,7 @@ def do_quantize(config: str | Path, override_args: list[str] | None = None, **op
         return quantize_model(cfg, named_base=named_base, **options)
 
 
-@shardforge_command(
-    "quantize", epilog=EPILOG, params=[config_argument()], request=QuantizeRequest
-)
+@shardforge_command("quantize", epilog=EPILOG, params=[config_argument()], request=QuantizeRequest)
 def command(config: str, overrides: list[str], **options: Any) -> str:
     """Quantize the model CONFIG's run trained with torchao (--base_model DIR or --model_dir
     DIR, --checkpoint / --step merged on the fly, else the run's own) and write it to

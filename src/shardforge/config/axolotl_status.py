@@ -300,7 +300,9 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "gradio_max_new_tokens": _i("`inference --gradio`"),
     "gradio_server_name": _i("`inference --gradio`"),
     "gradio_server_port": _i("`inference --gradio`"),
-    "gradio_share": _i("`inference --gradio`; off by default (Axolotl: on): no public link unless asked"),
+    "gradio_share": _i(
+        "`inference --gradio`; off by default (Axolotl: on): no public link unless asked"
+    ),
     "gradio_temperature": _i("`inference --gradio`"),
     "gradio_title": _i("`inference --gradio`"),
     "greater_is_better": _g(_BEST),

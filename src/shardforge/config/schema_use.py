@@ -15,7 +15,8 @@ class UseKeys(ConfigView):
 
     # -- inference --gradio ----------------------------------------------------------------------
     gradio_title: str | None = Field(
-        None, description="Title of the `inference --gradio` page (default: shardforge and the config's name)."
+        None,
+        description="Title of the `inference --gradio` page (default: shardforge and the config's name).",
     )
     gradio_share: bool | None = Field(
         None,
@@ -28,13 +29,18 @@ class UseKeys(ConfigView):
         "opens it to the network).",
     )
     gradio_server_port: int | None = Field(
-        None, ge=1, le=65535, description="Port of the page (default: Gradio's, 7860 or the next free)."
+        None,
+        ge=1,
+        le=65535,
+        description="Port of the page (default: Gradio's, 7860 or the next free).",
     )
     gradio_max_new_tokens: int | None = Field(
         None, ge=1, description="The page's starting max new tokens (default 1024, as Axolotl)."
     )
     gradio_temperature: float | None = Field(
-        None, ge=0, description="The page's starting temperature (default 0.9, as Axolotl; 0: greedy)."
+        None,
+        ge=0,
+        description="The page's starting temperature (default 0.9, as Axolotl; 0: greedy).",
     )
     # -- lm-eval ---------------------------------------------------------------------------------
     lm_eval_tasks: list[str] = Field(
@@ -63,6 +69,6 @@ class UseKeys(ConfigView):
 
     @field_validator("lm_eval_model", "lm_eval_include_path")
     @classmethod
-    def _local_path(cls, value: str | None) -> str | None:
+    def _use_local_paths(cls, value: str | None) -> str | None:
         """Read as local paths."""
         return local_path(value, "a local path")

@@ -69,7 +69,9 @@ class Settings:
     seed: int | None = None
 
     @classmethod
-    def start(cls, cfg: ShardforgeConfig, request: InferenceRequest, page: bool = False) -> Settings:
+    def start(
+        cls, cfg: ShardforgeConfig, request: InferenceRequest, page: bool = False
+    ) -> Settings:
         """The starting settings: Axolotl's defaults, the page's keys (`page`:
         gradio_temperature, gradio_max_new_tokens), then the options given; seeded by the
         config's seed."""

@@ -10,6 +10,7 @@ written before each line is read. End of input (Ctrl-D) quits as /quit does.
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import sys
 import threading
@@ -28,7 +29,11 @@ PROMPT = ">>> "
 # command -> (aliases, usage, help)
 COMMANDS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "help": (("?",), "/help", "show this help"),
-    "new": (("clear", "reset"), "/new", "start a new conversation (keeps the system prompt and settings)"),
+    "new": (
+        ("clear", "reset"),
+        "/new",
+        "start a new conversation (keeps the system prompt and settings)",
+    ),
     "system": ((), "/system [TEXT|clear]", "show, set or clear the system prompt"),
     "set": ((), "/set NAME VALUE", "change a generation setting: " + ", ".join(SPECS)),
     "status": (("params",), "/status", "show the model and the generation settings"),
@@ -113,7 +118,7 @@ class ChatTerminal:
         self.conversation.add_assistant("".join(pieces))
 
     def cmd_help(self, args: str) -> None:
-        for command, (aliases, usage, text) in COMMANDS.items():
+        for aliases, usage, text in COMMANDS.values():
             also = f" (also {', '.join('/' + a for a in aliases)})" if aliases else ""
             self.say(f"  {usage:22} {text}{also}")
 
@@ -184,10 +189,10 @@ class ChatTerminal:
         return "quit"
 
 
-def chat(loaded: Loaded, cfg: ShardforgeConfig, settings: Settings, model_name: str, **io: Any) -> None:
+def chat(
+    loaded: Loaded, cfg: ShardforgeConfig, settings: Settings, model_name: str, **io: Any
+) -> None:
     """Run the terminal chat until /quit (`io`: `read`, `out` for ChatTerminal)."""
-    try:
+    with contextlib.suppress(ImportError):  # not on every platform
         import readline  # noqa: F401  (line editing and history for input())
-    except ImportError:  # not on every platform
-        pass
     ChatTerminal(loaded, cfg, settings, model_name, **io).run()

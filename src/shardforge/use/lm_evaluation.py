@@ -36,7 +36,15 @@ log = logging.getLogger("shardforge")
 
 RESULTS_DIR = "lm_eval_results"
 # what lm_eval's results hold per task; merged over the groups into one document
-PER_TASK = ("results", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
+PER_TASK = (
+    "results",
+    "group_subtasks",
+    "configs",
+    "versions",
+    "n-shot",
+    "higher_is_better",
+    "n-samples",
+)
 
 
 @dataclass(frozen=True)
@@ -131,7 +139,9 @@ def _write(cfg: ShardforgeConfig, results: dict[str, Any]) -> Path | None:
     return path
 
 
-def run_groups(lm_eval: Any, loaded: Loaded, cfg: ShardforgeConfig, groups: dict[int | None, list[str]]) -> list[dict[str, Any]]:
+def run_groups(
+    lm_eval: Any, loaded: Loaded, cfg: ShardforgeConfig, groups: dict[int | None, list[str]]
+) -> list[dict[str, Any]]:
     """lm_eval.simple_evaluate for each few-shot group, over the one loaded model."""
     from lm_eval.models.huggingface import HFLM
 
@@ -145,7 +155,11 @@ def run_groups(lm_eval: Any, loaded: Loaded, cfg: ShardforgeConfig, groups: dict
     )
     out = []
     for shots, tasks in groups.items():
-        log.info("lm-eval: %s (%s)", ", ".join(tasks), "default shots" if shots is None else f"{shots}-shot")
+        log.info(
+            "lm-eval: %s (%s)",
+            ", ".join(tasks),
+            "default shots" if shots is None else f"{shots}-shot",
+        )
         one = lm_eval.simple_evaluate(
             model=model,
             tasks=tasks,

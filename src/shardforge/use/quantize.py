@@ -79,7 +79,8 @@ def linear_config(request: QuantizeRequest) -> Any:
         return Int8WeightOnlyConfig()
     if request.activation_dtype == "int8":
         return Int8DynamicActivationIntxWeightConfig(
-            weight_dtype=torch.int4, weight_granularity=PerGroup(group)
+            weight_dtype=torch.int4,  # type: ignore[attr-defined]
+            weight_granularity=PerGroup(group),
         )
     return Int4WeightOnlyConfig(group_size=group)
 

@@ -159,7 +159,9 @@ class InferenceRequest(ModelRequest):
     def problems(self) -> list[str]:
         out = super().problems()
         if self.chat and self.gradio:
-            out.append("--chat and --gradio are exclusive: the chat runs in the terminal or on a page")
+            out.append(
+                "--chat and --gradio are exclusive: the chat runs in the terminal or on a page"
+            )
         if (self.chat or self.gradio) and self.prompt is not None:
             mode = "--chat" if self.chat else "--gradio"
             out.append(f"--prompt with {mode}: the prompts are typed in the chat; drop --prompt")
