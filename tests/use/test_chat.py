@@ -98,3 +98,11 @@ def test_a_reply_streams_in_pieces_and_a_saved_chat_is_training_data(
     trained = [int(t) for t in seqs.labels[0].tolist() if t != -100]
     assert tok.decode(trained, skip_special_tokens=True).strip() == PARROT_ANSWER
     assert "What do you see?" in tok.decode(seqs.input_ids[0].tolist())
+
+
+def test_inference_answers_one_prompt_and_points_a_chat_elsewhere(parrot_cfg: Path) -> None:
+    from shardforge.errors import ShardforgeError
+    from shardforge.use.inference import inference
+
+    with pytest.raises(ShardforgeError, match="inference\\(\\) answers one prompt"):
+        inference(load_cfg(parrot_cfg), chat=True)

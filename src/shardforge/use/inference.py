@@ -127,6 +127,11 @@ def inference(
     were found, before they are loaded)."""
     config = coerce_cfg(cfg)
     request = InferenceRequest(prompt=prompt, **options)
+    if request.chat or request.gradio:
+        raise ShardforgeError(
+            "inference() answers one prompt; for a chat use shardforge.use.chat.open_chat with "
+            "use.chat_terminal.chat or use.gradio_page.serve (or the command's --chat/--gradio)"
+        )
     picked = pick(config, request, named_base)
     if request.prompt is None:
         if read_prompt is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,17 +141,19 @@ def _write(config: ShardforgeConfig, request: QuantizeRequest, source: Path, out
     """Load `source` quantized and write it (with its tokenizer) to `out`; torchao's config."""
     from transformers import AutoModelForCausalLM
 
-    quant = torchao_config(request, source, config.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        source,
-        dtype="auto",
-        quantization_config=quant,
-        device_map="cuda" if torch.cuda.is_available() else None,
-        trust_remote_code=config.trust_remote_code,
-        use_safetensors=True,
-    )
+    # torchao 0.18 calls FqnToConfig's "_default" deprecated; transformers 5 still reads it
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Config Deprecation: _default", UserWarning)
+        quant = torchao_config(request, source, config.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype="auto",
+            quantization_config=quant,
+            device_map="cuda" if torch.cuda.is_available() else None,
+            trust_remote_code=config.trust_remote_code,
+            use_safetensors=True,
+        )
     tokenizer = tokenizer_of(config, source)
-    check_output_path(out, overwrite=True, inputs=[source])
     with atomic_directory(out, overwrite=True, model_only=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -172,6 +175,7 @@ def quantize_model(cfg: Any, named_base: bool = False, **options: Any) -> Quanti
     )
     picked = pick(config, which, named_base)
     out = _checks(config, request, picked)
+    check_output_path(out, overwrite=True, inputs=[picked.path])  # before anything is loaded
     import_torchao()
     log.info("model: %s", picked.describe())
     if picked.kind == "checkpoint":
