@@ -85,10 +85,33 @@ def test_int4_without_a_gpu_is_one_error_line(bf16_model: Path, cfg: Path) -> No
     "options,message",
     [
         ({"base_model": "a", "model_dir": "b"}, "--base_model and --model_dir each name the model"),
-        ({"group_size": 64}, "--group_size applies to --weight_dtype int4"),
+        ({"weight_dtype": "int8", "group_size": 64}, "--group_size applies to --weight_dtype int4"),
         ({"weight_dtype": "int4", "group_size": 0}, "--group_size 0: expected 1 or more"),
     ],
 )
 def test_conflicting_options(options: dict[str, object], message: str) -> None:
     with pytest.raises(ShardforgeError, match=message):
         QuantizeRequest(**options)  # type: ignore[arg-type]
+
+
+def test_the_quantization_block_fills_what_the_flags_leave_open(tmp_path: Path) -> None:
+    from shardforge.config import load_cfg
+    from shardforge.use.quantize import settled
+
+    path = tmp_path / "q.yml"
+    block = {"weight_dtype": "int4", "group_size": 64, "quantize_embedding": True}
+    path.write_text(yaml.safe_dump({"base_model": "m", "quantization": block}))
+    cfg = load_cfg(path)
+    got = settled(cfg, QuantizeRequest())
+    assert (got.weight_dtype, got.group_size, got.quantize_embedding) == ("int4", 64, True)
+    flags = settled(cfg, QuantizeRequest(weight_dtype="int8"))  # a flag wins; int8 has no groups
+    assert (flags.weight_dtype, flags.group_size) == ("int8", None)
+    plain = settled(load_cfg(path, quantization=None), QuantizeRequest())
+    assert (plain.weight_dtype, plain.activation_dtype, plain.quantize_embedding) == (
+        "int8",
+        None,
+        False,
+    )
+    path.write_text(yaml.safe_dump({"base_model": "m", "quantization": {"weight_dtype": "nvfp4"}}))
+    with pytest.raises(ShardforgeError, match=r"quantization\.weight_dtype"):
+        load_cfg(path)

@@ -503,7 +503,10 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "qgalore_scale": _u(_QGALORE),
     "qgalore_update_proj_gap": _u(_QGALORE),
     "qlora_sharded_model_loading": _u(_LORA),
-    "quantization": _u("post-training quantization"),
+    "quantization": _i(
+        "`shardforge quantize` (weight_dtype int8|int4, activation_dtype int8, group_size, "
+        "quantize_embedding); fp8/nvfp4/mxfp4 are not offered"
+    ),
     "quantize_moe_experts": _u("quantized MoE experts"),
     "ray_num_workers": _g("Ray launching is not supported; launch with shardforge train"),
     "ray_run_name": _g("Ray launching is not supported; launch with shardforge train"),

@@ -4,10 +4,30 @@ which Axolotl's `lm-eval` reads from the YAML without declaring them)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from shardforge.config.paths import local_path
 from shardforge.config.view import ConfigView
+
+
+class QuantizationConfig(ConfigView):
+    """Axolotl's `quantization:` block (its PTQConfig), read by `shardforge quantize`; the
+    command's flags win over it."""
+
+    weight_dtype: Literal["int8", "int4"] = Field(
+        "int8", description="The weights' type: int8 per output channel, or int4 in groups."
+    )
+    activation_dtype: Literal["int8"] | None = Field(
+        None, description="int8: the activations quantized as they come too (dynamic)."
+    )
+    group_size: int | None = Field(
+        None, ge=1, description="Weights per group for int4 (default 32, as Axolotl)."
+    )
+    quantize_embedding: bool | None = Field(
+        None, description="Quantize the input embedding and the LM head too."
+    )
 
 
 class UseKeys(ConfigView):
@@ -41,6 +61,12 @@ class UseKeys(ConfigView):
         None,
         ge=0,
         description="The page's starting temperature (default 0.9, as Axolotl; 0: greedy).",
+    )
+    # -- quantize --------------------------------------------------------------------------------
+    quantization: QuantizationConfig | None = Field(
+        None,
+        description="How `shardforge quantize` quantizes (Axolotl's block: weight_dtype, "
+        "activation_dtype, group_size, quantize_embedding); its flags win.",
     )
     # -- lm-eval ---------------------------------------------------------------------------------
     lm_eval_tasks: list[str] = Field(

@@ -17,6 +17,7 @@ beside and renamed into place; a previous quantized model there is replaced.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -162,11 +163,28 @@ def _write(config: ShardforgeConfig, request: QuantizeRequest, source: Path, out
     return quant.quant_type
 
 
+def settled(config: ShardforgeConfig, request: QuantizeRequest) -> QuantizeRequest:
+    """The request with what its flags leave open taken from the config's `quantization:`
+    block (Axolotl's: a flag wins), else the defaults (int8 weights, no activations)."""
+    block = config.quantization
+    if block is None:
+        return dataclasses.replace(request, weight_dtype=request.weight_dtype or "int8")
+    weight = request.weight_dtype or block.weight_dtype
+    return dataclasses.replace(  # checked again as it is made
+        request,
+        weight_dtype=weight,
+        activation_dtype=request.activation_dtype or block.activation_dtype,
+        # the block's group size is for int4 (Axolotl writes one for every dtype)
+        group_size=request.group_size or (block.group_size if weight == "int4" else None),
+        quantize_embedding=request.quantize_embedding or bool(block.quantize_embedding),
+    )
+
+
 def quantize_model(cfg: Any, named_base: bool = False, **options: Any) -> Quantized:
     """Quantize the model `options` name (`QuantizeRequest`'s fields; none: the run's own, or
     base_model where it names the model) into OUTPUT_DIR/quantized."""
     config = coerce_cfg(cfg)
-    request = QuantizeRequest(**options)
+    request = settled(config, QuantizeRequest(**options))
     which = ModelRequest(
         model_dir=request.base_model or request.model_dir,
         lora_model_dir=request.lora_model_dir,

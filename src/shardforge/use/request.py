@@ -206,27 +206,28 @@ class QuantizeRequest(ModelRequest):
         metavar="DIR",
         parse=parse_local_path,
     )
-    weight_dtype: str = optional(
+    weight_dtype: str | None = optional(
         "The weights' type: int8 (per output channel) or int4 (groups of --group_size; a "
-        "CUDA GPU).",
-        default="int8",
+        "CUDA GPU). Default: the config's quantization.weight_dtype, else int8.",
         choices=WEIGHT_DTYPES,
         doc="torchao's `Int8WeightOnlyConfig` / `Int4WeightOnlyConfig`.",
     )
     activation_dtype: str | None = optional(
-        "int8: quantize the activations too, as they come (dynamic); default: weights only.",
+        "int8: quantize the activations too, as they come (dynamic); default: the config's "
+        "quantization.activation_dtype, else weights only.",
         choices=ACTIVATION_DTYPES,
         doc="torchao's `Int8DynamicActivationInt8WeightConfig` / "
         "`Int8DynamicActivationIntxWeightConfig`.",
     )
     group_size: int | None = optional(
-        "Weights per quantization group for int4 (default 32, as Axolotl).",
+        "Weights per quantization group for int4 (default: the config's "
+        "quantization.group_size, else 32, as Axolotl).",
         type=int,
         metavar="N",
     )
     quantize_embedding: bool = flag(
-        "Quantize the input embedding (int8 per row) and the LM head too (default: kept as "
-        "they are, as transformers keeps them)."
+        "Quantize the input embedding (int8 per row) and the LM head too (or the config's "
+        "quantization.quantize_embedding; default: kept as they are, as transformers keeps them)."
     )
     output_dir: Path | None = optional(
         "Where to write: OUTPUT_DIR/quantized, as Axolotl (default: the config's output_dir).",
