@@ -145,7 +145,8 @@ def test_the_page_streams_the_answer_in_a_real_browser(
     from selenium.webdriver.common.keys import Keys
 
     url, pid = page
-    listening = [c.laddr for c in psutil.Process(pid).net_connections() if c.status == "LISTEN"]
+    connections = psutil.Process(pid).net_connections()
+    listening = [c.laddr for c in connections if c.status == "LISTEN"]
     assert listening and all(a.ip == "127.0.0.1" for a in listening), listening
     browser.get(url)
     wait_for(lambda: prompt_box(browser), 60, "the prompt box")
@@ -165,6 +166,9 @@ def test_the_page_streams_the_answer_in_a_real_browser(
     # a second turn on the same page, once the box takes text again
     wait_for(lambda: prompt_box(browser), 60, "the prompt box").send_keys("And now?", Keys.ENTER)
     wait_for(lambda: answers(browser) == [PARROT_ANSWER] * 2, 120, "the second answer")
+    # the server asked nothing outside this machine either (no analytics, no version check)
+    peers = [c.raddr for c in psutil.Process(pid).net_connections() if c.raddr]
+    assert all(p.ip == "127.0.0.1" for p in peers), peers
     asked = requested(browser)
     assert asked and all(u.startswith((url, url.replace("http", "ws", 1))) for u in asked), asked
     browser.save_screenshot(str(tmp_path / "page.png"))
