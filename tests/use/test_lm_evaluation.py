@@ -101,3 +101,18 @@ def test_bad_keys_are_one_error_line(tmp_path: Path, tasks: Path) -> None:
         assert result.exit_code != 0 and result.stdout == "", result.output
         assert result.stderr.startswith(message), result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_without_lm_eval_one_error_line_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama" / "base"
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(yaml.safe_dump({"base_model": str(base), "lm_eval_tasks": ["x"]}))
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval: ImportError
+    result = CliRunner().invoke(cli, ["lm-eval", str(cfg), "--model_dir", str(base)])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.strip() == (
+        "error: lm-eval needs lm-evaluation-harness, which is not installed: pip install "
+        "'shardforge[eval]'"
+    )

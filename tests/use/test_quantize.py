@@ -115,3 +115,16 @@ def test_the_quantization_block_fills_what_the_flags_leave_open(tmp_path: Path) 
     path.write_text(yaml.safe_dump({"base_model": "m", "quantization": {"weight_dtype": "nvfp4"}}))
     with pytest.raises(ShardforgeError, match=r"quantization\.weight_dtype"):
         load_cfg(path)
+
+
+def test_without_torchao_one_error_line_names_the_extra(
+    bf16_model: Path, cfg: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao: ImportError
+    result = CliRunner().invoke(cli, ["quantize", str(cfg), "--base_model", str(bf16_model)])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.strip().endswith(
+        "error: quantize needs torchao, which is not installed: pip install 'shardforge[quant]'"
+    )
