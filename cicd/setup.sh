@@ -4,6 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+# Debian's chromium and its driver: the chat page's test opens it in a real headless browser
+# (tests/use/test_gradio_page.py); only where apt-get can run as root, else that test is skipped
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "setup: chromium/chromedriver missing and apt-get cannot run here (not root or not" \
+      "Debian): tests/use/test_gradio_page.py will be skipped" >&2
+  fi
+fi
 stamp="$VENV/.shardforge-installed"
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt cicd/constraints.txt ]; then
   exit 0

@@ -146,3 +146,33 @@ def test_console_entry_point_reports_errors_with_their_status(tmp_path: Path) ->
     assert out.returncode != 0
     assert out.stderr.startswith("error:"), out.stderr
     assert "missing.yml" in out.stderr
+
+
+# Axolotl's commands (its src/axolotl/cli/main.py, with lm-eval its built-in plugin command)
+AXOLOTL_COMMANDS = (
+    "preprocess", "train", "evaluate", "inference", "merge-sharded-fsdp-weights", "merge-lora",
+    "fetch", "vllm-serve", "quantize", "delinearize-llama4", "generate-cli-config-options",
+    "agent-docs", "config-schema", "lm-eval",
+)  # fmt: skip
+
+
+def test_readme_maps_every_axolotl_command_and_lists_every_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## Coming from Axolotl")
+    table = [
+        line.split(" | ")
+        for line in readme[start : readme.index("\n## ", start + 1)].splitlines()
+        if line.startswith("| `axolotl ")
+    ]
+    rows = {cells[0].lstrip("| `").split()[1].rstrip("`"): cells for cells in table}
+    assert set(AXOLOTL_COMMANDS) <= set(rows), set(AXOLOTL_COMMANDS) - set(rows)
+    for name, cells in rows.items():
+        twin = cells[1].strip()
+        if twin == "none":
+            assert len(cells[2]) > 20, f"{name}: say why there is no twin"
+        elif not name.startswith("COMMAND"):
+            assert twin.startswith("`shardforge "), name
+            assert twin.split()[1].rstrip("`") in COMMANDS, name
+    commands = readme[readme.index("## Commands") :]
+    for name in COMMANDS:
+        assert f"`shardforge {name}" in commands or f"shardforge {name}" in readme, name

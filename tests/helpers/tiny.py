@@ -8,6 +8,7 @@ example's base model and data:
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -199,6 +200,38 @@ def make_model(
     model.save_pretrained(out)
     if tok is not None:
         tok.save_pretrained(out)
+    return out
+
+
+# what the parrot model answers by default (its tokens all differ)
+PARROT_ANSWER = "The cat sees a red ball."
+
+
+def make_parrot_model(out_dir: str | Path, answer: str = PARROT_ANSWER) -> Path:
+    """A tiny llama (with `make_model`'s tokenizer and chat template) whose every reply to a
+    chat prompt is `answer`, then end of sequence, greedy or sampled: its layers add nothing
+    (o_proj and down_proj are zero), so each position's state is its token's embedding, and
+    the embedding of each token of the chain `<|assistant|>` + `answer` points the LM head at
+    the next one (`answer`'s tokens must differ from each other)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tok = make_tokenizer(320, 0)
+    chain = [tok.convert_tokens_to_ids("<|assistant|>"), *tok.encode(answer), tok.eos_token_id]
+    if len(set(chain)) != len(chain) or len(chain) > 64:
+        raise ValueError(f"{answer!r}: its tokens repeat (or more than 63); choose another")
+    out = make_model(out_dir, "llama", vocab_size=320, seed=0)
+    weights = load_file(out / "model.safetensors")
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name].zero_()
+    embed = torch.zeros_like(weights["model.embed_tokens.weight"])
+    head = torch.zeros_like(weights["lm_head.weight"])
+    for k, (token, following) in enumerate(itertools.pairwise(chain)):
+        embed[token, k] = 1.0
+        head[following, k] = 10.0
+    weights["model.embed_tokens.weight"], weights["lm_head.weight"] = embed, head
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     return out
 
 

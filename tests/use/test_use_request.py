@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from shardforge.errors import ShardforgeError
-from shardforge.use.request import DEFAULT_MAX_NEW_TOKENS, InferenceRequest, ModelRequest
+from shardforge.use.request import (
+    DEFAULT_MAX_NEW_TOKENS,
+    InferenceRequest,
+    ModelRequest,
+    QuantizeRequest,
+)
 
 
 def test_greedy_by_default_with_transformers_names() -> None:
@@ -86,7 +91,12 @@ def test_every_problem_at_once() -> None:
 
 
 @pytest.mark.parametrize(
-    "page,request_class", [("inference.md", InferenceRequest), ("evaluate.md", ModelRequest)]
+    "page,request_class",
+    [
+        ("inference.md", InferenceRequest),
+        ("evaluate.md", ModelRequest),
+        ("inference.md", QuantizeRequest),
+    ],
 )
 def test_the_docs_tables_are_made_from_the_fields(page: str, request_class: type) -> None:
     from shardforge.merge.options import markdown_table
@@ -97,3 +107,12 @@ def test_the_docs_tables_are_made_from_the_fields(page: str, request_class: type
         "'from shardforge.merge.options import markdown_table; from shardforge.use.request "
         f"import {request_class.__name__}; print(markdown_table({request_class.__name__}))'"
     )
+
+
+def test_chat_and_gradio_exclude_each_other_and_take_sampling_options() -> None:
+    with pytest.raises(ShardforgeError, match="--chat and --gradio are exclusive"):
+        InferenceRequest(chat=True, gradio=True)
+    with pytest.raises(ShardforgeError, match="--prompt with --gradio: the prompts are typed"):
+        InferenceRequest(gradio=True, prompt="Hi")
+    # the chat samples by default: its starting settings need no --do_sample
+    assert InferenceRequest(chat=True, temperature=0.5, top_k=3).temperature == 0.5

@@ -37,6 +37,9 @@ Examples:
   # the prompt on standard input; sampling (seeded by the config's seed)
   echo "Once upon a time" | shardforge inference cfg.yml --do_sample --temperature 0.8 \\
       --top_p 0.9 --seed 3
+  # a multi-turn chat in the terminal (/help lists its commands), or on a page in the browser
+  shardforge inference cfg.yml --model_dir outputs/merged --chat
+  shardforge inference cfg.yml --model_dir outputs/merged --gradio --gradio_server_port 7860
   python -m shardforge.cli.inference cfg.yml --prompt "The robot"
 """
 
@@ -51,13 +54,38 @@ def read_stdin() -> str:
 
 def do_inference(config: str | Path, override_args: list[str] | None = None, **options: Any) -> Any:
     """Load `config` (plus overrides) and generate, streaming to stdout (`options`: the fields
-    of `InferenceRequest`, as the command line gives them)."""
+    of `InferenceRequest`, as the command line gives them); with `chat` the chat in the
+    terminal, with `gradio` the chat page, until the user leaves."""
     from shardforge.use.inference import inference
 
     cfg = load_config(config, override_args, "all")
     named_base = overrides_name(override_args, "base_model")  # Axolotl's --base-model
+    if options.get("chat") or options.get("gradio"):
+        return do_chat(cfg, named_base, **options)
     with quiet_libraries():  # the answer and shardforge's lines, not transformers' bars
         return inference(cfg, read_prompt=read_stdin, stream=True, named_base=named_base, **options)
+
+
+def do_chat(cfg: Any, named_base: bool, **options: Any) -> None:
+    """`--chat` (the terminal) or `--gradio` (the page): the options checked and Gradio found
+    before the model is loaded."""
+    from shardforge.use.chat import open_chat
+    from shardforge.use.request import InferenceRequest
+
+    InferenceRequest(**options)  # conflicts first
+    page = bool(options.get("gradio"))
+    with quiet_libraries():
+        if page:
+            from shardforge.use.gradio_page import import_gradio, serve
+
+            import_gradio()
+        config, loaded, settings, name = open_chat(cfg, named_base, page, **options)
+        if page:
+            serve(loaded, config, settings, name)
+        else:
+            from shardforge.use.chat_terminal import chat
+
+            chat(loaded, config, settings, name)
 
 
 @shardforge_command(
@@ -72,7 +100,8 @@ def command(config: str, overrides: list[str], **options: Any) -> None:
     --base_model DIR (a full fine-tune's merged model, as Axolotl's --base-model), or by
     default the run's own. The prompt (--prompt, else standard input) is rendered with
     the config's chat_template when it sets one. Greedy unless --do_sample; the new text is
-    streamed to stdout, what was loaded to stderr."""
+    streamed to stdout, what was loaded to stderr. --chat: a multi-turn chat in the terminal;
+    --gradio: a chat page in the browser (127.0.0.1 unless gradio_server_name says otherwise)."""
     given = {k: v for k, v in options.items() if v is not None}
     do_inference(config, overrides, **given)
 

@@ -28,6 +28,9 @@ COMMANDS: dict[str, str] = {
     "inspect": "inspect",
     "inference": "inference",
     "evaluate": "evaluate",
+    "lm-eval": "lm_eval",
+    "quantize": "quantize",
+    "fetch": "fetch",
     "verify": "verify",
 }
 
@@ -41,6 +44,9 @@ SUMMARIES: dict[str, str] = {
     "inspect": "Describe a sharded checkpoint: layout, steps, world size, tensors, optimizer.",
     "inference": "Generate from the trained model: merged, a checkpoint, or base + LoRA adapter.",
     "evaluate": "Eval loss and perplexity of the trained model on the config's evaluation data.",
+    "lm-eval": "lm-evaluation-harness over the trained model, in-process (the eval extra).",
+    "quantize": "torchao int8/int4 weight-only quantization of the model (the quant extra).",
+    "fetch": "Copy the shipped examples or docs into a folder.",
     "verify": "Check a merged model directory against its shardforge-manifest.json.",
 }
 

@@ -87,7 +87,6 @@ _SPEED = "speed only; does not change the trained weights"
 _MEMORY = "memory use only; does not change the trained weights"
 _LAUNCHER = "set by the launcher; shardforge reads the torchrun environment"
 _DDP = "DDP setting; shardforge trains with FSDP2"
-_GRADIO = "inference UI; not part of training"
 _INTERNAL = "internal to Axolotl"
 _SAMPLES = "sample generation during training is not supported; it does not change the weights"
 _LORA = "LoRA/QLoRA adapters"
@@ -316,12 +315,14 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "gradient_accumulation_steps": _i(),
     "gradient_checkpointing": _i(),
     "gradient_checkpointing_kwargs": _g("shardforge always uses non-reentrant checkpointing"),
-    "gradio_max_new_tokens": _g(_GRADIO),
-    "gradio_server_name": _g(_GRADIO),
-    "gradio_server_port": _g(_GRADIO),
-    "gradio_share": _g(_GRADIO),
-    "gradio_temperature": _g(_GRADIO),
-    "gradio_title": _g(_GRADIO),
+    "gradio_max_new_tokens": _i("`inference --gradio`"),
+    "gradio_server_name": _i("`inference --gradio`"),
+    "gradio_server_port": _i("`inference --gradio`"),
+    "gradio_share": _i(
+        "`inference --gradio`; off by default (Axolotl: on): no public link unless asked"
+    ),
+    "gradio_temperature": _i("`inference --gradio`"),
+    "gradio_title": _i("`inference --gradio`"),
     "greater_is_better": _g(_BEST),
     "grokfast_alpha": _u("Grokfast gradient filter (plugin)"),
     "grokfast_lamb": _u("Grokfast gradient filter (plugin)"),
@@ -377,10 +378,10 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "lisa_step_interval": _only("lisa_n_layers", "LISA layer sampling"),
     "llama4_linearized_experts": _u("Llama 4 linearized experts"),
     "llmcompressor": _u("LLM Compressor sparsity (plugin)"),
-    "lm_eval_batch_size": _g("lm-eval benchmarks are not run; they do not change the weights"),
-    "lm_eval_model": _g("lm-eval benchmarks are not run; they do not change the weights"),
-    "lm_eval_post_train": _g("lm-eval benchmarks are not run; they do not change the weights"),
-    "lm_eval_tasks": _g("lm-eval benchmarks are not run; they do not change the weights"),
+    "lm_eval_batch_size": _i("`shardforge lm-eval`"),
+    "lm_eval_model": _i("`shardforge lm-eval`"),
+    "lm_eval_post_train": _g("train does not run lm-eval at its end; run `shardforge lm-eval CFG`"),
+    "lm_eval_tasks": _i("`shardforge lm-eval`"),
     "load_best_model_at_end": _u("loading the best checkpoint at the end"),
     "load_in_4bit": _i("NF4 base weights (torchao's NF4Tensor), sharded by FSDP2"),
     "load_in_8bit": _i("int8 base weights, one scale per row (torchao), sharded by FSDP2"),
@@ -529,7 +530,10 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "qlora_sharded_model_loading": _g(
         "QLoRA loading is always sharded: each rank keeps only its slice of the 4-bit weights"
     ),
-    "quantization": _u("post-training quantization"),
+    "quantization": _i(
+        "`shardforge quantize` (weight_dtype int8|int4, activation_dtype int8, group_size, "
+        "quantize_embedding); fp8/nvfp4/mxfp4 are not offered"
+    ),
     "quantize_moe_experts": _u("quantized MoE experts"),
     "ray_num_workers": _g("Ray launching is not supported; launch with shardforge train"),
     "ray_run_name": _g("Ray launching is not supported; launch with shardforge train"),

@@ -8,7 +8,8 @@ like Axolotl's ``DictDefault`` as well (``cfg.fsdp.offload_params``, ``cfg["base
 Its keys are grouped by stage, one mixin each (fields keep this order in dumps and the JSON
 schema): `schema_model` (model, tokenizer, output), `schema_data` (data sets, batch shape),
 `schema_optim` (optimizer, schedule), `schema_train` (precision, speed, saves, evaluation,
-tracking), `schema_lora` (adapters), `schema_fsdp` (sharding). A new key goes into its stage's
+tracking), `schema_lora` (adapters), `schema_fsdp` (sharding), `schema_use` (using the trained model:
+`inference --gradio`, `lm-eval`). A new key goes into its stage's
 mixin; checks across stages stay here.
 """
 
@@ -23,6 +24,7 @@ from shardforge.config.schema_lora import LoraKeys, QuantKeys
 from shardforge.config.schema_model import STORAGE_SECRET_KEYS, ModelKeys
 from shardforge.config.schema_optim import OptimKeys
 from shardforge.config.schema_train import CheckpointKeys, EvalKeys, PrecisionKeys, SaveExtrasKeys
+from shardforge.config.schema_use import UseKeys
 
 __all__ = [
     "STORAGE_SECRET_KEYS",
@@ -39,6 +41,7 @@ __all__ = [
 
 # pydantic orders inherited fields by the reversed MRO: the last base's fields come first
 class ShardforgeConfig(
+    UseKeys,
     SaveExtrasKeys,
     EvalKeys,
     ShardingKeys,

@@ -60,12 +60,23 @@ def encode_prompt(cfg: ShardforgeConfig, tokenizer: Any, prompt: str, raw: bool 
             "the tokenizer has no chat template: the prompt goes in as it is (set chat_template)"
         )
         return tokenizer(prompt, return_tensors="pt")
-    messages = [{"role": "user", "content": prompt}]
+    return encode_messages(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> Any:
+    """The model's input for a conversation: rendered with the tokenizer's chat template (the
+    one training used: see `use.model.tokenizer_of`), ending in the assistant's header, and
+    tokenized as training tokenizes rendered text (the template brings its special tokens)."""
+    if not isinstance(tokenizer.chat_template, str):
+        raise ShardforgeError(
+            "a chat needs a chat template and the tokenizer has none: set chat_template in the "
+            "config (e.g. chatml)"
+        )
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(str(text), add_special_tokens=False, return_tensors="pt")
 
 
-def _stop_ids(cfg: ShardforgeConfig, tokenizer: Any, model: Any) -> list[int] | None:
+def stop_ids(cfg: ShardforgeConfig, tokenizer: Any, model: Any) -> list[int] | None:
     """The model's EOS ids plus the config's eot_tokens (None: the model's own, unchanged)."""
     if not cfg.eot_tokens:
         return None
@@ -88,7 +99,7 @@ def generate(
     tok, model = loaded.tokenizer, loaded.model
     inputs = encode_prompt(cfg, tok, request.prompt, request.raw_prompt).to(loaded.device)
     extra: dict[str, Any] = {"pad_token_id": pad_token_id(tok)}
-    stop = _stop_ids(cfg, tok, model)
+    stop = stop_ids(cfg, tok, model)
     if stop is not None:
         extra["eos_token_id"] = stop
     if stream:
@@ -116,6 +127,11 @@ def inference(
     were found, before they are loaded)."""
     config = coerce_cfg(cfg)
     request = InferenceRequest(prompt=prompt, **options)
+    if request.chat or request.gradio:
+        raise ShardforgeError(
+            "inference() answers one prompt; for a chat use shardforge.use.chat.open_chat with "
+            "use.chat_terminal.chat or use.gradio_page.serve (or the command's --chat/--gradio)"
+        )
     picked = pick(config, request, named_base)
     if request.prompt is None:
         if read_prompt is None:

@@ -19,8 +19,10 @@ source lies under output_dir): output_dir is then not looked at.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -244,7 +246,15 @@ def _load(cfg: ShardforgeConfig, picked: Picked) -> tuple[Any, Any]:
         model = _from_pretrained(cfg, cfg.base_model, "base_model")
         local = picked.path.is_dir()
         return model, tokenizer_of(cfg, picked.path) if local else load_tokenizer(cfg)
-    # SIGTERM too ends in the block's cleanup: no merged copy is left behind
+    with merged_checkpoint(cfg, picked) as merged:
+        # read into memory here: the directory goes when this block ends
+        return _from_pretrained(cfg, merged), tokenizer_of(cfg, merged)
+
+
+@contextlib.contextmanager
+def merged_checkpoint(cfg: ShardforgeConfig, picked: Picked) -> Iterator[Path]:
+    """The picked checkpoint merged (the adapter of a LoRA run fused) into a temporary
+    directory, removed when the block ends (SIGTERM too ends in the cleanup)."""
     with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="shardforge-merged-") as tmp:
         merged = Path(tmp) / "model"  # a local output: the path it returns
         merge_fsdp_weights(
@@ -256,8 +266,7 @@ def _load(cfg: ShardforgeConfig, picked: Picked) -> tuple[Any, Any]:
             dtype="as_saved",  # the weights as trained; the model is cast as training casts
             quiet=True,
         )
-        # read into memory here: the directory goes when this block ends
-        return _from_pretrained(cfg, merged), tokenizer_of(cfg, merged)
+        yield merged
 
 
 def load_model(cfg: ShardforgeConfig, picked: Picked) -> Loaded:

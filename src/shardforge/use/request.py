@@ -3,7 +3,8 @@
 them (`cli._common.request_options`). Torch-free: `--help` imports this module alone.
 
     ModelRequest       which weights: --model_dir, --lora_model_dir, --checkpoint / --step
-    InferenceRequest   that, the prompt and transformers' generation options
+    InferenceRequest   that, the prompt and transformers' generation options, --chat, --gradio
+    QuantizeRequest    `quantize`: Axolotl's flags (--base_model, --weight_dtype, ...)
 """
 
 from __future__ import annotations
@@ -143,9 +144,27 @@ class InferenceRequest(ModelRequest):
         type=float,
         metavar="X",
     )
+    chat: bool = flag(
+        "A multi-turn chat in the terminal, with slash commands (/help) and the generation "
+        "settings changed as it runs.",
+        doc="See [--chat](inference.md#chat-in-the-terminal---chat). The generation options "
+        "are its starting settings (sampling by default, as Axolotl's).",
+    )
+    gradio: bool = flag(
+        "A multi-turn chat page in the browser (Gradio, the `ui` extra), on 127.0.0.1 unless "
+        "gradio_server_name says otherwise.",
+        doc="See [--gradio](inference.md#a-chat-page---gradio). Not with --chat.",
+    )
 
     def problems(self) -> list[str]:
         out = super().problems()
+        if self.chat and self.gradio:
+            out.append(
+                "--chat and --gradio are exclusive: the chat runs in the terminal or on a page"
+            )
+        if (self.chat or self.gradio) and self.prompt is not None:
+            mode = "--chat" if self.chat else "--gradio"
+            out.append(f"--prompt with {mode}: the prompts are typed in the chat; drop --prompt")
         if self.prompt is not None and not self.prompt.strip():
             out.append("empty prompt: give --prompt TEXT or the prompt on standard input")
         for name, ok, expected in CHECKS:
@@ -153,7 +172,7 @@ class InferenceRequest(ModelRequest):
             if value is not None and not ok(value):
                 out.append(f"--{name} {value}: expected {expected}")
         unused = [f"--{n}" for n in SAMPLING if getattr(self, n) is not None]
-        if unused and not self.do_sample:
+        if unused and not (self.do_sample or self.chat or self.gradio):
             out.append(
                 f"{', '.join(unused)} only apply to sampling: add --do_sample (greedy decoding "
                 "is the default)"
@@ -170,4 +189,62 @@ class InferenceRequest(ModelRequest):
         for name in (*SAMPLING, "repetition_penalty"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        return out
+
+
+WEIGHT_DTYPES = ("int8", "int4")
+ACTIVATION_DTYPES = ("int8",)
+
+
+@dataclass(frozen=True)
+class QuantizeRequest(ModelRequest):
+    """`quantize`: which model (ModelRequest's options, or Axolotl's --base_model DIR) and how
+    (Axolotl's flags)."""
+
+    base_model: Path | None = optional(
+        "The model directory to quantize, as Axolotl's --base_model (the same as --model_dir).",
+        metavar="DIR",
+        parse=parse_local_path,
+    )
+    weight_dtype: str | None = optional(
+        "The weights' type: int8 (per output channel) or int4 (groups of --group_size; a "
+        "CUDA GPU). Default: the config's quantization.weight_dtype, else int8.",
+        choices=WEIGHT_DTYPES,
+        doc="torchao's `Int8WeightOnlyConfig` / `Int4WeightOnlyConfig`.",
+    )
+    activation_dtype: str | None = optional(
+        "int8: quantize the activations too, as they come (dynamic); default: the config's "
+        "quantization.activation_dtype, else weights only.",
+        choices=ACTIVATION_DTYPES,
+        doc="torchao's `Int8DynamicActivationInt8WeightConfig` / "
+        "`Int8DynamicActivationIntxWeightConfig`.",
+    )
+    group_size: int | None = optional(
+        "Weights per quantization group for int4 (default: the config's "
+        "quantization.group_size, else 32, as Axolotl).",
+        type=int,
+        metavar="N",
+    )
+    quantize_embedding: bool = flag(
+        "Quantize the input embedding (int8 per row) and the LM head too (or the config's "
+        "quantization.quantize_embedding; default: kept as they are, as transformers keeps them)."
+    )
+    output_dir: Path | None = optional(
+        "Where to write: OUTPUT_DIR/quantized, as Axolotl (default: the config's output_dir).",
+        metavar="DIR",
+        parse=parse_local_path,
+    )
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if self.base_model is not None and self.model_dir is not None:
+            out.append("--base_model and --model_dir each name the model; give one of them")
+        elif self.base_model is not None and (
+            self.lora_model_dir is not None or self.checkpoint is not None or self.step is not None
+        ):
+            out.append("--base_model names the model; drop --lora_model_dir/--checkpoint/--step")
+        if self.group_size is not None and self.group_size < 1:
+            out.append(f"--group_size {self.group_size}: expected 1 or more")
+        if self.group_size is not None and self.weight_dtype == "int8":
+            out.append("--group_size applies to --weight_dtype int4 (int8 is per output channel)")
         return out
