@@ -19,6 +19,8 @@ Trainer = Any
 
 log = logging.getLogger("shardforge")
 
+EVAL_METRICS = ("eval_loss", "eval_perplexity", "eval_tokens")  # eval.EvalResult.record's
+
 
 def metric_name(cfg: ShardforgeConfig) -> str:
     """The evaluation record's key of metric_for_best_model (null: eval_loss)."""
@@ -40,9 +42,15 @@ class BestModel(Callback):
         self.metric, self.greater = metric_name(cfg), greater_is_better(cfg)
         self.patience = cfg.early_stopping_patience
         self.load_at_end = cfg.load_best_model_at_end
-        self.best: float | None = None
+        self.best: float | None = None  # of every evaluation (early stopping)
+        self.best_saved: float | None = None  # of the saved steps (the best checkpoint)
         self.best_step: int | None = None
         self.worse = 0  # evaluations in a row without improvement
+        if self.metric not in EVAL_METRICS:
+            raise ConfigError(
+                "metric_for_best_model",
+                [f"{self.metric} is not an evaluation metric ({', '.join(EVAL_METRICS)})"],
+            )
         if self.load_at_end:
             _check_saves(trainer)
 
@@ -50,29 +58,30 @@ class BestModel(Callback):
         step = record["step"]
         if step == 0:  # before training: no checkpoint to pick
             return
-        if self.metric not in record:
-            known = ", ".join(k for k in record if k.startswith("eval_"))
-            raise ConfigError("metric_for_best_model", [f"not an evaluation metric ({known})"])
         value = float(record[self.metric])
-        better = self.best is None or (value > self.best if self.greater else value < self.best)
-        if better:
-            self.best, self.best_step, self.worse = value, step, 0
-            if self.load_at_end:  # save_total_limit keeps it
-                trainer.saver.keep = frozenset({PurePath(f"checkpoint-{step}")})
+        if self._better(value, self.best):  # early stopping: against every evaluation
+            self.best, self.worse = value, 0
         else:
             self.worse += 1
         if self.patience and self.worse >= self.patience and not trainer.final:
             if trainer.rt.is_main:
                 log.info(
-                    "early stopping at step %d: %d evaluation(s) without improving on %s %.4g "
-                    "(step %s)",
+                    "early stopping at step %d: %d evaluation(s) without improving on %s %.4g",
                     step,
                     self.worse,
                     self.metric,
                     self.best,
-                    self.best_step,
                 )
             trainer.stop = True
+        # the best checkpoint: among the evaluations of the steps that are saved (the step
+        # an early stop ends at is: its final save)
+        if (trainer.final or trainer.save_due()) and self._better(value, self.best_saved):
+            self.best_saved, self.best_step = value, step
+            if self.load_at_end:  # save_total_limit keeps it
+                trainer.saver.keep = frozenset({PurePath(f"checkpoint-{step}")})
+
+    def _better(self, value: float, than: float | None) -> bool:
+        return than is None or (value > than if self.greater else value < than)
 
     def before_save(self, trainer: Trainer) -> None:
         if not (self.load_at_end and trainer.final):
@@ -87,7 +96,7 @@ class BestModel(Callback):
                 "load_best_model_at_end: the model of %s (%s %.4g) is the final model",
                 path.name,
                 self.metric,
-                self.best,
+                self.best_saved,
             )
 
 

@@ -445,11 +445,11 @@ class Trainer:
             if not cfg.adapter:
                 save_full_model(self.out, self.model, self.model_config)
             dist.barrier()
-        elif final or self._periodic_save():
+        elif final or self.save_due():
             self.saver.save(ckpt.stamped(self.trainer_state()), self.model, self.optimizer, final)
             self._upload()  # the metrics up to this checkpoint
 
-    def _periodic_save(self) -> bool:
+    def save_due(self) -> bool:
         """A checkpoint is due after this step (every `every` steps; save_first_step: also
         after the first)."""
         if self.cfg.save_first_step and self.global_step == 1:
