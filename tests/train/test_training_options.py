@@ -122,7 +122,9 @@ def test_qat_fake_quantizes_the_forward_and_keeps_plain_names(
 def test_qat_refuses_what_axolotl_refuses() -> None:
     with pytest.raises(ValueError, match="weight_dtype int8 with activation_dtype None"):
         validate_cfg({"base_model": "m", "qat": {"weight_dtype": "int8"}})
-    cfg = validate_cfg({"base_model": "m", "qat": {"weight_dtype": "fp8", "activation_dtype": "float8"}})
+    cfg = validate_cfg(
+        {"base_model": "m", "qat": {"weight_dtype": "fp8", "activation_dtype": "float8"}}
+    )
     assert cfg.qat is not None and cfg.qat.weight_dtype == "float8_e4m3fn"
 
 
@@ -285,7 +287,7 @@ def test_fp8_converts_the_linear_layers_on_a_float8_gpu(
     assert shape(torchao.float8.convert_to_float8_training) == shape(_float8_stand_in)
     cfg = validate_cfg({**base_cfg, "fp8": True, "fp8_enable_fsdp_float8_all_gather": True})
     model = build_meta_model(cfg)
-    with pytest.raises(ConfigError, match="^fp8: float8 training needs a CUDA GPU"):
+    with pytest.raises(ConfigError, match=r"^fp8: float8 training needs a CUDA GPU"):
         apply_fp8(model, cfg)
     _float8_stand_in.calls = []  # type: ignore[attr-defined]
     monkeypatch.setattr(torchao.float8, "convert_to_float8_training", _float8_stand_in)

@@ -231,6 +231,17 @@ UNSAVED_10 = {
 }
 
 
+# Axolotl's options where sharding matters: a block half frozen (its MLP trained, its
+# attention frozen) and the embedding's rows from 100 on; int4 fake quantization; checkpoints
+# without optimizer state (4 steps, a checkpoint every 2)
+OPTIONS = {
+    "unfrozen_parameters": ["^model.layers.1.mlp.", "^model.embed_tokens.weight$[100:]"],
+    "qat": {"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 32},
+    "save_only_model": True,
+    "max_steps": 4,
+}
+
+
 def _shared_runs(base: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
     """The 2-rank runs tests compare with: name -> what it changes in the shared base's config.
 
@@ -239,7 +250,8 @@ def _shared_runs(base: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
     torch_compile (backend aot_eager: inductor's C++ compile would take minutes here);
     merging: merge_on_save, save_total_limit 2; packed: windows of 96 tokens (several samples
     each); full-state-dict: FULL_STATE_DICT; lora-llama: `LORA`; lora-qwen: a tied-embedding
-    Qwen2 (root/qwen-base) with every linear layer adapted and the embedding trained (4 steps).
+    Qwen2 (root/qwen-base) with every linear layer adapted and the embedding trained (4 steps);
+    options: `OPTIONS`.
     """
     fsdp = base["fsdp"]
     return {
@@ -252,6 +264,7 @@ def _shared_runs(base: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
         "eager-10": UNSAVED_10,
         "compiled-10": {**UNSAVED_10, "torch_compile": True, "torch_compile_backend": "aot_eager"},
         "lora-llama": LORA,
+        "options": OPTIONS,
         "lora-qwen": {
             **LORA,
             "base_model": str(root / "qwen-base"),
