@@ -314,3 +314,18 @@ def test_dataloader_drop_last_trains_whole_batches_per_epoch(
     used = n // batch * batch
     # the second epoch starts right after the last whole batch of the first
     assert dropped.order.indices(used, batch) == plain.order.indices(n, batch)
+
+
+@pytest.mark.usefixtures("group")
+def test_qat_before_lora(base_cfg: dict[str, Any], tmp_path: Path) -> None:
+    """With a LoRA adapter, the base layers are fake-quantized, the adapter's own are not (as
+    Axolotl: QAT before the adapter)."""
+    from train_helpers import LORA
+
+    from shardforge.train.precision import fake_quantizers
+
+    trainer = _trainer(base_cfg, tmp_path, qat={**QAT, "activation_dtype": None}, **LORA)
+    names = [n for n, m in trainer.model.named_modules() if hasattr(m, "weight_fake_quantizer")]
+    assert names and not [n for n in names if "lora_" in n]
+    assert any(n.endswith("q_proj.base_layer") for n in names)
+    assert len(fake_quantizers(trainer.model)) == 2 * 7 + 1
