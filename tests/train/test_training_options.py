@@ -279,7 +279,7 @@ def test_fp8_converts_the_linear_layers_on_a_float8_gpu(
     import torchao.float8
 
     from shardforge.train.model import build_meta_model
-    from shardforge.train.precision import apply_fp8
+    from shardforge.train.options import before_shard as apply_fp8
 
     def shape(fn: Any) -> list[tuple[str, Any, Any]]:
         return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
@@ -329,3 +329,67 @@ def test_qat_before_lora(base_cfg: dict[str, Any], tmp_path: Path) -> None:
     assert names and not [n for n in names if "lora_" in n]
     assert any(n.endswith("q_proj.base_layer") for n in names)
     assert len(fake_quantizers(trainer.model)) == 2 * 7 + 1
+
+
+def test_fp32_norm_classes_pick_the_norm_modules() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from shardforge.train.precision import is_fp32_norm
+
+    norm = LlamaRMSNorm(8)
+    for classes, picked in ((None, True), (["LayerNorm"], False), (["LlamaRMSNorm"], True)):
+        cfg = validate_cfg({"base_model": "m", "fp32_norms": True, "fp32_norm_classes": classes})
+        assert is_fp32_norm(norm, cfg) is picked, classes
+    qualified = f"{LlamaRMSNorm.__module__}.LlamaRMSNorm"
+    cfg = validate_cfg({"base_model": "m", "fp32_norms": True, "fp32_norm_classes": [qualified]})
+    assert is_fp32_norm(norm, cfg)
+
+
+class _Saver:
+    keep: frozenset[Any] = frozenset()
+
+
+class _Trainer:
+    """What BestModel reads of the loop's Trainer: a checkpoint every 2 steps."""
+
+    def __init__(self, **keys: Any) -> None:
+        self.cfg = validate_cfg({"base_model": "m", "val_set_size": 0.1, **keys})
+        self.rt = Runtime(0, 1, 0, CPU)
+        self.saver, self.stop, self.global_step, self.total_steps = _Saver(), False, 0, 10
+
+    @property
+    def final(self) -> bool:
+        return self.stop or self.global_step >= self.total_steps
+
+    def save_due(self) -> bool:
+        return self.global_step % 2 == 0
+
+
+def _best_of(records: list[dict[str, float]], **keys: Any) -> tuple[Any, Any]:
+    from shardforge.train.best import BestModel
+
+    trainer = _Trainer(**keys)
+    best = BestModel(trainer)
+    for step, record in enumerate(records, start=1):
+        trainer.global_step = step
+        best.on_evaluate(trainer, {"step": step, **record})
+        if trainer.stop:
+            break
+    return best, trainer
+
+
+def test_metric_for_best_model_and_greater_is_better() -> None:
+    """Early stopping follows metric_for_best_model (perplexity here falls while the loss
+    rises) and greater_is_better (a larger loss is the better one)."""
+    losses = [{"eval_loss": v, "eval_perplexity": 10 - v} for v in (3.0, 2.0, 4.0, 5.0, 1.0)]
+    best, trainer = _best_of(losses, early_stopping_patience=1)
+    assert trainer.global_step == 3 and trainer.stop  # loss: 2.0 at step 2, then worse
+    perplexity = {"early_stopping_patience": 1, "metric_for_best_model": "perplexity"}
+    best, trainer = _best_of(losses, **perplexity, greater_is_better=False)
+    assert trainer.global_step == 2 and trainer.stop  # perplexity 8.0 after 7.0: worse
+    best, trainer = _best_of(losses, **perplexity)  # null: larger is better (no "loss" in it)
+    assert trainer.global_step == 3 and trainer.stop  # 7.0, 8.0, then 6.0
+    best, trainer = _best_of(losses, early_stopping_patience=2, greater_is_better=True)
+    assert best.best == 5.0 and not trainer.stop  # a larger loss counts as better
+    with pytest.raises(ConfigError, match="metric_for_best_model: eval_accuracy is not"):
+        _best_of(losses, early_stopping_patience=1, metric_for_best_model="accuracy")
