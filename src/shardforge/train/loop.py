@@ -332,9 +332,9 @@ class Trainer:
         apply_kernels(model, cfg, announce=rt.is_main)  # plugins: Liger, Cut Cross Entropy, ...
         check_packing(cfg, model)  # sample_packing needs attention that keeps samples apart
         use_packed_attention(model, cfg, rt.device, rt.is_main)  # packed: no dense mask
-        before_lora(model, cfg)  # qat
+        before_lora(model, cfg, rt.is_main)  # qat
         weights = prepare_lora(model, cfg, rt.is_main) if cfg.adapter else None
-        frozen_rows = before_shard(model, cfg)  # fp8, unfrozen_parameters, bfloat16
+        frozen_rows = before_shard(model, cfg, rt.is_main)  # fp8, unfrozen_parameters, bfloat16
         shard_model(model, cfg, device_mesh(rt, self.mesh))
         materialize_and_load(model, cfg, rt.device, rt.rank, weights)
         del weights

@@ -50,13 +50,15 @@ def determinism(cfg: ShardforgeConfig) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def before_lora(model: nn.Module, cfg: ShardforgeConfig) -> None:
+def before_lora(model: nn.Module, cfg: ShardforgeConfig, announce: bool = True) -> None:
     """qat, on the meta model before LoRA (as Axolotl: the adapter's own layers are not
     fake-quantized; PEFT wraps the fake-quantized linear layers, nn.Linear subclasses)."""
-    apply_qat(model, cfg)
+    apply_qat(model, cfg, announce)
 
 
-def before_shard(model: nn.Module, cfg: ShardforgeConfig) -> dict[str, list[tuple[int, int]]]:
+def before_shard(
+    model: nn.Module, cfg: ShardforgeConfig, announce: bool = True
+) -> dict[str, list[tuple[int, int]]]:
     """The options applied to the meta model before FSDP2 shards it (after LoRA); returns the
     row ranges unfrozen_parameters leaves frozen."""
     if cfg.unfrozen_parameters and cfg.adapter:
@@ -64,9 +66,9 @@ def before_shard(model: nn.Module, cfg: ShardforgeConfig) -> dict[str, list[tupl
             "unfrozen_parameters",
             ["does not combine with a LoRA adapter here; use lora_modules_to_save"],
         )
-    apply_fp8(model, cfg)
+    apply_fp8(model, cfg, announce)
     rows = freeze_except(model, cfg.unfrozen_parameters) if cfg.unfrozen_parameters else {}
-    cast_weights(model, cfg)
+    cast_weights(model, cfg, announce)
     return rows
 
 

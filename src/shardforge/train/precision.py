@@ -61,7 +61,7 @@ def is_fp32_norm(module: nn.Module, cfg: ShardforgeConfig) -> bool:
     return False
 
 
-def cast_weights(model: nn.Module, cfg: ShardforgeConfig) -> None:
+def cast_weights(model: nn.Module, cfg: ShardforgeConfig, announce: bool = True) -> None:
     """The parameters of `model` (on the meta device) in weight_dtype(cfg); fp32_norms' norm
     layers keep float32."""
     dtype = weight_dtype(cfg)
@@ -71,7 +71,8 @@ def cast_weights(model: nn.Module, cfg: ShardforgeConfig) -> None:
     for param in model.parameters():
         if id(param) not in kept:
             param.data = param.data.to(dtype)
-    log.info("weights kept in %s (no float32 copy)", str(dtype).removeprefix("torch."))
+    if announce:
+        log.info("weights kept in %s (no float32 copy)", str(dtype).removeprefix("torch."))
 
 
 def shard_norms_fp32(model: nn.Module, kwargs: dict[str, Any], cfg: ShardforgeConfig) -> int:
@@ -114,7 +115,7 @@ def fp8_refusal() -> str | None:
     return None
 
 
-def apply_fp8(model: nn.Module, cfg: ShardforgeConfig) -> int:
+def apply_fp8(model: nn.Module, cfg: ShardforgeConfig, announce: bool = True) -> int:
     """fp8: swap the eligible linear layers for torchao's Float8Linear (before sharding).
     Returns how many were converted."""
     if not cfg.fp8:
@@ -128,7 +129,8 @@ def apply_fp8(model: nn.Module, cfg: ShardforgeConfig) -> int:
     before = sum(isinstance(m, nn.Linear) for m in model.modules())
     convert_to_float8_training(model, module_filter_fn=_fp8_filter, config=config)
     after = sum(type(m) is nn.Linear for m in model.modules())
-    log.info("fp8: %d linear layer(s) train in float8", before - after)
+    if announce:
+        log.info("fp8: %d linear layer(s) train in float8", before - after)
     return before - after
 
 
@@ -161,7 +163,7 @@ def _qat_configs(cfg: ShardforgeConfig, embedding: bool = False) -> Any:
     return QATConfig(weight_config=weight, activation_config=acts)
 
 
-def apply_qat(model: nn.Module, cfg: ShardforgeConfig) -> None:
+def apply_qat(model: nn.Module, cfg: ShardforgeConfig, announce: bool = True) -> None:
     """qat: torchao's quantize_ swaps the linear layers (and with quantize_embedding the input
     embedding) for fake-quantized ones, before sharding; their parameters keep their names."""
     if cfg.qat is None:
@@ -175,8 +177,9 @@ def apply_qat(model: nn.Module, cfg: ShardforgeConfig) -> None:
             _qat_configs(cfg, embedding=True),
             filter_fn=lambda m, _: isinstance(m, nn.Embedding),
         )
-    faked = sum(1 for _ in fake_quantizers(model))
-    log.info("qat: %d fake quantizer(s) (%s weights)", faked, cfg.qat.weight_dtype)
+    if announce:
+        faked = len(fake_quantizers(model))
+        log.info("qat: %d fake quantizer(s) (%s weights)", faked, cfg.qat.weight_dtype)
 
 
 def fake_quantizers(model: nn.Module) -> list[Any]:
