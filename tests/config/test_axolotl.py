@@ -42,7 +42,7 @@ def test_train_refuses_unsupported_features_one_line_each(tmp_path: Path) -> Non
             "adapter": "lora",
             "peft_use_dora": True,  # the key is implemented, this value is not
             "relora": True,
-            "early_stopping_patience": 3,
+            "lisa_n_layers": 4,
             "deepspeed": "zero3.json",
             "comet_project_name": "",  # an empty placeholder
             "load_in_8bit": False,  # Axolotl's default: changes nothing
@@ -55,7 +55,7 @@ def test_train_refuses_unsupported_features_one_line_each(tmp_path: Path) -> Non
     assert len(problems) == 4, problems
     assert any(
         re.match(
-            r"early_stopping_patience: early stopping.* not supported by shardforge train yet; "
+            r"lisa_n_layers: LISA layer sampling.* not supported by shardforge train yet; "
             "remove",
             p,
         )

@@ -101,7 +101,7 @@ def test_the_table_is_large_and_classified() -> None:
     assert len(TOP_LEVEL) > 200  # Axolotl's schema, not a hand-picked sample
     statuses = {row.status for row in TOP_LEVEL.values()}
     assert statuses == {"implemented", "ignored", "unsupported"}
-    for key in ("gptq", "rl", "deepspeed", "early_stopping_patience"):
+    for key in ("gptq", "rl", "deepspeed", "lisa_n_layers"):
         assert TOP_LEVEL[key].status == "unsupported", key
     for key in ("use_comet", "dataset_num_proc", "strict"):
         assert TOP_LEVEL[key].status == "ignored", key

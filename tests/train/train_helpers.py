@@ -233,6 +233,17 @@ UNSAVED_10 = {
 }
 
 
+# Axolotl's options where sharding matters: a block half frozen (its MLP trained, its
+# attention frozen) and the embedding's rows from 100 on; int4 fake quantization; checkpoints
+# without optimizer state (4 steps, a checkpoint every 2)
+OPTIONS = {
+    "unfrozen_parameters": ["^model.layers.1.mlp.", "^model.embed_tokens.weight$[100:]"],
+    "qat": {"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 32},
+    "save_only_model": True,
+    "max_steps": 4,
+}
+
+
 def _shared_runs(base: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
     """The 2-rank runs tests compare with: name -> what it changes in the shared base's config.
 
@@ -243,6 +254,7 @@ def _shared_runs(base: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
     each); full-state-dict: FULL_STATE_DICT; lora-llama: `LORA`; lora-qwen: a tied-embedding
     Qwen2 (root/qwen-base) with every linear layer adapted and the embedding trained (4 steps);
     qlora-* / int8-*: lora-llama and lora-qwen over NF4 / int8 base weights (4 steps).
+    options: `OPTIONS`.
     """
     fsdp = base["fsdp"]
     lora_qwen = {
@@ -270,6 +282,7 @@ def _shared_runs(base: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
         "qlora-qwen": {**lora_qwen, **four_bit},
         "int8-llama": {**LORA, **eight_bit, "max_steps": 4},
         "int8-qwen": {**lora_qwen, **eight_bit},
+        "options": OPTIONS,
     }
 
 

@@ -23,7 +23,13 @@ from shardforge.config.schema_fsdp import DType, FsdpConfig, MixedPrecisionConfi
 from shardforge.config.schema_lora import LoraKeys, QuantKeys
 from shardforge.config.schema_model import STORAGE_SECRET_KEYS, ModelKeys
 from shardforge.config.schema_optim import OptimKeys
-from shardforge.config.schema_train import CheckpointKeys, EvalKeys, PrecisionKeys, SaveExtrasKeys
+from shardforge.config.schema_train import (
+    CheckpointKeys,
+    EvalKeys,
+    PrecisionKeys,
+    SaveExtrasKeys,
+    TrainingOptionKeys,
+)
 from shardforge.config.schema_use import UseKeys
 
 __all__ = [
@@ -42,6 +48,7 @@ __all__ = [
 # pydantic orders inherited fields by the reversed MRO: the last base's fields come first
 class ShardforgeConfig(
     UseKeys,
+    TrainingOptionKeys,
     SaveExtrasKeys,
     EvalKeys,
     ShardingKeys,
@@ -73,6 +80,7 @@ class ShardforgeConfig(
         for first, second, conflict in (
             ("eval_steps", "evals_per_epoch", self.eval_steps is not None and self.evals_per_epoch),
             ("bf16", "fp16", self.bf16 is True and self.fp16),
+            ("bfloat16", "float16", self.bfloat16 and self.float16),
             ("warmup_steps", "warmup_ratio", None not in (self.warmup_steps, self.warmup_ratio)),
             ("save_steps", "saves_per_epoch", None not in (self.save_steps, self.saves_per_epoch)),
             (
@@ -84,7 +92,14 @@ class ShardforgeConfig(
             if conflict:
                 raise ValueError(f"{first} and {second} are both set; choose one")
         self._consistent_saves()
+        self._needs_evaluation()
         return self
+
+    def _needs_evaluation(self) -> None:
+        """The keys that pick or stop on an evaluation need evaluation data."""
+        for key in ("load_best_model_at_end", "early_stopping_patience"):
+            if getattr(self, key) and not (self.val_set_size or self.test_datasets):
+                raise ValueError(f"{key} needs evaluation data; set val_set_size or test_datasets")
 
     def _consistent_saves(self) -> None:
         """save_strategy against the keys that say when to save."""

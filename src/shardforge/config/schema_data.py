@@ -240,3 +240,10 @@ class DataKeys(ConfigView):
     dataset_shard_idx: int | None = Field(
         None, ge=0, description="Which shard, with dataset_shard_num."
     )
+    dataloader_drop_last: bool = Field(
+        False,
+        description="Each epoch uses only whole global batches: the samples left over after "
+        "the last whole batch of an epoch are not trained on in that epoch (its steps: "
+        "floor(sequences / global batch)). false: the last batch of an epoch is completed "
+        "with the first samples of the next epoch's order.",
+    )

@@ -29,6 +29,46 @@ class ModelKeys(ConfigView):
         "{rope_type: linear, factor: 2.0}}; the saved config.json holds them. Axolotl's "
         "model_config (and its older overrides_of_model_config) is read as this key.",
     )
+    model_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="Axolotl's extra from_pretrained arguments: an attribute of the model's "
+        "config is set on it (as from_pretrained sets such keywords), `dtype` / `torch_dtype` "
+        "is the dtype the weights are kept in (as bfloat16 / float16); any other is refused. "
+        "overrides_of_model_kwargs is read as this key.",
+    )
+    bfloat16: bool = Field(
+        False,
+        description="Keep the weights (and so the gradients and optimizer state) in bfloat16 "
+        "instead of float32: half the memory, no float32 master copy (Axolotl loads the model "
+        "in bfloat16). Compute follows bf16 / fsdp.mixed_precision as before.",
+    )
+    float16: bool = Field(
+        False, description="Keep the weights in float16 instead of float32 (as bfloat16)."
+    )
+    resize_token_embeddings_to_32x: bool = Field(
+        False,
+        description="Give the embeddings (and output layer) a row count that is a multiple of "
+        "32: len(tokenizer) rounded up (when the model has fewer rows; with shrink_embeddings "
+        "also when it has more).",
+    )
+    shrink_embeddings: bool = Field(
+        False,
+        description="Cut the embedding rows the tokenizer does not use: the model's vocab_size "
+        "becomes len(tokenizer) (rounded up to 32 with resize_token_embeddings_to_32x).",
+    )
+    mean_resizing_embeddings: bool | None = Field(
+        None,
+        description="Rows added to the embeddings: true or null: the mean of the existing "
+        "rows (transformers' default; deterministic); false: drawn from a normal distribution "
+        "(0, the config's initializer_range), as transformers' resize without mean_resizing.",
+    )
+    fix_untrained_tokens: int | list[int] | bool | None = Field(
+        None,
+        description="Token ids whose embedding rows (input and output) were never trained "
+        "(every value within 1e-16 of 0) are set to the mean of the trained rows before "
+        "training, as Axolotl's fix_untrained_tokens: true: any such token that the training "
+        "data contains; an id or a list of ids: those tokens.",
+    )
     tokenizer_config: str | None = Field(
         None, description="Where to read the tokenizer from, when not from base_model."
     )

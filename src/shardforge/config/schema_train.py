@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from shardforge.config.schema_data import DatasetConfig
 from shardforge.config.view import ConfigView
@@ -159,6 +159,16 @@ class CheckpointKeys(ConfigView):
         description="`auto` resumes from the latest complete checkpoint in output_dir; a path "
         "resumes from that checkpoint.",
     )
+    save_only_model: bool = Field(
+        False,
+        description="Checkpoints hold the model, the trainer state and the RNG states but no "
+        "optimizer state (smaller, faster). Resuming from one starts the optimizer afresh "
+        "(its moments at zero), with a warning; as with Hugging Face's Trainer it is no exact "
+        "resume.",
+    )
+    save_first_step: bool = Field(
+        False, description="Also save a checkpoint after the first optimizer step."
+    )
     take_over_lock: bool = Field(
         False,
         description="Take over output_dir's lock file (output_dir/.shardforge.lock) when it "
@@ -216,6 +226,31 @@ class EvalKeys(ConfigView):
         None,
         description="Pack the evaluation samples into eval_sequence_len windows (default: "
         "as sample_packing).",
+    )
+    load_best_model_at_end: bool = Field(
+        False,
+        description="At the end, the model of the checkpoint with the best evaluation "
+        "(metric_for_best_model) becomes the final model: the final save writes it. Needs "
+        "evaluation data and an evaluation at every checkpoint (save_steps a multiple of "
+        "eval_steps); save_total_limit never deletes the best checkpoint.",
+    )
+    metric_for_best_model: str | None = Field(
+        None,
+        description="The evaluation metric that picks the best checkpoint and drives early "
+        "stopping: loss / eval_loss or another key of the evaluation record (eval_ "
+        "optional). null: eval_loss.",
+    )
+    greater_is_better: bool | None = Field(
+        None,
+        description="A larger metric is better. null: false for a metric ending in loss, "
+        "else true (as Hugging Face's Trainer).",
+    )
+    early_stopping_patience: int | None = Field(
+        None,
+        gt=0,
+        description="Stop training once this many evaluations in a row have not improved on "
+        "the best metric (Hugging Face's EarlyStoppingCallback); the run ends with its final "
+        "save. Needs evaluation data.",
     )
     use_tensorboard: bool = Field(
         False,
@@ -283,4 +318,110 @@ class SaveExtrasKeys(ConfigView):
         gt=0,
         description="Most merge_on_save merges running at once; later checkpoints wait in a "
         "queue (and are not pruned by save_total_limit until merged).",
+    )
+
+
+# the (weight, activation) pairs of Axolotl's QAT that shardforge runs
+_QAT_PAIRS = {
+    ("int4", None),
+    ("int4", "int8"),
+    ("int4", "float8_e4m3fn"),
+    ("float8_e4m3fn", "float8_e4m3fn"),
+}
+QuantDType = Literal["int4", "int8", "float8_e4m3fn", "fp8", "float8", "nvfp4", "mxfp4"]
+
+
+class QatConfig(ConfigView):
+    """Axolotl's `qat` block: torchao fake quantization while training."""
+
+    weight_dtype: QuantDType = Field(
+        "int8",
+        description="Fake-quantized weight layout: int4 or float8_e4m3fn (fp8, float8); int8 "
+        "(Axolotl's default) only with activation_dtype int8 is refused as Axolotl refuses it.",
+    )
+    activation_dtype: QuantDType | None = Field(
+        None, description="Fake-quantized activations: int8, float8_e4m3fn, or null (none)."
+    )
+    group_size: int | None = Field(
+        32, gt=0, description="Elements per group of the per-group int4 weight quantization."
+    )
+    quantize_embedding: bool | None = Field(
+        False, description="Also fake-quantize the input embedding's weights (weight only)."
+    )
+    fake_quant_after_n_steps: int | None = Field(
+        None,
+        ge=0,
+        description="Train without fake quantization for this many steps, then with it.",
+    )
+
+    @field_validator("weight_dtype", "activation_dtype")
+    @classmethod
+    def _float8_spellings(cls, value: str | None) -> str | None:
+        return "float8_e4m3fn" if value in ("fp8", "float8") else value
+
+    @model_validator(mode="after")
+    def _supported_pair(self) -> QatConfig:
+        """The weight / activation pairs Axolotl's QAT builds; the rest refused as it does."""
+        pair = (self.weight_dtype, self.activation_dtype)
+        if pair in _QAT_PAIRS:
+            return self
+        if "nvfp4" in pair or "mxfp4" in pair:
+            raise ValueError(
+                f"weight_dtype {self.weight_dtype}: the MX / NVFP4 formats are not supported "
+                "by shardforge's qat; use int4 or float8_e4m3fn"
+            )
+        raise ValueError(
+            f"weight_dtype {pair[0]} with activation_dtype {pair[1]} is not a QAT scheme "
+            "(torchao has none); use int4 (activation null, int8 or float8_e4m3fn) or "
+            "float8_e4m3fn with float8_e4m3fn"
+        )
+
+
+class TrainingOptionKeys(ConfigView):
+    """What is trained and how: frozen parameters, noise, determinism, low precision."""
+
+    unfrozen_parameters: list[str] | None = Field(
+        None,
+        description="Train only the parameters whose names match one of these regexes "
+        "(re.match from the start; a `.` is literal unless followed by `+`); the others are "
+        "frozen. A trailing [start:end] (or [i]) trains only those rows of the first dimension "
+        "(the others' gradients are zeroed), e.g. `^model.embed_tokens.weight$[320:]`.",
+    )
+    neftune_noise_alpha: float | None = Field(
+        None,
+        gt=0,
+        description="NEFTune: uniform noise of magnitude alpha / sqrt(sequence length x hidden "
+        "size) added to the input embeddings while training (not in evaluation).",
+    )
+    full_determinism: bool = Field(
+        False,
+        description="Deterministic algorithms only (torch.use_deterministic_algorithms, cuDNN "
+        "deterministic, CUBLAS_WORKSPACE_CONFIG), as transformers' enable_full_determinism; "
+        "slower on a GPU.",
+    )
+    fp32_norms: bool = Field(
+        False,
+        description="Norm layers keep float32 parameters and compute in float32 under mixed "
+        "precision: each norm module gets its own FSDP2 unit with a float32 policy, its output "
+        "cast back to the compute dtype (Axolotl's fp32_norms).",
+    )
+    fp32_norm_classes: list[str] | None = Field(
+        None,
+        description="Norm classes fp32_norms applies to: a class name suffix (RMSNorm) or a "
+        "module.Class name. null: RMSNorm and LayerNorm.",
+    )
+    fp8: bool = Field(
+        False,
+        description="Float8 training of the linear layers with torchao (convert_to_float8_training; "
+        "the output layer and layers whose sizes are not multiples of 16 stay as they are). "
+        "Needs a CUDA GPU of compute capability 8.9 or more (H100, L4, ...); refused elsewhere.",
+    )
+    fp8_enable_fsdp_float8_all_gather: bool = Field(
+        False, description="With fp8: FSDP2 all-gathers the float8 weights (less traffic)."
+    )
+    qat: QatConfig | None = Field(
+        None,
+        description="Quantization-aware training (torchao): the linear layers' weights (and "
+        "activations) are fake-quantized in the forward pass; the saved weights stay plain "
+        "float tensors, ready for post-training quantization.",
     )

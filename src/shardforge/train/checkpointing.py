@@ -2,7 +2,8 @@
 
     output_dir/checkpoint-<step>/
       model/                DCP of get_model_state_dict(model): plain HF keys
-      optimizer/            DCP of get_optimizer_state_dict(model, optimizer)
+      optimizer/            DCP of get_optimizer_state_dict(model, optimizer) (not with
+                            save_only_model: trainer_state.json's `optimizer` is false)
       trainer_state.json    step, world size, versions, scheduler, data position
       rng_state_<rank>.pt   tensors and ints only (torch.load(weights_only=True))
 
@@ -63,6 +64,8 @@ class TrainerState:
     # the base model's stored dtype, recorded when the run started: a merge's default output
     # dtype (`sinks.cast.choose_target`); None when the base config names none
     base_dtype: str | None = None
+    # false: written with save_only_model, no optimizer/ folder (a resume starts it afresh)
+    optimizer: bool = True
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     torch_version: str = ""
@@ -146,7 +149,7 @@ def checkpoint_problem(path: Path) -> str | None:
         return f"not a complete checkpoint-<step> directory (needs {STATE_FILE} and {MODEL_DIR}/.metadata)"
     try:
         state = TrainerState.read(path)
-        for sub in (MODEL_DIR, OPTIMIZER_DIR):
+        for sub in (MODEL_DIR, OPTIMIZER_DIR) if state.optimizer else (MODEL_DIR,):
             check_records(read_metadata(path / sub).tensors.values())
         for rank in range(state.world_size):
             _load_rng_file(path / RNG_FILE.format(rank=rank))
@@ -262,7 +265,8 @@ def save_checkpoint(
     rank = dist.get_rank()
     tmp, final = _start_folder(output_dir, state.step)
     dcp.save(_model_state(model, adapter_only), checkpoint_id=str(tmp / MODEL_DIR))
-    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_DIR))
+    if state.optimizer:  # save_only_model: none
+        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_DIR))
     torch.save(rng_state(), tmp / RNG_FILE.format(rank=rank))
     dist.barrier()
     if rank == 0:
@@ -294,10 +298,11 @@ def _save_remote(
         remote.remove(name, first=STATE_FILE)
     dist.barrier()
     dcp.save(_model_state(model, adapter_only), storage_writer=remote.writer(f"{name}/{MODEL_DIR}"))
-    dcp.save(
-        get_optimizer_state_dict(model, optimizer),
-        storage_writer=remote.writer(f"{name}/{OPTIMIZER_DIR}"),
-    )
+    if state.optimizer:  # save_only_model: none
+        dcp.save(
+            get_optimizer_state_dict(model, optimizer),
+            storage_writer=remote.writer(f"{name}/{OPTIMIZER_DIR}"),
+        )
     rng = io.BytesIO()
     torch.save(rng_state(), rng)
     remote.put(f"{name}/{RNG_FILE.format(rank=rank)}", rng.getvalue())
@@ -396,13 +401,16 @@ def start_async_save(
             _model_state(model, adapter_only),
             checkpoint_id=str(tmp / MODEL_DIR),
             process_group=groups[0],
-        ),
-        dcp.async_save(
-            get_optimizer_state_dict(model, optimizer),
-            checkpoint_id=str(tmp / OPTIMIZER_DIR),
-            process_group=groups[1],
-        ),
+        )
     ]
+    if state.optimizer:  # save_only_model: none
+        futures.append(
+            dcp.async_save(
+                get_optimizer_state_dict(model, optimizer),
+                checkpoint_id=str(tmp / OPTIMIZER_DIR),
+                process_group=groups[1],
+            )
+        )
     return PendingSave(state, tmp, final, futures, started)
 
 
@@ -486,17 +494,35 @@ def load_checkpoint(
     """
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
-        set_model_state_dict,
         set_optimizer_state_dict,
     )
 
     from shardforge.formats.dcp.reader import load_checked
 
     state = TrainerState.read(path)
-    model_sd = _model_state(model, adapter_only)
-    load_checked(model_sd, path / MODEL_DIR)
-    set_model_state_dict(model, model_sd, options=_model_options(adapter_only))
+    load_model_weights(path, model, adapter_only)
+    if not state.optimizer:
+        if dist.get_rank() == 0:
+            log.warning(
+                "warning: %s was saved with save_only_model and holds no optimizer state: the "
+                "optimizer starts afresh (its moments at zero); the model, the lr schedule "
+                "and the data position resume",
+                path.name,
+            )
+        return state
     optim_sd = get_optimizer_state_dict(model, optimizer)
     load_checked(optim_sd, path / OPTIMIZER_DIR)
     set_optimizer_state_dict(model, optimizer, optim_sd)
     return state
+
+
+def load_model_weights(path: Path, model: torch.nn.Module, adapter_only: bool = False) -> None:
+    """Load checkpoint `path`'s model shards into `model` (every rank), checked as
+    `load_checkpoint` checks them."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    from shardforge.formats.dcp.reader import load_checked
+
+    model_sd = _model_state(model, adapter_only)
+    load_checked(model_sd, path / MODEL_DIR)
+    set_model_state_dict(model, model_sd, options=_model_options(adapter_only))

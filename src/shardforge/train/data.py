@@ -243,11 +243,13 @@ def pack(samples: list[Sample], seq_len: int, pad_id: int) -> Sequences:
 
 
 class GlobalOrder:
-    """Position -> sequence index: a fresh permutation of all N sequences for every epoch."""
+    """Position -> sequence index: a fresh permutation of all N sequences for every epoch;
+    `used` (dataloader_drop_last: the whole global batches of N) positions per epoch."""
 
-    def __init__(self, n: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, used: int | None = None) -> None:
         self.n = n
         self.seed = seed
+        self.used = used or n
         self._perms: dict[int, list[int]] = {}
 
     def _perm(self, epoch: int) -> list[int]:
@@ -257,7 +259,8 @@ class GlobalOrder:
         return self._perms[epoch]
 
     def indices(self, start: int, count: int) -> list[int]:
-        return [self._perm(p // self.n)[p % self.n] for p in range(start, start + count)]
+        per = self.used
+        return [self._perm(p // per)[p % per] for p in range(start, start + count)]
 
 
 def rank_slice(

@@ -34,11 +34,13 @@ from shardforge.io.mirror import public_name
 from shardforge.sinks.cast import config_dtype_name
 from shardforge.train import checkpointing as ckpt
 from shardforge.train.attention import use_packed_attention
+from shardforge.train.best import BestModel
 from shardforge.train.compile import CompileWatch
 from shardforge.train.data import GlobalOrder, load_tokenizer
 from shardforge.train.diagnostics import StepMemory, report_sharding
 from shardforge.train.eval import Evaluator
 from shardforge.train.full_save import save_full_model
+from shardforge.train.hooks import Callback
 from shardforge.train.kernels import apply_kernels
 from shardforge.train.lora import prepare_lora, save_adapter
 from shardforge.train.loss import describe as describe_loss
@@ -55,6 +57,13 @@ from shardforge.train.optim import (
     build_scheduler,
     continuation,
     scheduler_state,
+)
+from shardforge.train.options import (
+    QatDelay,
+    after_load,
+    before_lora,
+    before_shard,
+    determinism,
 )
 from shardforge.train.packing import check_packing
 from shardforge.train.prepared import prepared_datasets
@@ -91,25 +100,6 @@ class TrainResult:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     resumed_from: Path | str | None = None
     saver: Saver | None = None  # its merges (merge_on_save) outlive the process group
-
-
-class Callback:
-    """A feature hooked into `Trainer.fit`; override the hooks you need (each does nothing by
-    default). Hooks run on every rank, in list order (`on_end` in reverse order). Setting
-    `trainer.stop = True` ends the run after this step, with the final save: decide it from
-    what every rank sees alike (the record's loss, the step), or the ranks part ways."""
-
-    def on_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        """After each optimizer step: its record (step, loss, lr, grad_norm, tokens, ...)."""
-
-    def on_evaluate(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        """After an evaluation: its record (step, eval_loss, ...)."""
-
-    def before_save(self, trainer: Trainer) -> None:
-        """After a step and its evaluation, before the save due then (if any)."""
-
-    def on_end(self, trainer: Trainer, failed: bool) -> None:
-        """The run ended; `failed`: by an exception."""
 
 
 class Tracking(Callback):
@@ -274,6 +264,7 @@ class Trainer:
         reached the total number of steps (nothing to do; nothing is written)."""
         cfg, rt = self.cfg, self.rt
         torch.manual_seed(cfg.seed)
+        determinism(cfg)  # full_determinism
         self.mesh = mesh_shape(cfg, rt.world_size, local_world_size())  # before any write
         if cfg.tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -315,7 +306,8 @@ class Trainer:
         # the base model's stored dtype: the run's config.json keeps it (the model is built in
         # float32 from a copy) and each checkpoint records it, the merge's default output dtype
         self.base_dtype = config_dtype_name(self.model_config)
-        grow_vocab_size(self.model_config, self.tokenizer)  # before the model is built
+        self.base_rows = int(self.model_config.get_text_config().vocab_size)
+        grow_vocab_size(self.model_config, self.tokenizer, cfg)  # before the model is built
         # training (and held-out / test) ones; through dataset_prepared_path when it is set
         self.data = prepared_datasets(cfg, self.tokenizer, rt)
         self.seqs = self.data.train
@@ -326,11 +318,12 @@ class Trainer:
                 f"than one global batch ({self.global_batch} = micro_batch_size x world size x "
                 "gradient_accumulation_steps); add data or lower micro_batch_size"
             )
-        self.total_steps = cfg.max_steps or math.ceil(
-            cfg.num_epochs * len(self.seqs) / self.global_batch
-        )
+        # dataloader_drop_last: each epoch only its whole global batches
+        per_epoch = len(self.seqs) // self.global_batch * self.global_batch
+        used = per_epoch if cfg.dataloader_drop_last else len(self.seqs)
+        self.total_steps = cfg.max_steps or math.ceil(cfg.num_epochs * used / self.global_batch)
         self.every = save_interval(cfg, len(self.seqs), self.global_batch)
-        self.order = GlobalOrder(len(self.seqs), cfg.seed)
+        self.order = GlobalOrder(len(self.seqs), cfg.seed, used)
 
     def _setup_model(self) -> None:
         """The sharded model with its weights (and LoRA); rank 0 writes the run's config and
@@ -340,11 +333,14 @@ class Trainer:
         apply_kernels(model, cfg, announce=rt.is_main)  # plugins: Liger, Cut Cross Entropy, ...
         check_packing(cfg, model)  # sample_packing needs attention that keeps samples apart
         use_packed_attention(model, cfg, rt.device, rt.is_main)  # packed: no dense mask
+        before_lora(model, cfg, rt.is_main)  # qat
         weights = prepare_lora(model, cfg, rt.is_main) if cfg.adapter else None
+        frozen_rows = before_shard(model, cfg, rt.is_main)  # fp8, unfrozen_parameters, bfloat16
         quantized = quantize_base(model, cfg, self.mesh) if quant_kind(cfg) else set()
         shard_model(model, cfg, device_mesh(rt, self.mesh), unsharded(model, quantized, self.mesh))
         materialize_and_load(model, cfg, rt.device, rt.rank, weights, quantized)
         del weights
+        self.after_backward = after_load(model, cfg, frozen_rows, self.base_rows, self._ids)
         report_sharding(model, cfg, rt, self.mesh)
         if rt.is_main:
             log.info("%s", describe_loss(cfg, model))
@@ -354,6 +350,10 @@ class Trainer:
         dist.barrier()
         model.train()
         self.model = model
+
+    def _ids(self) -> set[int]:
+        """The token ids of the training sequences (fix_untrained_tokens: true)."""
+        return set(self.seqs.input_ids.unique().tolist())
 
     def _setup_optimizer(self, saved: ckpt.TrainerState | None) -> None:
         """Optimizer and lr schedule; resuming: their states, the RNGs and the data position."""
@@ -387,6 +387,10 @@ class Trainer:
         # async, rotation, merges
         self.saver = self.result.saver = Saver(cfg, self.remote or self.out, rt)
         self.callbacks = [Tracking(trackers), StepLog(self), *self.extra]
+        if cfg.load_best_model_at_end or cfg.early_stopping_patience:
+            self.callbacks.insert(2, BestModel(self))
+        if cfg.qat is not None and cfg.qat.fake_quant_after_n_steps is not None:
+            self.callbacks.insert(2, QatDelay(self))
         if rt.is_main:
             log.info(
                 "training: %d sequences, %d steps, global batch %d on %d rank(s) (%s)",
@@ -408,7 +412,14 @@ class Trainer:
         self.memory.start()
         self.compiled.before_step()
         record = train_step(
-            self.model, self.optimizer, self.scheduler, batches, self.cfg, self.rt, self.memory.mark
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batches,
+            self.cfg,
+            self.rt,
+            self.memory.mark,
+            self.after_backward,
         )
         self.global_step += 1
         self.compiled.after_step(self.global_step)
@@ -443,9 +454,16 @@ class Trainer:
             if not cfg.adapter:
                 save_full_model(self.out, self.model, self.model_config)
             dist.barrier()
-        elif final or (self.every is not None and self.global_step % self.every == 0):
+        elif final or self.save_due():
             self.saver.save(ckpt.stamped(self.trainer_state()), self.model, self.optimizer, final)
             self._upload()  # the metrics up to this checkpoint
+
+    def save_due(self) -> bool:
+        """A checkpoint is due after this step (every `every` steps; save_first_step: also
+        after the first)."""
+        if self.cfg.save_first_step and self.global_step == 1:
+            return True
+        return self.every is not None and self.global_step % self.every == 0
 
     def trainer_state(self) -> ckpt.TrainerState:
         """What a checkpoint of this step records beside the model and optimizer."""
@@ -459,6 +477,7 @@ class Trainer:
             scheduler=scheduler_state(self.scheduler),
             mesh_shape=list(self.mesh),
             base_dtype=self.base_dtype,
+            optimizer=not self.cfg.save_only_model,
         )
 
 

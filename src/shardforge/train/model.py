@@ -26,6 +26,7 @@ from shardforge.errors import ConfigError
 from shardforge.io.dtypes import torch_dtype
 from shardforge.io.files import read_json
 from shardforge.train.compile import compile_blocks
+from shardforge.train.precision import apply_model_kwargs, shard_norms_fp32
 
 log = logging.getLogger("shardforge")
 
@@ -66,6 +67,7 @@ def load_model_config(cfg: ShardforgeConfig) -> Any:
         ) from None
     for name, value in (cfg.model_config_overrides or {}).items():
         setattr(config, name, _overridden(getattr(config, name, None), value))
+    apply_model_kwargs(config, cfg)  # model_kwargs: config attributes, as from_pretrained
     return config
 
 
@@ -245,6 +247,7 @@ def shard_model(
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     blocks = [m for m in model.modules() if type(m) in classes]
     compile_blocks(blocks, cfg)  # torch_compile: in place, inside checkpointing, under FSDP
+    shard_norms_fp32(model, kwargs, cfg)  # fp32_norms: a float32 unit per norm, first
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

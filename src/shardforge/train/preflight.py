@@ -26,6 +26,7 @@ from shardforge.train.model import (
     load_model_config,
     wrap_classes,
 )
+from shardforge.train.options import before_lora, before_shard
 from shardforge.train.packing import check_packing
 from shardforge.train.quant import check_quant
 from shardforge.train.readers import data_files
@@ -68,6 +69,8 @@ def check_model(cfg: ShardforgeConfig) -> list[Problem]:
             return [("base_model", f"no model.safetensors (or its index) in {base}")]
         model = build_meta_model(cfg, model_config)
         wrap_classes(model, cfg.fsdp.transformer_layer_cls_to_wrap)
+        before_lora(model, cfg, announce=False)  # qat builds
+        before_shard(model, cfg, announce=False)  # unfrozen_parameters match, fp8 runs here
         check_packing(cfg, model)
         loss_chunks(cfg, model)  # chunked_cross_entropy: true needs a model it is exact for
         kernel_plan(cfg)  # plugins: one fused loss at most

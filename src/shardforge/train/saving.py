@@ -42,6 +42,7 @@ class Saver:
         self.pending: ckpt.PendingSave | None = None
         self.pending_final = False
         self.merges = None
+        self.keep: frozenset[PurePath] = frozenset()  # never pruned (load_best_model_at_end)
         if cfg.merge_on_save and rt.is_main:
             assert isinstance(output_dir, Path), "merge_on_save: local output_dir only (preflight)"
             self.merges = MergeOnSave(cfg, output_dir)
@@ -61,7 +62,8 @@ class Saver:
     ) -> None:
         """Save checkpoint-<state.step> (every rank)."""
         if self.groups is None:
-            limit = None if self.merges is not None else self.cfg.save_total_limit
+            keeps = self.merges is not None or self.keep
+            limit = None if keeps else self.cfg.save_total_limit  # else: pruned by _prune
             path = ckpt.save_checkpoint(
                 self.output_dir, state, model, optimizer, limit, adapter_only=self.adapter_only
             )
@@ -120,6 +122,7 @@ class Saver:
         self._prune()
 
     def _prune(self) -> None:
-        keep = self.merges.busy() if self.merges is not None else frozenset()
+        busy = self.merges.busy() if self.merges is not None else frozenset()
+        keep = frozenset(Path(p) for p in (*busy, *self.keep))
         for path in ckpt.prune(self.output_dir, self.cfg.save_total_limit, keep):
             log.info("deleted %s (save_total_limit %s)", path.name, self.cfg.save_total_limit)

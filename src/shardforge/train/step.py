@@ -57,9 +57,11 @@ def train_step(
     cfg: ShardforgeConfig,
     rt: Runtime,
     mark: Callable[[str], None] = lambda phase: None,
+    after_backward: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """One optimizer step over this rank's micro-batches; the loss is the global-batch mean.
-    `mark(phase)` is called after each forward, backward and the optimizer step (diagnostics)."""
+    `mark(phase)` is called after each forward, backward and the optimizer step (diagnostics);
+    `after_backward` once the gradients are complete, before clipping (frozen rows)."""
     counts = torch.tensor(
         [
             float(sum(int((b.labels[:, 1:] != IGNORE_INDEX).sum()) for b in batches)),
@@ -81,6 +83,8 @@ def train_step(
         (loss * (rt.world_size / targets)).backward()
         mark("backward")
         loss_total += loss.detach()
+    if after_backward is not None:
+        after_backward()
     grad_norm = grad_norm_and_clip(model, cfg.max_grad_norm)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()

@@ -2,7 +2,8 @@
 
     add_config_tokens(tokenizer, cfg)    special_tokens, tokens, eot_tokens -> the tokenizer
     grow_vocab_size(model_config, tok)   config vocab_size raised to len(tokenizer) if smaller
-    extend_rows(weights, model)          base embedding matrices given the new rows (their mean)
+    extend_rows(weights, model)          base embedding matrices given the new rows (their mean),
+                                         or cut to the model's (shrink_embeddings)
 
 The model is built (on the meta device, before sharding) from the grown config, so its input
 and output embeddings have a row for every token of the tokenizer; the same config is written
@@ -13,6 +14,7 @@ weights: the rows the base lacks are filled there, deterministically, and broadc
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -62,17 +64,22 @@ def add_config_tokens(tokenizer: Any, cfg: ShardforgeConfig) -> int:
     return added
 
 
-def grow_vocab_size(model_config: Any, tokenizer: Any) -> int:
+def grow_vocab_size(model_config: Any, tokenizer: Any, cfg: ShardforgeConfig | None = None) -> int:
     """Raise the config's vocab_size to len(tokenizer) when the tokenizer is larger.
 
     The model built from the config then has an embedding row (and an output row) for every
-    token; a larger vocab_size is kept (models often pad it). Returns the vocab size.
+    token; a larger vocab_size is kept (models often pad it), unless `shrink_embeddings`. With
+    `resize_token_embeddings_to_32x` the target is len(tokenizer) rounded up to a multiple of
+    32 (as Axolotl's resize). Returns the vocab size.
     """
     text_config = model_config.get_text_config()
-    size = max(int(text_config.vocab_size), len(tokenizer))
-    if size != text_config.vocab_size:
-        log.info("vocab_size %d -> %d (tokens added)", text_config.vocab_size, size)
-        text_config.vocab_size = size
+    wanted = len(tokenizer)
+    if cfg is not None and cfg.resize_token_embeddings_to_32x:
+        wanted = math.ceil(wanted / 32) * 32
+    size = int(text_config.vocab_size)
+    if size < wanted or (cfg is not None and cfg.shrink_embeddings and size != wanted):
+        log.info("vocab_size %d -> %d (the tokenizer's %d tokens)", size, wanted, len(tokenizer))
+        text_config.vocab_size = size = wanted
     return size
 
 
@@ -109,3 +116,5 @@ def extend_rows(weights: dict[str, torch.Tensor], model: nn.Module) -> None:
         if weights[key].shape[0] < rows:
             log.info("%s: %d new row(s), the mean of the others", key, rows - len(weights[key]))
             weights[key] = mean_rows(weights[key], rows)
+        elif weights[key].shape[0] > rows:  # shrink_embeddings: rows past the tokenizer's
+            weights[key] = weights[key][:rows].clone()
