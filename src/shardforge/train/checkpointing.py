@@ -38,6 +38,9 @@ from shardforge.io.mirror import mirrored, staging
 from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import scan
 from shardforge.layouts.layout import Candidate, layout_named
+from shardforge.train.optim_lowbit import is_low_bit
+from shardforge.train.optim_lowbit import load_state as load_lowbit
+from shardforge.train.optim_lowbit import saved_state as lowbit_state
 from shardforge.train.remote_run import RemoteOutput
 
 log = logging.getLogger("shardforge")
@@ -262,16 +265,13 @@ def save_checkpoint(
     `adapter_only` (LoRA): the model folder holds the trainable parameters only (the adapter
     and `lora_modules_to_save`), not the frozen base weights the run starts from."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_optimizer_state_dict,
-    )
 
     if isinstance(output_dir, RemoteOutput):
         return _save_remote(output_dir, state, model, optimizer, save_total_limit, adapter_only)
     rank = dist.get_rank()
     tmp, final = _start_folder(output_dir, state.step)
     dcp.save(_model_state(model, adapter_only), checkpoint_id=str(tmp / MODEL_DIR))
-    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_DIR))
+    dcp.save(optimizer_state(model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_DIR))
     torch.save(rng_state(), tmp / RNG_FILE.format(rank=rank))
     dist.barrier()
     if rank == 0:
@@ -296,7 +296,6 @@ def _save_remote(
     import io
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     rank, name = dist.get_rank(), f"checkpoint-{state.step}"
     if rank == 0:
@@ -304,8 +303,7 @@ def _save_remote(
     dist.barrier()
     dcp.save(_model_state(model, adapter_only), storage_writer=remote.writer(f"{name}/{MODEL_DIR}"))
     dcp.save(
-        get_optimizer_state_dict(model, optimizer),
-        storage_writer=remote.writer(f"{name}/{OPTIMIZER_DIR}"),
+        optimizer_state(model, optimizer), storage_writer=remote.writer(f"{name}/{OPTIMIZER_DIR}")
     )
     rng = io.BytesIO()
     torch.save(rng_state(), rng)
@@ -392,7 +390,6 @@ def start_async_save(
     import time
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     rank = dist.get_rank()
     tmp, final = _start_folder(output_dir, state.step)
@@ -407,7 +404,7 @@ def start_async_save(
             process_group=groups[0],
         ),
         dcp.async_save(
-            get_optimizer_state_dict(model, optimizer),
+            optimizer_state(model, optimizer),
             checkpoint_id=str(tmp / OPTIMIZER_DIR),
             process_group=groups[1],
         ),
@@ -467,6 +464,26 @@ def _model_options(adapter_only: bool) -> Any:
     return StateDictOptions(ignore_frozen_params=adapter_only, strict=not adapter_only)
 
 
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's sharded state dict as DCP saves it (a low-bit optimizer's states also
+    as float32 DTensors: `optim_lowbit`)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if is_low_bit(optimizer):
+        return lowbit_state(model, optimizer)
+    return get_optimizer_state_dict(model, optimizer)
+
+
+def _same_layout(state: TrainerState, model: torch.nn.Module) -> bool:
+    """The checkpoint was saved by as many ranks in the same mesh as this run has."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    shape = list(mesh.mesh.shape) if mesh is not None else []
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return state.world_size == world and (not state.mesh_shape or state.mesh_shape == shape)
+
+
 def _model_state(model: torch.nn.Module, adapter_only: bool) -> dict[str, Any]:
     """The model's sharded state dict; with `adapter_only` its trainable parameters only (torch
     keeps a frozen parameter that is tied to another name, e.g. a tied output layer)."""
@@ -505,6 +522,9 @@ def load_checkpoint(
     model_sd = _model_state(model, adapter_only)
     load_checked(model_sd, path / MODEL_DIR)
     set_model_state_dict(model, model_sd, options=_model_options(adapter_only))
+    if is_low_bit(optimizer):
+        load_lowbit(model, optimizer, path / OPTIMIZER_DIR, _same_layout(state, model))
+        return state
     optim_sd = get_optimizer_state_dict(model, optimizer)
     load_checked(optim_sd, path / OPTIMIZER_DIR)
     set_optimizer_state_dict(model, optimizer, optim_sd)

@@ -24,11 +24,13 @@ from shardforge.train.model import (
     load_model_config,
     wrap_classes,
 )
+from shardforge.train.optim import optimizer_problem
 from shardforge.train.packing import check_packing
 from shardforge.train.readers import data_files
 from shardforge.train.remote_run import checkpoint_folder
 from shardforge.train.remote_run import problems as remote_problems
 from shardforge.train.runtime import mesh_shape
+from shardforge.train.schedules import schedule_problem
 from shardforge.train.tracking import check_trackers
 
 log = logging.getLogger("shardforge")
@@ -236,6 +238,13 @@ def check_device(cfg: ShardforgeConfig) -> list[Problem]:
     return out
 
 
+def check_optimizer(cfg: ShardforgeConfig) -> list[Problem]:
+    """The optimizer's package and arguments; the schedule's arguments."""
+    problems = [p for p in (optimizer_problem(cfg),) if p is not None]
+    schedule = schedule_problem(cfg)
+    return problems + ([("lr_scheduler_kwargs", schedule)] if schedule else [])
+
+
 Check = Callable[[ShardforgeConfig], list[Problem]]
 
 CHECKS: tuple[Check, ...] = (
@@ -248,6 +257,7 @@ CHECKS: tuple[Check, ...] = (
     check_output,
     check_resume,
     check_device,
+    check_optimizer,
 )
 # what preparing the data sets needs (`shardforge preprocess`): data files and the tokenizer
 DATA_CHECKS: tuple[Check, ...] = (check_datasets, check_eval, check_tokenizer)
