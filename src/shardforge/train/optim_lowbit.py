@@ -100,14 +100,18 @@ def _parts(value: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _subclass(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and hasattr(_local(value), "dequantize")
+    """A quantized state: a tensor subclass (torchao's) that flattens into plain tensors."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    local = _local(value)
+    return type(local) is not torch.Tensor and hasattr(local, "__tensor_flatten__")
 
 
 def _bnb_value(state: dict[str, Any], key: str) -> torch.Tensor:
     import bitsandbytes.functional as F
 
-    codes, absmax, qmap = (state[k] for k in _BNB[key])
-    if codes.dtype != torch.uint8:
+    codes, absmax, qmap = (state.get(k) for k in _BNB[key])
+    if codes.dtype != torch.uint8:  # a parameter below min_8bit_size: float32 states
         return codes
     return F.dequantize_blockwise(codes, absmax=absmax, code=qmap, blocksize=_BNB_BLOCK)
 
@@ -117,14 +121,15 @@ def _raw_name(key: str, part: str) -> str:
 
 
 def plain_entry(state: dict[str, Any], p: torch.Tensor, raw: bool) -> dict[str, Any]:
-    """One parameter's optimizer state as DCP saves it (`raw`: with the rank's raw tensors)."""
+    """One parameter's optimizer state as DCP saves it (`raw`: with copies of the rank's raw
+    tensors, which a load fills before they replace the requantized live ones)."""
     out: dict[str, Any] = {}
     if "state1" in state:  # bitsandbytes
         out["step"] = state["step"]
         for key, names in _BNB.items():
             out[key] = _like(p, _bnb_value(state, key).float())
             for name in names[:2] if raw and state[names[0]].dtype == torch.uint8 else ():
-                out[_raw_name(key, name)] = state[name]
+                out[_raw_name(key, name)] = state[name].clone()
         return out
     for key, value in state.items():
         if not _subclass(value):
@@ -132,14 +137,14 @@ def plain_entry(state: dict[str, Any], p: torch.Tensor, raw: bool) -> dict[str, 
             continue
         out[key] = _like(p, _local(value).dequantize().float())
         for name, part in _parts(value).items() if raw else ():
-            out[_raw_name(key, name)] = part
+            out[_raw_name(key, name)] = part.clone()
     return out
 
 
 def _write_bnb(state: dict[str, Any], key: str, value: torch.Tensor) -> None:
     import bitsandbytes.functional as F
 
-    codes, absmax, qmap = (state[k] for k in _BNB[key])
+    codes, absmax, qmap = (state.get(k) for k in _BNB[key])
     local = _local(value).reshape(codes.shape)
     if codes.dtype != torch.uint8:
         codes.copy_(local)

@@ -204,9 +204,16 @@ def schedule_problem(cfg: ShardforgeConfig) -> str | None:
 
 
 def scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
-    """The JSON-serialisable part of a scheduler's state (its step count and last lrs)."""
+    """The JSON-serialisable part of a scheduler's state (its step count and last lrs; an lr
+    kept as a tensor, as torchao's optimizers keep it, as a float)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.item()
+        return [plain(v) for v in value] if isinstance(value, list) else value
+
     return {
-        k: v
+        k: plain(v)
         for k, v in scheduler.state_dict().items()
         if isinstance(v, int | float | bool | list) and k != "lr_lambdas"
     }

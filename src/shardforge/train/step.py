@@ -82,7 +82,7 @@ def train_step(
         mark("backward")
         loss_total += loss.detach()
     grad_norm = grad_norm_and_clip(model, cfg.max_grad_norm)
-    lr = scheduler.get_last_lr()[0]
+    lr = float(scheduler.get_last_lr()[0])  # torchao's optimizers keep it as a tensor
     optimizer.step()
     mark("optimizer")
     scheduler.step()
