@@ -32,13 +32,15 @@ def _adam_kwargs(cfg: ShardforgeConfig) -> dict[str, Any]:
 
 def _adamw(fused: bool) -> Build:
     def build(groups: list[Group], cfg: ShardforgeConfig, extra: dict[str, Any]) -> Any:
-        return torch.optim.AdamW(groups, **_adam_kwargs(cfg), fused=fused or None, **extra)
+        return torch.optim.AdamW(groups, **{**_adam_kwargs(cfg), "fused": fused or None, **extra})
 
     return build
 
 
 def _sgd(groups: list[Group], cfg: ShardforgeConfig, extra: dict[str, Any]) -> Any:
-    return torch.optim.SGD(groups, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **extra)
+    return torch.optim.SGD(
+        groups, **{"lr": cfg.learning_rate, "weight_decay": cfg.weight_decay, **extra}
+    )
 
 
 def _torchao_class(bits: int) -> type:
@@ -50,7 +52,7 @@ def _torchao_class(bits: int) -> type:
 
 def _torchao(bits: int) -> Build:
     def build(groups: list[Group], cfg: ShardforgeConfig, extra: dict[str, Any]) -> Any:
-        return _torchao_class(bits)(groups, **_adam_kwargs(cfg), **extra)
+        return _torchao_class(bits)(groups, **{**_adam_kwargs(cfg), **extra})
 
     return build
 
@@ -64,7 +66,7 @@ def _bnb_class(paged: bool) -> type:
 
 def _bnb(paged: bool) -> Build:
     def build(groups: list[Group], cfg: ShardforgeConfig, extra: dict[str, Any]) -> Any:
-        return _bnb_class(paged)(groups, **_adam_kwargs(cfg), optim_bits=8, **extra)
+        return _bnb_class(paged)(groups, **{**_adam_kwargs(cfg), "optim_bits": 8, **extra})
 
     return build
 

@@ -91,7 +91,8 @@ def _loraplus(model: torch.nn.Module, cfg: ShardforgeConfig) -> list[Group]:
     b_no_decay: list[torch.nn.Parameter] = []
     emb: list[torch.nn.Parameter] = []
     for name, param in _trainable(model):
-        if isinstance(model.get_submodule(name.rpartition(".")[0]), LoraEmbedding):
+        owner = ".".join(name.split(".")[:-2])  # lora_embedding_A.<adapter>
+        if owner and isinstance(model.get_submodule(owner), LoraEmbedding):
             emb.append(param)
         elif "lora_B" in name or param.ndim == 1:
             (b if decays(name) else b_no_decay).append(param)

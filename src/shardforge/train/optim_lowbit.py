@@ -111,6 +111,7 @@ def _bnb_value(state: dict[str, Any], key: str) -> torch.Tensor:
     import bitsandbytes.functional as F
 
     codes, absmax, qmap = (state.get(k) for k in _BNB[key])
+    assert codes is not None
     if codes.dtype != torch.uint8:  # a parameter below min_8bit_size: float32 states
         return codes
     return F.dequantize_blockwise(codes, absmax=absmax, code=qmap, blocksize=_BNB_BLOCK)
@@ -144,14 +145,14 @@ def plain_entry(state: dict[str, Any], p: torch.Tensor, raw: bool) -> dict[str, 
 def _write_bnb(state: dict[str, Any], key: str, value: torch.Tensor) -> None:
     import bitsandbytes.functional as F
 
-    codes, absmax, qmap = (state.get(k) for k in _BNB[key])
+    codes, qmap = state[_BNB[key][0]], state.get(_BNB[key][2])
     local = _local(value).reshape(codes.shape)
     if codes.dtype != torch.uint8:
         codes.copy_(local)
         return
     new, quant = F.quantize_blockwise(local.contiguous(), code=qmap, blocksize=_BNB_BLOCK)
     codes.copy_(new)
-    absmax.copy_(quant.absmax)
+    state[_BNB[key][1]].copy_(quant.absmax)
 
 
 def write_entry(state: dict[str, Any], entry: dict[str, Any]) -> None:
