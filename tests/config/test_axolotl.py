@@ -176,7 +176,7 @@ def test_scoped_commands_read_only_their_keys(
             "base_model": "m",
             "output_dir": "o",
             "adapter": "qlora",
-            "lr_scheduler": "one_cycle",  # an Axolotl value we do not support: not read here
+            "lr_scheduler": "reduce_lr_on_plateau",  # an Axolotl value we do not support: not read here
             "fsdp_config": {"fsdp_sharding_strategy": "NO_SHARD"},
             "something_new_in_axolotl": 3,
         },

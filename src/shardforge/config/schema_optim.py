@@ -136,12 +136,13 @@ class OptimKeys(ConfigView):
         ):
             if getattr(self, key) and name not in readers:
                 raise ValueError(
-                    f"{key} is read by lr_scheduler {' or '.join(readers)} only (not {name})"
+                    f"{key}: read by lr_scheduler {' or '.join(readers)} only (not {name}); "
+                    "remove it or change lr_scheduler"
                 )
         if self.cosine_constant_lr_ratio is not None and not self.cosine_min_lr_ratio:
-            raise ValueError("cosine_constant_lr_ratio needs cosine_min_lr_ratio (the floor)")
+            raise ValueError("cosine_constant_lr_ratio: needs cosine_min_lr_ratio (the floor)")
         if self.lr_quadratic_warmup and self.cosine_min_lr_ratio:
-            raise ValueError("lr_quadratic_warmup has no floor; remove cosine_min_lr_ratio")
+            raise ValueError("lr_quadratic_warmup: has no floor; remove cosine_min_lr_ratio")
         if self.embedding_lr is not None and self.embedding_lr_scale is not None:
             raise ValueError("embedding_lr and embedding_lr_scale are both set; choose one")
         return self
