@@ -48,7 +48,11 @@ def test_the_config_as_written_read_as_attributes(tmp_path: Path) -> None:
     )
     cfg = load_cfg(p, learning_rate=1e-4, fsdp_config__offload_params=True)
     assert isinstance(cfg, DictDefault) and cfg.source == str(p)
-    assert (cfg.optimizer, cfg.learning_rate, cfg["base_model"]) == ("adamw_anyprecision", 1e-4, "m")
+    assert (cfg.optimizer, cfg.learning_rate, cfg["base_model"]) == (
+        "adamw_anyprecision",
+        1e-4,
+        "m",
+    )
     assert cfg.datasets[0].path == "d.jsonl" and cfg.fsdp_config.offload_params is True
     assert cfg.no_such_key is None  # Axolotl's DictDefault: a missing key reads as None
     cfg.lora_model_dir = "adapter"  # a dict, as Axolotl's: writes are allowed
