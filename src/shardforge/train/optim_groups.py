@@ -1,7 +1,7 @@
 """The optimizer's parameter groups, as Axolotl (and the transformers Trainer under it) makes them.
 
 - default: weights with weight decay; biases and norm weights without (transformers'
-  `get_decay_parameter_names`).
+  `get_decay_parameter_names`); one group when weight_decay is 0.
 - `embedding_lr` / `embedding_lr_scale` / `lr_groups` (Axolotl's grouping): embed_tokens and
   lm_head (and `modules_to_save` copies) in a group of their own without weight decay, at
   `embedding_lr` or learning_rate x `embedding_lr_scale`; the decayed weights of modules whose
@@ -40,6 +40,8 @@ def _is_embedding(name: str) -> bool:
 
 
 def _plain(params: list[tuple[str, torch.nn.Parameter]], cfg: ShardforgeConfig) -> list[Group]:
+    if not cfg.weight_decay:  # one group, as the checkpoints of earlier versions hold
+        return [{"params": [p for _, p in params], "weight_decay": 0.0}]
     decayed = [p for n, p in params if decays(n)]
     rest = [p for n, p in params if not decays(n)]
     groups = [{"params": decayed, "weight_decay": cfg.weight_decay}] if decayed else []
