@@ -342,3 +342,14 @@ def test_a_checkpointed_low_bit_state_is_quantized_again(name: str) -> None:
         assert all(
             torch.equal(a, b) for a, b in zip(_tensors(want[key]), _tensors(got[key]), strict=True)
         )
+
+
+def test_a_changed_total_continues_only_the_plain_decays() -> None:
+    """Resumed with another total: cosine/linear/constant continue from the checkpoint's lr
+    (`Continuation`); a schedule with Axolotl's extras or another name follows its own curve."""
+    from shardforge.train.schedules import continues
+
+    assert all(continues(_cfg(lr_scheduler=n)) for n in ("cosine", "linear", "constant"))
+    assert not continues(_cfg(cosine_min_lr_ratio=0.1))
+    assert not continues(_cfg(lr_scheduler="rex"))
+    assert not continues(_cfg(lr_scheduler="constant_with_warmup"))
