@@ -75,6 +75,7 @@ def _materialize(path: Path, root: Path) -> Path:
     # the tiny model is a Llama on a CPU: its block class, an attention kernel CPUs have
     text = re.sub(r"\b\w+DecoderLayer\b", "LlamaDecoderLayer", text)
     text = text.replace("flash_attention: true", "sdp_attention: true")
+    text = text.replace("attn_implementation: flash_attention_2", "attn_implementation: sdpa")
     out = root / "configs" / path.name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)

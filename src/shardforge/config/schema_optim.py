@@ -136,8 +136,8 @@ class OptimKeys(ConfigView):
         ):
             if getattr(self, key) and name not in readers:
                 raise ValueError(
-                    f"{key}: read by lr_scheduler {' or '.join(readers)} only (not {name}); "
-                    "remove it or change lr_scheduler"
+                    f"{key}: not supported with lr_scheduler {name} (read by "
+                    f"{' or '.join(readers)} only); remove it or change lr_scheduler"
                 )
         if self.cosine_constant_lr_ratio is not None and not self.cosine_min_lr_ratio:
             raise ValueError("cosine_constant_lr_ratio: needs cosine_min_lr_ratio (the floor)")
