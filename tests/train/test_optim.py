@@ -131,7 +131,10 @@ def test_warmup_length_as_axolotl_reads_it() -> None:
             "cosine_min_lr_ratio: not supported with lr_scheduler linear .read by cosine or rex",
         ),
         ({"cosine_constant_lr_ratio": 0.5}, "needs cosine_min_lr_ratio"),
-        ({"lr_div_factor": 4}, "lr_div_factor: not supported with lr_scheduler cosine .read by one_cycle"),
+        (
+            {"lr_div_factor": 4},
+            "lr_div_factor: not supported with lr_scheduler cosine .read by one_cycle",
+        ),
         ({"embedding_lr": 1e-5, "embedding_lr_scale": 0.5}, "choose one"),
         ({"optimizer": "adamw_anyprecision"}, "optimizer"),
     ],
