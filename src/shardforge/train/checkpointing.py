@@ -2,7 +2,7 @@
 
     output_dir/checkpoint-<step>/
       model/                DCP of get_model_state_dict(model): plain HF keys
-      optimizer/            DCP of get_optimizer_state_dict(model, optimizer)
+      optimizer/            DCP of get_optimizer_state_dict(model, optimizer) (low-bit: optim_lowbit)
       trainer_state.json    step, world size, versions, scheduler, data position
       rng_state_<rank>.pt   tensors and ints only (torch.load(weights_only=True))
 
@@ -38,9 +38,7 @@ from shardforge.io.mirror import mirrored, staging
 from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import scan
 from shardforge.layouts.layout import Candidate, layout_named
-from shardforge.train.optim_lowbit import is_low_bit
-from shardforge.train.optim_lowbit import load_state as load_lowbit
-from shardforge.train.optim_lowbit import saved_state as lowbit_state
+from shardforge.train.optim_lowbit import load_optimizer, optimizer_state
 from shardforge.train.remote_run import RemoteOutput
 
 log = logging.getLogger("shardforge")
@@ -464,26 +462,6 @@ def _model_options(adapter_only: bool) -> Any:
     return StateDictOptions(ignore_frozen_params=adapter_only, strict=not adapter_only)
 
 
-def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's sharded state dict as DCP saves it (a low-bit optimizer's states also
-    as float32 DTensors: `optim_lowbit`)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    if is_low_bit(optimizer):
-        return lowbit_state(model, optimizer)
-    return get_optimizer_state_dict(model, optimizer)
-
-
-def _same_layout(state: TrainerState, model: torch.nn.Module) -> bool:
-    """The checkpoint was saved by as many ranks in the same mesh as this run has."""
-    from torch.distributed.tensor import DTensor
-
-    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
-    shape = list(mesh.mesh.shape) if mesh is not None else []
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return state.world_size == world and (not state.mesh_shape or state.mesh_shape == shape)
-
-
 def _model_state(model: torch.nn.Module, adapter_only: bool) -> dict[str, Any]:
     """The model's sharded state dict; with `adapter_only` its trainable parameters only (torch
     keeps a frozen parameter that is tied to another name, e.g. a tied output layer)."""
@@ -510,11 +488,7 @@ def load_checkpoint(
     `CheckedFileSystemReader`): `.metadata` and non-tensor entries through the allow-list
     unpickler, each record's bounds, view and CRC-32 checked before torch sees a tensor.
     """
-    from torch.distributed.checkpoint.state_dict import (
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     from shardforge.formats.dcp.reader import load_checked
 
@@ -522,10 +496,5 @@ def load_checkpoint(
     model_sd = _model_state(model, adapter_only)
     load_checked(model_sd, path / MODEL_DIR)
     set_model_state_dict(model, model_sd, options=_model_options(adapter_only))
-    if is_low_bit(optimizer):
-        load_lowbit(model, optimizer, path / OPTIMIZER_DIR, _same_layout(state, model))
-        return state
-    optim_sd = get_optimizer_state_dict(model, optimizer)
-    load_checked(optim_sd, path / OPTIMIZER_DIR)
-    set_optimizer_state_dict(model, optimizer, optim_sd)
+    load_optimizer(model, optimizer, path / OPTIMIZER_DIR, state.world_size, state.mesh_shape)
     return state
