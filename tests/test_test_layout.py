@@ -32,6 +32,7 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "cli/train_rank.py": "tests/train/test_launch.py: the entry of each torchrun training rank",
     "config/axolotl_keys.py": "tests/config/test_axolotl.py: the key table, with its users",
     "config/errors.py": "tests/config/test_loader.py: pydantic errors as the user's key lines",
+    "config/schema_optim.py": "tests/train/test_optim.py: each key against the lr or groups",
     "config/peft.py": "tests/merge/test_lora_checkpoint.py: the LoraConfig training and merge share",
     "formats/accelerate_bin/format.py": "tests/formats/accelerate_bin/test_accelerate_bin.py: "
     "the row on real saves (test_format.py would clash)",
@@ -83,7 +84,10 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "sinks/progress.py": "tests/cli/test_merge_cli.py: the merge command, bar on or --quiet",
     "sinks/registry.py": "tests/merge/test_request.py: --format values name its sinks",
     "sinks/safetensors_files.py": "tests/formats/dcp/test_metadata.py: files filled from chunks",
+    "train/optim_groups.py": "tests/train/test_optim.py: the groups through build_optimizer",
+    "train/optim_lowbit.py": "tests/train/test_optimizers.py: resumes of every low-bit optimizer",
     "train/saving.py": "tests/train/test_checkpointing.py: saves, async saves and rotation",
+    "train/schedules.py": "tests/train/test_optim.py: schedules and optimizers, one table test",
     "train/torchrun.py": "tests/train/test_launch.py: the torchrun command line",
     "use/model.py": "tests/use/test_use_model.py: test_model.py is tests/train/'s name",
     "use/request.py": "tests/use/test_use_request.py: test_request.py is tests/merge/'s name",
