@@ -41,14 +41,18 @@ def test_the_config_as_written_read_as_attributes(tmp_path: Path) -> None:
         tmp_path / "cfg.yml",
         {
             "base_model": "m",
-            "optimizer": "paged_adamw_8bit",  # not shardforge's: read, not refused here
+            "optimizer": "adamw_anyprecision",  # not shardforge's: read, not refused here
             "datasets": [{"path": "d.jsonl", "type": "alpaca"}],
             "fsdp_config": {"offload_params": False},
         },
     )
     cfg = load_cfg(p, learning_rate=1e-4, fsdp_config__offload_params=True)
     assert isinstance(cfg, DictDefault) and cfg.source == str(p)
-    assert (cfg.optimizer, cfg.learning_rate, cfg["base_model"]) == ("paged_adamw_8bit", 1e-4, "m")
+    assert (cfg.optimizer, cfg.learning_rate, cfg["base_model"]) == (
+        "adamw_anyprecision",
+        1e-4,
+        "m",
+    )
     assert cfg.datasets[0].path == "d.jsonl" and cfg.fsdp_config.offload_params is True
     assert cfg.no_such_key is None  # Axolotl's DictDefault: a missing key reads as None
     cfg.lora_model_dir = "adapter"  # a dict, as Axolotl's: writes are allowed
@@ -78,7 +82,7 @@ def test_each_command_validates_what_it_reads(tmp_path: Path) -> None:
     every key and refuses it; errors name the file."""
     p = write(
         tmp_path / "cfg.yml",
-        {"base_model": "m", "optimizer": "paged_adamw_8bit", "chat_template": "gemma9"},
+        {"base_model": "m", "optimizer": "adamw_anyprecision", "chat_template": "gemma9"},
     )
     cfg = load_cfg(p)
     assert coerce_cfg(cfg, "merge").base_model == "m"
@@ -130,7 +134,7 @@ def test_the_three_spellings_of_load_cfg_are_what_docs_config_md_says(tmp_path: 
         assert f"| `from {module} import load_cfg` |" in table, module
     assert shardforge.load_cfg is shardforge.config.load_cfg
     path = tmp_path / "cfg.yml"
-    path.write_text(yaml.safe_dump({"base_model": "org/model", "optimizer": "paged_adamw_8bit"}))
+    path.write_text(yaml.safe_dump({"base_model": "org/model", "optimizer": "adamw_anyprecision"}))
     axolotl_style = load_cfg(path)  # not validated: a value train refuses is kept
     assert isinstance(axolotl_style, DictDefault) and axolotl_style.gptq is None
     axolotl_style.seed = 3  # writable

@@ -166,7 +166,7 @@ def test_an_axolotl_config_with_values_only_training_reads(built: Built, tmp_pat
     cfg = tmp_path / "cfg.yml"
     cfg.write_text(
         f"base_model: {built.base}\noutput_dir: {built.ours}\nchat_template: gemma9\n"
-        "optimizer: paged_adamw_8bit\nadapter: lora\nlora_r: sixteen\ndebug: true\n"
+        "optimizer: adamw_anyprecision\nadapter: lora\nlora_r: sixteen\ndebug: true\n"
     )
     result = run(cfg, "--json")
     assert result.exit_code == 0, result.output

@@ -620,8 +620,8 @@ AXOLOTL_EXTRAS = {
     "wandb_project": None,
     "special_tokens": None,
     "dataset_prepared_path": "last_run_prepared",
-    "lr_scheduler": "one_cycle",
-    "optimizer": "adamw_bnb_8bit",
+    "lr_scheduler": "reduce_lr_on_plateau",
+    "optimizer": "adamw_anyprecision",
     "datasets": [{"path": "tatsu-lab/alpaca", "type": "alpaca:chatml", "name": "x"}],
     "fsdp": ["full_shard", "auto_wrap"],
     "fsdp_config": {"fsdp_sharding_strategy": "HYBRID_SHARD", "fsdp_use_orig_params": False},
@@ -681,7 +681,7 @@ def test_axolotl_merge_fsdp_weights_both_ways(env: Path, pristine: Path) -> None
         got = load_file(out / "model.safetensors")
         return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
-    cfg = load_cfg(env / "cfg.yml", optimizer="paged_adamw_8bit", chat_template="gemma9")
+    cfg = load_cfg(env / "cfg.yml", optimizer="adamw_anyprecision", chat_template="gemma9")
     out = merge_fsdp_weights(cfg, output_path=env / "out", save_tokenizer=False, quiet=True)
     assert out == env / "out" and same(out) and not (out / "tokenizer.json").exists()
     checkpoint = env / "run" / "hf" / "checkpoint-1" / "pytorch_model_fsdp_0"
@@ -701,8 +701,8 @@ def test_the_merge_reads_only_its_keys(env: Path) -> None:
     lora) never fail it; a template name it cannot render is one notice."""
     cfg = yaml.safe_load((env / "cfg.yml").read_text())
     cfg.update(
-        optimizer="paged_adamw_8bit",
-        lr_scheduler="one_cycle",
+        optimizer="adamw_anyprecision",
+        lr_scheduler="reduce_lr_on_plateau",
         chat_template="gemma9",
         lora_r="sixteen",
         fsdp_config={"fsdp_sharding_strategy": "NO_SHARD"},

@@ -247,7 +247,7 @@ def test_axolotl_do_merge_lora_reads_only_its_keys(env: Path, pristine: Path) ->
         "adapter": "lora",
         "lora_r": "sixteen",
         "lora_alpha": 0.5,
-        "optimizer": "paged_adamw_8bit",
+        "optimizer": "adamw_anyprecision",
         "chat_template": "gemma9",
     }
     cfg = yaml.safe_load((env / "cfg.yml").read_text()) | extras

@@ -103,7 +103,7 @@ def test_for_merge_lora_reads_only_its_keys(tmp_path: Path) -> None:
     cfg = tmp_path / "lora.yml"
     cfg.write_text(
         "base_model: m\noutput_dir: out\nlora_model_dir: out/adapter\nlora_r: not-a-number\n"
-        "optimizer: paged_adamw_8bit\nchat_template: gemma3\n"
+        "optimizer: adamw_anyprecision\nchat_template: gemma3\n"
     )
     result = CliRunner().invoke(command, [str(cfg), "--for", "merge-lora"])
     assert result.exit_code == 0, result.output

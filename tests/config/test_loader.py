@@ -81,7 +81,7 @@ def test_a_key_of_neither_schema_is_ignored_with_a_notice(
 def test_literal_and_cross_field_errors(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError,
-        match="lr_scheduler: 'step' is not supported; expected one of 'cosine', 'linear' or 'constant'",
+        match="lr_scheduler: 'step' is not supported; expected one of 'cosine', 'linear', 'constant',",
     ):
         load_cfg(write(tmp_path, "base_model: m\nlr_scheduler: step\n"))
     with pytest.raises(ConfigError, match="bf16 and fp16 are both set"):

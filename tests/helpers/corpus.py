@@ -44,6 +44,7 @@ def materialize(
     if tiny_llama:
         text = re.sub(r"\b\w+DecoderLayer\b", "LlamaDecoderLayer", text)
         text = text.replace("flash_attention: true", "sdp_attention: true")
+        text = text.replace("attn_implementation: flash_attention_2", "attn_implementation: sdpa")
     into.mkdir(parents=True, exist_ok=True)
     out = into / path.name
     out.write_text(text)

@@ -9,7 +9,7 @@
 `load_cfg` returns the config as written, with the keyword overrides applied (a nested key as
 Axolotl spells it, `fsdp_config__offload_params=True`), as an Axolotl `DictDefault`: a dict read
 as attributes, a missing key read as None. It is validated where it is used, for what is used:
-the merge reads a few keys, so a value only training knows (`optimizer: paged_adamw_8bit`, a
+the merge reads a few keys, so a value only training knows (`optimizer: adamw_anyprecision`, a
 chat template name) does not stop it. shardforge's own `shardforge.config.load_cfg` validates
 every key at once instead.
 """

@@ -104,7 +104,6 @@ _DEEPSPEED = "DeepSpeed (shardforge uses FSDP2)"
 _MOE_PLUGIN = "MoE kernels and quantization (plugin)"
 _EXPERT_PARALLEL = "expert parallelism (plugin)"
 _MULTIMODAL = "multimodal training"
-_LR_EXTRAS = "learning-rate schedule extras"
 _QGALORE = "Q-GaLore optimizer"
 _KD = "knowledge distillation (plugin)"
 _NEMO = "NeMo Gym environments (plugin)"
@@ -171,8 +170,8 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "context_parallel": _u("context parallelism"),
     "context_parallel_size": _u("context parallelism", default=1),
     "coreweave": _u("CoreWeave integration (plugin)"),
-    "cosine_constant_lr_ratio": _u(_LR_EXTRAS),
-    "cosine_min_lr_ratio": _u(_LR_EXTRAS),
+    "cosine_constant_lr_ratio": _i("cosine: the floor is reached at this fraction of the steps"),
+    "cosine_min_lr_ratio": _i("cosine and rex: decay to this fraction of the peak lr"),
     "cpo_alpha": _only("rl", "reinforcement learning"),
     "curriculum_sampling": _u("sequential (curriculum) sampling"),
     "cut_cross_entropy": _i(
@@ -237,8 +236,8 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "eager_attention": _i("true means eager", ours="attn_implementation"),
     "early_stopping_patience": _i(),
     "ebft": _u("EBFT training"),
-    "embedding_lr": _u("separate embedding learning rate"),
-    "embedding_lr_scale": _u("separate embedding learning rate"),
+    "embedding_lr": _i("embed_tokens and lm_head in a group of their own, no weight decay"),
+    "embedding_lr_scale": _i("embed_tokens and lm_head at learning_rate x this"),
     "embeddings_skip_upcast": _g("only affects PEFT adapters, which shardforge does not train"),
     "eot_tokens": _i(),
     "eval_batch_size": _i(),
@@ -408,16 +407,22 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "lora_target_linear": _i(),
     "lora_target_modules": _i(),
     "lora_target_parameters": _u(_LORA),
-    "loraplus_lr_embedding": _u("LoRA+ learning rates"),
-    "loraplus_lr_ratio": _u("LoRA+ learning rates"),
+    "loraplus_lr_embedding": _i("LoRA+: the lr of LoRA embedding layers (PEFT's groups)"),
+    "loraplus_lr_ratio": _i("LoRA+: lora_B at learning_rate x this (PEFT's groups)"),
     "loss_watchdog_patience": _g("loss watchdog (aborts a diverging run) is not supported"),
     "loss_watchdog_threshold": _g("loss watchdog (aborts a diverging run) is not supported"),
     "low_cpu_mem_usage": _g(_MEMORY),
-    "lr_div_factor": _u(_LR_EXTRAS),
-    "lr_groups": _u("per-module learning rates"),
-    "lr_quadratic_warmup": _u(_LR_EXTRAS),
-    "lr_scheduler": _i(),
-    "lr_scheduler_kwargs": _u(_LR_EXTRAS),
+    "lr_div_factor": _i(
+        "one_cycle's div_factor (its first lr is learning_rate / this); Axolotl 0.21 defines the "
+        "key but does not read it; with another schedule it is refused"
+    ),
+    "lr_groups": _i("per-module learning rates (Axolotl's groups)"),
+    "lr_quadratic_warmup": _i("cosine with quadratic warmup"),
+    "lr_scheduler": _i(
+        "transformers' scheduler names and Axolotl's one_cycle, rex; reduce_lr_on_plateau "
+        "(stepped by an eval metric) is refused"
+    ),
+    "lr_scheduler_kwargs": _i("passed to the schedule (transformers' get_scheduler, OneCycleLR)"),
     "max_grad_norm": _i(),
     "max_memory": _g(_MEMORY),
     "max_packed_sequence_len": _u("legacy packing (max_packed_sequence_len)"),
@@ -474,7 +479,7 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "num_labels": _only("reward_model / process_reward_model", "reward model training"),
     "nvfp4_merge_aware": _u(_MOE_PLUGIN),
     "nvfp4_merge_aware_start_step": _u(_MOE_PLUGIN),
-    "optim_args": _u("optimizer extra arguments"),
+    "optim_args": _i("keyword arguments of the optimizer (a mapping or 'k=v,k=v')"),
     "optim_target_modules": _u("optimizer extra arguments"),
     "optimizer": _i(),
     "orpo_alpha": _only("rl", "reinforcement learning"),
@@ -678,8 +683,11 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "wandb_project": _i(),
     "wandb_run_id": _i(),
     "wandb_watch": _g(_WANDB_EXTRAS),
-    "warmup_ratio": _i(),
-    "warmup_steps": _i(),
+    "warmup_ratio": _i("rounded down, as Axolotl"),
+    "warmup_steps": _i(
+        "a number below 1 is a fraction of the steps (transformers' reading; Axolotl 0.21's "
+        "schema refuses it); no warmup key: 3% of the steps up to 100, as Axolotl"
+    ),
     "weight_decay": _i(),
     "world_size": _g(_LAUNCHER),
     "xformers_attention": _u("xformers attention"),

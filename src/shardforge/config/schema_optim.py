@@ -2,11 +2,50 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shardforge.config.view import ConfigView
+
+# transformers' SchedulerType names (reduce_lr_on_plateau aside: it steps on an eval metric) and
+# Axolotl's own one_cycle and rex
+Scheduler = Literal[
+    "cosine",
+    "linear",
+    "constant",
+    "constant_with_warmup",
+    "cosine_with_restarts",
+    "polynomial",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+    "one_cycle",
+    "rex",
+]
+Optimizer = Literal[
+    "adamw_torch",
+    "adamw_torch_fused",
+    "sgd",
+    "adamw_torch_8bit",
+    "adamw_torch_4bit",
+    "adamw_bnb_8bit",
+    "adamw_8bit",
+    "paged_adamw_8bit",
+    "muon",
+]
+
+
+class LrGroup(BaseModel):
+    """One `lr_groups` entry: the parameters of modules whose name contains one of `modules`
+    train at `lr`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="A name for the group.")
+    modules: list[str] = Field(min_length=1, description="Substrings of parameter names.")
+    lr: float = Field(gt=0, description="The group's peak learning rate.")
 
 
 class OptimKeys(ConfigView):
@@ -14,17 +53,57 @@ class OptimKeys(ConfigView):
 
     # -- optimization ----------------------------------------------------------------------------
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
-    lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
-        "cosine", description="Decay after warmup: cosine, linear or constant."
+    lr_scheduler: Scheduler = Field(
+        "cosine",
+        description="Schedule after warmup: transformers' scheduler names, Axolotl's one_cycle, rex.",
     )
-    warmup_steps: int | None = Field(
-        None, ge=0, description="Linear warmup length in optimizer steps."
+    lr_scheduler_kwargs: dict[str, Any] | None = Field(
+        None, description="Keyword arguments of the schedule (e.g. num_cycles, min_lr_rate)."
+    )
+    cosine_min_lr_ratio: float | None = Field(
+        None, ge=0, le=1, description="cosine/rex: decay to this fraction of the peak lr."
+    )
+    cosine_constant_lr_ratio: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="cosine with cosine_min_lr_ratio: reach the floor at this fraction of steps.",
+    )
+    lr_quadratic_warmup: bool | None = Field(
+        None, description="cosine: quadratic instead of linear warmup."
+    )
+    lr_div_factor: float | None = Field(
+        None, gt=0, description="one_cycle: the first lr is learning_rate / lr_div_factor."
+    )
+    warmup_steps: int | float | None = Field(
+        None,
+        ge=0,
+        description="Warmup length in optimizer steps (a number below 1: a fraction of all steps).",
     )
     warmup_ratio: float | None = Field(
         None, ge=0, lt=1, description="Warmup length as a fraction of all steps."
     )
-    optimizer: Literal["adamw_torch", "adamw_torch_fused", "sgd"] = Field(
-        "adamw_torch", description="Optimizer: AdamW (default) or plain SGD."
+    optimizer: Optimizer = Field(
+        "adamw_torch",
+        description="adamw_torch(_fused), sgd, torchao 8/4-bit AdamW, bitsandbytes 8-bit AdamW, muon.",
+    )
+    optim_args: dict[str, Any] | str | None = Field(
+        None, description="Extra optimizer arguments: a mapping or 'key=value,key=value'."
+    )
+    lr_groups: list[LrGroup] | None = Field(
+        None, description="Per-module learning rates: [{name, modules, lr}]."
+    )
+    embedding_lr: float | None = Field(
+        None, gt=0, description="The learning rate of embed_tokens and lm_head."
+    )
+    embedding_lr_scale: float | None = Field(
+        None, gt=0, description="embed_tokens and lm_head train at learning_rate x this."
+    )
+    loraplus_lr_ratio: float | None = Field(
+        None, gt=0, description="LoRA+: lora_B trains at learning_rate x this."
+    )
+    loraplus_lr_embedding: float | None = Field(
+        1e-6, gt=0, description="LoRA+: the learning rate of LoRA embedding layers."
     )
     adam_beta1: float = Field(0.9, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, description="AdamW beta2.")
@@ -34,3 +113,36 @@ class OptimKeys(ConfigView):
         1.0,
         description="Clip gradients to this global L2 norm over all shards (null or 0: no clip).",
     )
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _warmup_whole_or_fraction(cls, value: int | float | None) -> int | float | None:
+        """A whole number of steps, or (as transformers reads it) a fraction below 1."""
+        if isinstance(value, float) and value >= 1:
+            if not value.is_integer():
+                raise ValueError("a whole number of steps, or a fraction of all steps below 1")
+            return int(value)
+        return value
+
+    @model_validator(mode="after")
+    def _schedule_extras(self) -> OptimKeys:
+        """A schedule extra that the chosen schedule does not read is an error, not a no-op."""
+        name = self.lr_scheduler
+        for key, readers in (
+            ("cosine_min_lr_ratio", ("cosine", "rex")),
+            ("cosine_constant_lr_ratio", ("cosine",)),
+            ("lr_quadratic_warmup", ("cosine",)),
+            ("lr_div_factor", ("one_cycle",)),
+        ):
+            if getattr(self, key) and name not in readers:
+                raise ValueError(
+                    f"{key}: not supported with lr_scheduler {name} (read by "
+                    f"{' or '.join(readers)} only); remove it or change lr_scheduler"
+                )
+        if self.cosine_constant_lr_ratio is not None and not self.cosine_min_lr_ratio:
+            raise ValueError("cosine_constant_lr_ratio: needs cosine_min_lr_ratio (the floor)")
+        if self.lr_quadratic_warmup and self.cosine_min_lr_ratio:
+            raise ValueError("lr_quadratic_warmup: has no floor; remove cosine_min_lr_ratio")
+        if self.embedding_lr is not None and self.embedding_lr_scale is not None:
+            raise ValueError("embedding_lr and embedding_lr_scale are both set; choose one")
+        return self

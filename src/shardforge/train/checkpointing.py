@@ -2,8 +2,8 @@
 
     output_dir/checkpoint-<step>/
       model/                DCP of get_model_state_dict(model): plain HF keys
-      optimizer/            DCP of get_optimizer_state_dict(model, optimizer) (not with
-                            save_only_model: trainer_state.json's `optimizer` is false)
+      optimizer/            DCP of get_optimizer_state_dict(model, optimizer) (low-bit: optim_lowbit;
+                            not with save_only_model: trainer_state.json's `optimizer` is false)
       trainer_state.json    step, world size, versions, scheduler, data position
       rng_state_<rank>.pt   tensors and ints only (torch.load(weights_only=True))
 
@@ -39,6 +39,7 @@ from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import scan
 from shardforge.layouts.layout import Candidate, layout_named
 from shardforge.layouts.trainer_state import FORMAT, FORMAT_VERSION, STATE_FILE, read_state
+from shardforge.train.optim_lowbit import load_optimizer, optimizer_state
 from shardforge.train.remote_run import RemoteOutput
 
 log = logging.getLogger("shardforge")
@@ -256,9 +257,6 @@ def save_checkpoint(
     `adapter_only` (LoRA): the model folder holds the trainable parameters only (the adapter
     and `lora_modules_to_save`), not the frozen base weights the run starts from."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_optimizer_state_dict,
-    )
 
     if isinstance(output_dir, RemoteOutput):
         return _save_remote(output_dir, state, model, optimizer, save_total_limit, adapter_only)
@@ -266,7 +264,7 @@ def save_checkpoint(
     tmp, final = _start_folder(output_dir, state.step)
     dcp.save(_model_state(model, adapter_only), checkpoint_id=str(tmp / MODEL_DIR))
     if state.optimizer:  # save_only_model: none
-        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_DIR))
+        dcp.save(optimizer_state(model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_DIR))
     torch.save(rng_state(), tmp / RNG_FILE.format(rank=rank))
     dist.barrier()
     if rank == 0:
@@ -291,7 +289,6 @@ def _save_remote(
     import io
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     rank, name = dist.get_rank(), f"checkpoint-{state.step}"
     if rank == 0:
@@ -300,7 +297,7 @@ def _save_remote(
     dcp.save(_model_state(model, adapter_only), storage_writer=remote.writer(f"{name}/{MODEL_DIR}"))
     if state.optimizer:  # save_only_model: none
         dcp.save(
-            get_optimizer_state_dict(model, optimizer),
+            optimizer_state(model, optimizer),
             storage_writer=remote.writer(f"{name}/{OPTIMIZER_DIR}"),
         )
     rng = io.BytesIO()
@@ -388,7 +385,6 @@ def start_async_save(
     import time
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     rank = dist.get_rank()
     tmp, final = _start_folder(output_dir, state.step)
@@ -406,7 +402,7 @@ def start_async_save(
     if state.optimizer:  # save_only_model: none
         futures.append(
             dcp.async_save(
-                get_optimizer_state_dict(model, optimizer),
+                optimizer_state(model, optimizer),
                 checkpoint_id=str(tmp / OPTIMIZER_DIR),
                 process_group=groups[1],
             )
@@ -492,12 +488,6 @@ def load_checkpoint(
     `CheckedFileSystemReader`): `.metadata` and non-tensor entries through the allow-list
     unpickler, each record's bounds, view and CRC-32 checked before torch sees a tensor.
     """
-    from torch.distributed.checkpoint.state_dict import (
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    from shardforge.formats.dcp.reader import load_checked
 
     state = TrainerState.read(path)
     load_model_weights(path, model, adapter_only)
@@ -510,9 +500,7 @@ def load_checkpoint(
                 path.name,
             )
         return state
-    optim_sd = get_optimizer_state_dict(model, optimizer)
-    load_checked(optim_sd, path / OPTIMIZER_DIR)
-    set_optimizer_state_dict(model, optimizer, optim_sd)
+    load_optimizer(model, optimizer, path / OPTIMIZER_DIR, state.world_size, state.mesh_shape)
     return state
 
 

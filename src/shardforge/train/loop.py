@@ -51,13 +51,7 @@ from shardforge.train.model import (
     model_config_source,
     shard_model,
 )
-from shardforge.train.optim import (
-    Continuation,
-    build_optimizer,
-    build_scheduler,
-    continuation,
-    scheduler_state,
-)
+from shardforge.train.optim import build_optimizer
 from shardforge.train.options import (
     QatDelay,
     after_load,
@@ -84,6 +78,13 @@ from shardforge.train.runtime import (
     output_dir_lock,
 )
 from shardforge.train.saving import Saver
+from shardforge.train.schedules import (
+    Continuation,
+    build_scheduler,
+    continuation,
+    continues,
+    scheduler_state,
+)
 from shardforge.train.step import micro_batches, train_step
 from shardforge.train.tracking import Trackers, open_trackers
 from shardforge.train.vocab import grow_vocab_size
@@ -358,8 +359,7 @@ class Trainer:
     def _setup_optimizer(self, saved: ckpt.TrainerState | None) -> None:
         """Optimizer and lr schedule; resuming: their states, the RNGs and the data position."""
         cfg, rt = self.cfg, self.rt
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(params, cfg)
+        self.optimizer = build_optimizer(self.model, cfg)
         resumed = _continuation(saved, self.total_steps, cfg, rt)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps, resumed)
         if self.resume is not None:
@@ -510,6 +510,16 @@ def _continuation(
 ) -> Continuation | None:
     """How the lr schedule continues from a checkpoint whose total number of steps differs."""
     if saved is None or saved.total_steps == total_steps:
+        return None
+    if not continues(cfg):
+        if rt.is_main:
+            log.info(
+                "total steps changed (%d -> %d): the lr follows the %s schedule of %d steps",
+                saved.total_steps,
+                total_steps,
+                cfg.lr_scheduler,
+                total_steps,
+            )
         return None
     resumed = continuation(cfg, saved.step, saved.total_steps, saved.scheduler)
     if rt.is_main:

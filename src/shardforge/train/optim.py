@@ -1,123 +1,173 @@
-"""Optimizer and learning-rate schedule from the config (tables, not branches)."""
+"""The optimizer from the config: one row of `OPTIMIZERS` per name, as transformers/Axolotl map
+it (torchao's low-bit AdamW for adamw_torch_8bit/4bit, bitsandbytes' for adamw_bnb_8bit,
+adamw_8bit, paged_adamw_8bit; torch's Muon with AdamW beside it for muon). The parameter groups
+come from `optim_groups`, the schedule from `schedules`."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import importlib.util
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import yaml
 
 from shardforge.config.schema import ShardforgeConfig
+from shardforge.train.optim_groups import Group, muon_split, param_groups
+from shardforge.train.optim_lowbit import EagerOnCpu, LocalShards
+
+Build = Callable[[list[Group], ShardforgeConfig, dict[str, Any]], torch.optim.Optimizer]
+QUANT_EXTRA = "pip install 'shardforge[quant]'"
 
 
-def _adamw(params: Iterable[Any], cfg: ShardforgeConfig, fused: bool) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        params,
-        lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_epsilon,
-        weight_decay=cfg.weight_decay,
-        fused=fused or None,
+def _adam_kwargs(cfg: ShardforgeConfig) -> dict[str, Any]:
+    return {
+        "lr": cfg.learning_rate,
+        "betas": (cfg.adam_beta1, cfg.adam_beta2),
+        "eps": cfg.adam_epsilon,
+        "weight_decay": cfg.weight_decay,
+    }
+
+
+def _adamw(fused: bool) -> Build:
+    def build(groups: list[Group], cfg: ShardforgeConfig, extra: dict[str, Any]) -> Any:
+        return torch.optim.AdamW(groups, **{**_adam_kwargs(cfg), "fused": fused or None, **extra})
+
+    return build
+
+
+def _sgd(groups: list[Group], cfg: ShardforgeConfig, extra: dict[str, Any]) -> Any:
+    return torch.optim.SGD(
+        groups, **{"lr": cfg.learning_rate, "weight_decay": cfg.weight_decay, **extra}
     )
 
 
-def _sgd(params: Iterable[Any], cfg: ShardforgeConfig) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+def _torchao_class(bits: int) -> type:
+    from torchao.optim import AdamW4bit, AdamW8bit
+
+    base = AdamW8bit if bits == 8 else AdamW4bit
+    return type(base.__name__, (EagerOnCpu, base), {})
 
 
-OPTIMIZERS: dict[str, Callable[[Iterable[Any], ShardforgeConfig], torch.optim.Optimizer]] = {
-    "adamw_torch": lambda p, c: _adamw(p, c, fused=False),
-    "adamw_torch_fused": lambda p, c: _adamw(p, c, fused=True),
-    "sgd": _sgd,
+def _torchao(bits: int) -> Build:
+    def build(groups: list[Group], cfg: ShardforgeConfig, extra: dict[str, Any]) -> Any:
+        return _torchao_class(bits)(groups, **{**_adam_kwargs(cfg), **extra})
+
+    return build
+
+
+def _bnb_class(paged: bool) -> type:
+    import bitsandbytes as bnb
+
+    base = bnb.optim.PagedAdamW if paged else bnb.optim.AdamW
+    return type(base.__name__ + "8bit", (LocalShards, base), {})
+
+
+def _bnb(paged: bool) -> Build:
+    def build(groups: list[Group], cfg: ShardforgeConfig, extra: dict[str, Any]) -> Any:
+        return _bnb_class(paged)(groups, **{**_adam_kwargs(cfg), "optim_bits": 8, **extra})
+
+    return build
+
+
+def _muon_class() -> Any:
+    return getattr(torch.optim, "Muon")  # noqa: B009 (torch >= 2.9)
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """torch's Muon for the groups marked `muon`, AdamW for the others: one optimizer (one
+    state, one list of groups) for the schedule and the checkpoint."""
+
+    def __init__(self, groups: list[Group], cfg: ShardforgeConfig, extra: dict[str, Any]):
+        muon: dict[str, Any] = {"lr": cfg.learning_rate, "weight_decay": cfg.weight_decay}
+        muon |= {"adjust_lr_fn": "match_rms_adamw", **extra}
+        super().__init__(groups, {})
+        hidden = [g for g in self.param_groups if g["muon"]]
+        rest = [g for g in self.param_groups if not g["muon"]]
+        self.inner = [
+            _muon_class()(hidden, **muon) if hidden else None,
+            torch.optim.AdamW(rest, **_adam_kwargs(cfg)) if rest else None,
+        ]
+        self._link()
+
+    def _link(self) -> None:
+        """The inner optimizers use this one's groups and state."""
+        for inner, muon in zip(self.inner, (True, False), strict=True):
+            if inner is not None:
+                inner.param_groups = [g for g in self.param_groups if g["muon"] is muon]
+                inner.state = self.state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for inner in self.inner:
+            if inner is not None:
+                inner.step()
+        return loss
+
+
+def _muon(groups: list[Group], cfg: ShardforgeConfig, extra: dict[str, Any]) -> Any:
+    return MuonWithAdamW(groups, cfg, extra)
+
+
+# name -> (build, the package it needs or None, where its keyword arguments are checked)
+OPTIMIZERS: dict[str, tuple[Build, str | None, Callable[[], Any]]] = {
+    "adamw_torch": (_adamw(False), None, lambda: torch.optim.AdamW),
+    "adamw_torch_fused": (_adamw(True), None, lambda: torch.optim.AdamW),
+    "sgd": (_sgd, None, lambda: torch.optim.SGD),
+    "adamw_torch_8bit": (_torchao(8), "torchao", lambda: _torchao_class(8)),
+    "adamw_torch_4bit": (_torchao(4), "torchao", lambda: _torchao_class(4)),
+    "adamw_bnb_8bit": (_bnb(False), "bitsandbytes", lambda: _bnb_class(False)),
+    "adamw_8bit": (_bnb(False), "bitsandbytes", lambda: _bnb_class(False)),
+    "paged_adamw_8bit": (_bnb(True), "bitsandbytes", lambda: _bnb_class(True)),
+    "muon": (_muon, None, lambda: _muon_class()),
 }
 
-# schedule name -> multiplier of the peak lr after warmup, as a function of progress in [0, 1]
-DECAYS: dict[str, Callable[[float], float]] = {
-    "cosine": lambda t: 0.5 * (1.0 + math.cos(math.pi * t)),
-    "linear": lambda t: 1.0 - t,
-    "constant": lambda t: 1.0,
-}
+
+def optim_args(cfg: ShardforgeConfig) -> dict[str, Any]:
+    """`optim_args` as keyword arguments: a mapping, or 'key=value,...' (values read as YAML
+    scalars, so numbers and booleans keep their type)."""
+    if not cfg.optim_args:
+        return {}
+    if isinstance(cfg.optim_args, dict):
+        return dict(cfg.optim_args)
+    pairs = [item.split("=", 1) for item in cfg.optim_args.replace(" ", "").split(",") if item]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError("expected 'key=value,key=value'")
+    return {key: yaml.safe_load(value) for key, value in pairs}
 
 
-def build_optimizer(params: Iterable[Any], cfg: ShardforgeConfig) -> torch.optim.Optimizer:
-    return OPTIMIZERS[cfg.optimizer](params, cfg)
+def optimizer_problem(cfg: ShardforgeConfig) -> tuple[str, str] | None:
+    """(key, why) when the optimizer cannot be built here: its package or torch version is
+    missing, or an optim_args key it does not take."""
+    _, package, cls = OPTIMIZERS[cfg.optimizer]
+    if package is not None and importlib.util.find_spec(package) is None:
+        return "optimizer", f"{cfg.optimizer} needs {package}: {QUANT_EXTRA}"
+    if cfg.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
+        return (
+            "optimizer",
+            f"muon needs torch.optim.Muon (torch >= 2.9; this is {torch.__version__})",
+        )
+    try:
+        extra = optim_args(cfg)
+    except ValueError as exc:
+        return "optim_args", str(exc)
+    taken = inspect.signature(cls()).parameters
+    unknown = sorted(set(extra) - set(taken))
+    if unknown:
+        return "optim_args", f"{cfg.optimizer} takes no argument {', '.join(map(repr, unknown))}"
+    return None
 
 
-def warmup_steps(cfg: ShardforgeConfig, total_steps: int) -> int:
-    if cfg.warmup_steps is not None:
-        return cfg.warmup_steps
-    if cfg.warmup_ratio is not None:
-        return math.ceil(cfg.warmup_ratio * total_steps)
-    return 0
-
-
-def lr_multiplier(step: int, warmup: int, total: int, decay: str) -> float:
-    """Multiplier of the peak lr for optimizer step `step` (0-based): linear warmup, then decay."""
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    span = max(1, total - warmup)
-    return DECAYS[decay](min(1.0, (step - warmup) / span))
-
-
-@dataclass(frozen=True)
-class Continuation:
-    """Where a resumed run whose total number of steps changed picks up the schedule."""
-
-    start: int  # the step the checkpoint was saved at
-    multiplier: float  # the multiplier of the peak lr the checkpoint reached (for step `start`)
-    warmup: int  # the checkpoint's warmup length
-
-
-def continuation(
-    cfg: ShardforgeConfig, step: int, total_steps: int, scheduler: dict[str, Any]
-) -> Continuation:
-    """The Continuation of a checkpoint saved at `step` of a `total_steps` schedule whose
-    scheduler state is `scheduler` (the lr it reached is the one its next step would use)."""
-    last, base = scheduler.get("_last_lr"), scheduler.get("base_lrs")
-    if last and base and base[0]:
-        multiplier = float(last[0]) / float(base[0])
-    else:
-        warmup = warmup_steps(cfg, total_steps)
-        multiplier = lr_multiplier(step, warmup, total_steps, cfg.lr_scheduler)
-    return Continuation(step, multiplier, warmup_steps(cfg, total_steps))
-
-
-def schedule(
-    cfg: ShardforgeConfig, total_steps: int, resumed: Continuation | None = None
-) -> Callable[[int], float]:
-    """The lr multiplier of each (0-based) step.
-
-    Without `resumed`: linear warmup, then the configured decay to step `total_steps`. With
-    `resumed` (a checkpoint of a schedule with another total): the checkpoint's schedule up to its
-    step, then the decay continues from the multiplier it reached over the new remaining steps
-    (no second warmup), so the lr has no jump. A checkpoint saved during its warmup finishes that
-    warmup first, then decays over the new total.
-    """
-    decay = cfg.lr_scheduler
-    if resumed is None:
-        warmup = warmup_steps(cfg, total_steps)
-        return lambda s: lr_multiplier(s, warmup, total_steps, decay)
-    if resumed.start < resumed.warmup:
-        return lambda s: lr_multiplier(s, resumed.warmup, total_steps, decay)
-    span = max(1, total_steps - resumed.start)
-    return lambda s: resumed.multiplier * DECAYS[decay](min(1.0, max(0, s - resumed.start) / span))
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer,
-    cfg: ShardforgeConfig,
-    total_steps: int,
-    resumed: Continuation | None = None,
-) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(cfg, total_steps, resumed))
-
-
-def scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
-    """The JSON-serialisable part of a scheduler's state (its step count and last lrs)."""
-    return {
-        k: v
-        for k, v in scheduler.state_dict().items()
-        if isinstance(v, int | float | bool | list) and k != "lr_lambdas"
-    }
+def build_optimizer(model: torch.nn.Module, cfg: ShardforgeConfig) -> torch.optim.Optimizer:
+    """The optimizer of `model`'s trainable parameters, grouped as `cfg` asks."""
+    build = OPTIMIZERS[cfg.optimizer][0]
+    groups = param_groups(model, cfg)
+    if cfg.optimizer == "muon":
+        groups = muon_split(model, groups)
+    return build(groups, cfg, optim_args(cfg))

@@ -26,6 +26,7 @@ from shardforge.train.model import (
     load_model_config,
     wrap_classes,
 )
+from shardforge.train.optim import optimizer_problem
 from shardforge.train.options import before_lora, before_shard
 from shardforge.train.packing import check_packing
 from shardforge.train.quant import check_quant
@@ -33,6 +34,7 @@ from shardforge.train.readers import data_files
 from shardforge.train.remote_run import checkpoint_folder
 from shardforge.train.remote_run import problems as remote_problems
 from shardforge.train.runtime import mesh_shape
+from shardforge.train.schedules import schedule_problem
 from shardforge.train.tracking import check_trackers
 
 log = logging.getLogger("shardforge")
@@ -229,6 +231,13 @@ def check_quantized(cfg: ShardforgeConfig) -> list[Problem]:
     return check_quant(cfg, compute_dtypes(cfg)[0])
 
 
+def check_optimizer(cfg: ShardforgeConfig) -> list[Problem]:
+    """The optimizer's package and arguments; the schedule's arguments."""
+    problems = [p for p in (optimizer_problem(cfg),) if p is not None]
+    schedule = schedule_problem(cfg)
+    return problems + ([("lr_scheduler_kwargs", schedule)] if schedule else [])
+
+
 Check = Callable[[ShardforgeConfig], list[Problem]]
 
 CHECKS: tuple[Check, ...] = (
@@ -242,6 +251,7 @@ CHECKS: tuple[Check, ...] = (
     check_resume,
     check_device,
     check_quantized,
+    check_optimizer,
 )
 # what preparing the data sets needs (`shardforge preprocess`): data files and the tokenizer
 DATA_CHECKS: tuple[Check, ...] = (check_datasets, check_eval, check_tokenizer)

@@ -86,7 +86,7 @@ def train_step(
     if after_backward is not None:
         after_backward()
     grad_norm = grad_norm_and_clip(model, cfg.max_grad_norm)
-    lr = scheduler.get_last_lr()[0]
+    lr = float(scheduler.get_last_lr()[0])  # torchao's optimizers keep it as a tensor
     optimizer.step()
     mark("optimizer")
     scheduler.step()
