@@ -35,6 +35,7 @@ import argparse
 import filecmp
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -239,6 +240,7 @@ def main() -> None:
         parser.error(f"--sizes A,B; --only of {', '.join(CASES)}; --repeats >= 1")
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the worktree removed on a kill too
     ref, sha = worktree(args.against, workdir)
     load_before = os.getloadavg()
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],

@@ -41,7 +41,7 @@ DEFAULT = BLAKE3
 # the hash runs once this many contiguous bytes are written and not hashed yet
 CHUNK = 32 << 20
 # bytes of the output mapped at a time (the mapping's pages count in the process's RSS)
-HASH_SLICE = 64 << 20
+HASH_SLICE = 16 << 20
 # hashes running at once (each BLAKE3 also uses every core for a large slice)
 HASH_THREADS = 2
 

@@ -122,7 +122,7 @@ class LocalJournal:
         self.finished: dict[str, dict[str, Any]] = {}
         self._hashing: dict[str, Future[None]] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardforge-hash")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardforge-journal")
         left = self._load() if resume else None
         if left is not None:
             refused = resume_refused(directory, left.get("fingerprint"), fp)
