@@ -21,7 +21,8 @@ RSS). Cold: the checkpoint's files are evicted from the page cache before every 
 (`posix_fadvise(DONTNEED)` after an fsync: `merge_bench.evict`, no root, nothing else on the
 machine dropped); warm: read once before every run. Before every run the disk is let settle
 (`merge_bench.settle`) and rests `--pause` seconds. The weights written by `current` and `REF`
-are compared byte for byte after the first repeat (`--no-compare` to skip).
+are compared byte for byte after the first repeat (`--no-compare` to skip), and `shardforge
+verify` of current's `warm2` output is timed then (warm: the output was just written).
 
 The result is a markdown table (medians of `--repeats`, the ratios current / REF, the copy's
 and accelerate's against current), ready to paste into a commit message, with the machine's
@@ -175,6 +176,8 @@ def run_case(case: Case, args: argparse.Namespace, ref: Path, label: str) -> dic
             if not (rep == 0 and args.compare and name in ("current", label)):
                 shutil.rmtree(out, ignore_errors=True)  # (the two compared first are kept)
         a, b = root / "out-current", root / f"out-{label}"
+        if rep == 0 and case.name == "warm2" and a.exists():
+            verify_speed(a, root, results)
         compared = rep == 0 and args.compare and not case.dry_run
         if compared and a.exists() and b.exists() and not same_weights(a, b):
             results["current"].failure = f"weights differ from {label}'s"
@@ -182,6 +185,19 @@ def run_case(case: Case, args: argparse.Namespace, ref: Path, label: str) -> dic
         for name in names:
             shutil.rmtree(root / f"out-{name}", ignore_errors=True)
     return results
+
+
+def verify_speed(out: Path, root: Path, results: dict[str, Samples]) -> None:
+    """`shardforge verify` of current's output, just written (warm): its wall seconds, kept
+    as the pseudo-contender `verify` (its bytes per second printed under the table)."""
+    cmd = [str(Path(sys.executable).parent / "shardforge"), "verify", str(out)]
+    run = run_measured(["env", f"PYTHONPATH={REPO / 'src'}", *cmd], None, root)
+    res = results.setdefault("verify", Samples())
+    if run.code != 0:
+        res.failure = f"exit {run.code}: {run.stderr_tail.strip()[-200:]}"
+        return
+    res.wall.append(run.seconds)
+    res.rss.append(sum(p.stat().st_size for p in out.iterdir()))  # (the bytes verified)
 
 
 def ratio(a: float, b: float) -> str:
@@ -263,8 +279,18 @@ def main() -> None:
           f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}\n")  # fmt: skip
     print(table(rows, sha, args.peers))
     for case, res in rows:
+        v = res.get("verify")
+        if v is not None and v.wall:
+            gbs = v.rss[0] / v.median("wall") / 1e9
+            print(f"\n`shardforge verify` of current's {case.title()} output: "
+                  f"{v.median('wall'):.2f} s, {gbs:.2f} GB/s (start-up included)")  # fmt: skip
+        elif v is not None:
+            print(f"\n`shardforge verify` failed: {v.failure}")
+    for case, res in rows:
         runs = "; ".join(
-            f"{n}: " + ", ".join(f"{w:.2f}" for w in s.wall) for n, s in res.items() if s.wall
+            f"{n}: " + ", ".join(f"{w:.2f}" for w in s.wall)
+            for n, s in res.items()
+            if s.wall and n != "verify"
         )
         print(f"\n{case.title()} wall s per run: {runs}", end="")
     print()
