@@ -103,14 +103,14 @@ def copy_one(src: str, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
 
 
 def hashed_copy(fd: int, jobs: list[tuple], threads: int, buffered: bool) -> str:
-    """The jobs into `fd` with its SHA-256 computed as they write (the header's bytes, not
-    copied here, hashed as zeros); the hex digest."""
+    """The jobs into `fd` with the manifest's hash taken from the written bytes (the header's
+    bytes, not copied here, hashed as zeros); the hex digest."""
     from shardforge.io.copy import CopyJob, copy_jobs, copy_range
     from shardforge.io.digest import FileHash, hashing
 
-    h = FileHash()
+    h = FileHash(Path(os.readlink(f"/proc/self/fd/{fd}")))
     todo = sorted(jobs, key=lambda j: j[2])
-    h.feed(0, bytes(todo[0][2]))
+    h.written(0, todo[0][2])
     if not buffered:
         with hashing(fd, h):
             copy_jobs([CopyJob(Path(s), so, fd, do, n) for s, so, do, n in todo], copy_range,
@@ -120,8 +120,8 @@ def hashed_copy(fd: int, jobs: list[tuple], threads: int, buffered: bool) -> str
         try:
             for at in range(0, n, HASH_BUFFER):
                 block = os.pread(sfd, min(HASH_BUFFER, n - at), so + at)
-                h.feed(do + at, block)
                 os.pwrite(fd, block, do + at)
+                h.written(do + at, len(block))
         finally:
             os.close(sfd)
     return h.hexdigest(todo[-1][2] + todo[-1][3])

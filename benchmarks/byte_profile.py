@@ -6,18 +6,15 @@ timing wrappers around the byte path's stages, and prints one JSON report when t
 
 - per stage, summed over threads: calls, bytes, wall seconds and the thread CPU seconds spent
   in it (`time.thread_time`): wall well above CPU is waiting (on the disk, or for a turn);
-  the stages: `map` (a source block mapped), `fault` (its pages touched: on cold data, the
-  reads a mapping makes, page by page), `hash` (`FileHash.feed_in_turn`: the wait for the
-  block's turn and the SHA-256), `kernel_copy` (`copy_file_range`), `fsync`, `prefetch`
-  (`posix_fadvise(WILLNEED)`), `read_ahead` (the byte path's own read-ahead, where it has one);
+  the stages: `hash` (`FileHash._drive`: the manifest's hash reading the written bytes back,
+  on its own thread, and the remainder a finished file waits for), `kernel_copy`
+  (`copy_range`: `copy_file_range`), `fsync`, `prefetch` (`posix_fadvise(WILLNEED)`),
+  `read_ahead` (the byte path's own read-ahead, where it has one);
 - the main thread's phases as offsets from the start: the early copy planned and started,
   torch and transformers imported, `prepare` (the architecture, the checks, the plan), the
   early copy accepted, the merge written;
 - the process's I/O (`/proc/self/io`: bytes read from the disk, bytes written), its page faults
   (major: a read from the disk) and CPU (user, kernel, all threads).
-
-`BYTE_PROFILE_SPLIT_FAULTS=0` leaves `io.copy._hash_and_copy` as it is (the faults then count in
-the hash stage): the touching of every page costs a little CPU of its own.
 
 The checkpoint's files are evicted from the page cache first with `--cold` (fsync and
 `posix_fadvise(DONTNEED)`, as `merge_bench.py --cache cold`). On a shared, loaded machine the
@@ -33,7 +30,6 @@ import argparse
 import atexit
 import functools
 import json
-import mmap
 import os
 import resource
 import shutil
@@ -85,61 +81,22 @@ def phase(name: str, fn: Callable[..., Any]) -> Any:
     return wrapper
 
 
-def _touch(block: memoryview) -> None:
-    """Fault every page of a mapped block in (one byte per page read)."""
-    for at in range(0, len(block), mmap.PAGESIZE):
-        block[at]
-
-
 def install() -> None:
     import shardforge.io.copy as copy
     import shardforge.io.digest as digest
     import shardforge.io.readahead as readahead
-    from shardforge.io.copy import CheckpointError
 
-    real_feed_in_turn = digest.FileHash.feed_in_turn
-    digest.FileHash.feed_in_turn = timed(  # type: ignore[method-assign]
-        "hash", real_feed_in_turn, lambda self, off, data: len(data)
+    digest.FileHash._drive = timed(  # type: ignore[method-assign]
+        "hash", digest.FileHash._drive, lambda self, upto: 0
     )
-    copy._kernel_copy = timed("kernel_copy", copy._kernel_copy, lambda s, d, so, do, n: n)
+    # (modules that imported copy_range by name before this ran keep the untimed one)
+    copy.copy_range = timed("kernel_copy", copy.copy_range, lambda s, d, so, do, n: n)
     readahead.prefetch = timed("prefetch", readahead.prefetch)
     if hasattr(readahead, "ReadAhead"):
         readahead.ReadAhead.started = timed(  # type: ignore[method-assign]
             "read_ahead", readahead.ReadAhead.started
         )
     os.fsync = timed("fsync", os.fsync)
-
-    if os.environ.get("BYTE_PROFILE_SPLIT_FAULTS", "1") == "1":
-        real = copy._hash_and_copy
-
-        def hash_and_copy(
-            src: int, dst: int, src_off: int, dst_off: int, count: int, h: Any, in_turn: bool
-        ) -> None:
-            """`io.copy._hash_and_copy` with the mapping and its faults timed apart from the
-            hash (the same blocks, in the same order)."""
-            if copy.remote_of(src) is not None:
-                return real(src, dst, src_off, dst_off, count, h, in_turn)
-            size = os.fstat(src).st_size
-            if src_off + count > size:
-                raise CheckpointError("short data file")
-            while count > 0:
-                n = min(count, copy.HASH_BLOCK)
-                start = src_off - src_off % mmap.ALLOCATIONGRANULARITY
-                w, c = time.perf_counter(), time.thread_time()
-                mapped = mmap.mmap(
-                    src, n + src_off - start, mmap.MAP_SHARED, mmap.PROT_READ, offset=start
-                )
-                _add("map", n, time.perf_counter() - w, time.thread_time() - c)
-                with mapped, memoryview(mapped)[src_off - start :] as block:
-                    w, c = time.perf_counter(), time.thread_time()
-                    _touch(block)
-                    _add("fault", n, time.perf_counter() - w, time.thread_time() - c)
-                    (h.feed_in_turn if in_turn else h.feed)(dst_off, block)
-                copy._kernel_copy(src, dst, src_off, dst_off, n)
-                src_off, dst_off, count = src_off + n, dst_off + n, count - n
-            return None
-
-        copy._hash_and_copy = hash_and_copy
 
     from shardforge.merge import overlap
 

@@ -468,7 +468,7 @@ cpu = usage.ru_utime + usage.ru_stime
 code = os.waitstatus_to_exitcode(status)
 with open(out, "w") as f:
     json.dump({"seconds": seconds, "rss": rss, "tree_rss": max(peak, rss), "cpu": cpu,
-               "code": code}, f)
+               "user": usage.ru_utime, "code": code}, f)
 """
 
 
@@ -480,6 +480,7 @@ class Run:
     cpu: float  # user + kernel CPU seconds of the process tree (its waited-for processes)
     code: int
     stderr_tail: str
+    user: float = 0.0  # user CPU seconds of the process tree (its waited-for processes)
 
 
 def run_one(cmd: list[str], limit_bytes: int | None, scratch: Path) -> tuple[float, int, int, str]:
@@ -497,7 +498,7 @@ def run_measured(cmd: list[str], limit_bytes: int | None, scratch: Path) -> Run:
     )
     err = proc.stderr.decode(errors="replace")
     r = json.loads(report.read_text())
-    return Run(r["seconds"], r["rss"], r["tree_rss"], r["cpu"], r["code"], err[-600:])
+    return Run(r["seconds"], r["rss"], r["tree_rss"], r["cpu"], r["code"], err[-600:], r["user"])
 
 
 def weights_digest(out: Path) -> str:

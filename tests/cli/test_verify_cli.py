@@ -3,6 +3,7 @@ checkpoint against the identity recorded there; the first bad file is one `error
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -17,7 +18,7 @@ from helpers.keep import make_keep_checkpoint
 from helpers.s3 import S3Server
 from shardforge.cli.main import cli
 from shardforge.merge.api import merge_fsdp_weights
-from shardforge.sinks.manifest import MANIFEST
+from shardforge.sinks.manifest import MANIFEST, canonical
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,54 @@ def test_a_flipped_byte_is_named(merged: tuple[Path, Path], tmp_path: Path) -> N
     shard = out / "model-00002-of-00003.safetensors"
     flip(shard, shard.stat().st_size // 2)
     line = one_error(run(out))
+    assert line == f"error: {shard}: BLAKE3 differs from the manifest (the file changed)"
+
+
+def old_manifest(out: Path) -> None:
+    """Rewrite the manifest of `out` as shardforge wrote it before BLAKE3 (version 1: no
+    `hash`, each file's SHA-256, the checksum over the rest)."""
+    doc = json.loads((out / MANIFEST).read_text())
+    del doc["hash"], doc["checksum"]
+    doc["version"] = 1
+    for name, entry in doc["files"].items():
+        del entry["blake3"]
+        entry["sha256"] = hashlib.sha256((out / name).read_bytes()).hexdigest()
+    doc["checksum"] = hashlib.sha256(canonical(doc)).hexdigest()
+    (out / MANIFEST).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def test_a_manifest_written_the_old_way_still_verifies(
+    merged: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Version 1 (SHA-256, no `hash`) verifies, and a changed file is named by its SHA-256."""
+    out = copy(merged[0], tmp_path)
+    old_manifest(out)
+    result = run(out, "--checkpoint", merged[1])
+    assert result.exit_code == 0, result.output
+    shard = out / "model-00003-of-00003.safetensors"
+    flip(shard, shard.stat().st_size // 2)
+    line = one_error(run(out))
     assert line == f"error: {shard}: SHA-256 differs from the manifest (the file changed)"
+    doc = json.loads((out / MANIFEST).read_text())
+    doc["version"] = 3
+    doc["checksum"] = hashlib.sha256(canonical(doc)).hexdigest()
+    (out / MANIFEST).write_text(json.dumps(doc))
+    assert "version 3; this shardforge reads versions 1, 2" in one_error(run(out))
+
+
+def test_a_sha256_manifest_verifies(tmp_path: Path) -> None:
+    """`--manifest_hash sha256`: version 2 naming SHA-256; what `sha256sum` prints."""
+    base, ckpt = make_keep_checkpoint(tmp_path)
+    cfg = {"base_model": str(base), "output_dir": str(tmp_path / "run")}
+    out = merge_fsdp_weights(
+        cfg, tmp_path / "m", checkpoint=ckpt, quiet=True, save_tokenizer=False,
+        manifest_hash="sha256",
+    )  # fmt: skip
+    doc = json.loads((out / MANIFEST).read_text())
+    assert (doc["version"], doc["hash"]) == (2, "sha256")
+    data = (out / "model.safetensors").read_bytes()
+    assert doc["files"]["model.safetensors"]["sha256"] == hashlib.sha256(data).hexdigest()
+    assert run(out, "--checkpoint", ckpt).exit_code == 0
 
 
 def test_a_missing_or_extra_file_is_named(merged: tuple[Path, Path], tmp_path: Path) -> None:
@@ -94,7 +142,7 @@ def test_a_tampered_or_missing_manifest_is_named(merged: tuple[Path, Path], tmp_
     out = copy(merged[0], tmp_path)
     doc = json.loads((out / MANIFEST).read_text())
     name = "model-00001-of-00003.safetensors"
-    doc["files"][name]["sha256"] = "0" * 64  # as if the file's change were hidden
+    doc["files"][name]["blake3"] = "0" * 64  # as if the file's change were hidden
     (out / MANIFEST).write_text(json.dumps(doc))
     line = one_error(run(out))
     assert (
@@ -223,7 +271,7 @@ def test_a_model_and_its_checkpoint_in_object_storage(
     changed[-1] ^= 0x01
     fs.pipe(f"{bucket}/merged/{shard}", bytes(changed))
     line = one_error(run(model))
-    assert line == f"error: {model}/{shard}: SHA-256 differs from the manifest (the file changed)"
+    assert line == f"error: {model}/{shard}: BLAKE3 differs from the manifest (the file changed)"
     fs.pipe(f"{bucket}/merged/{shard}", original)
     fs.pipe(f"{bucket}/merged/extra.txt", b"x")
     assert one_error(run(model)).startswith(f"error: {model}/extra.txt: not written by the merge")

@@ -9,12 +9,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 from click.testing import CliRunner, Result
 
 from helpers.s3 import S3Server
 from shardforge.cli import verify_manifest
 from shardforge.cli.main import cli
+from shardforge.io.digest import Digests
 from shardforge.sinks.manifest import MANIFEST, canonical, write_manifest
 
 
@@ -37,7 +39,7 @@ def model(root: Path) -> Path:
     out.mkdir(parents=True)
     (out / "config.json").write_text('{"model_type": "llama"}')
     (out / "model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}" + b" " * 6)
-    write_manifest(out, {})
+    write_manifest(out, Digests())
     ckpt = root / "ckpt"
     ckpt.mkdir()
     (ckpt / ".metadata").write_bytes(b"meta")
@@ -49,10 +51,11 @@ def model(root: Path) -> Path:
     return out
 
 
-def file_entry(path: Path, name: str | None = None) -> dict[str, Any]:
+def file_entry(path: Path, name: str | None = None, algo: str = "sha256") -> dict[str, Any]:
+    """An entry of `source` (SHA-256), or with `algo` "blake3" of the output's `files`."""
     data = path.read_bytes()
-    sha = hashlib.sha256(data).hexdigest()
-    return {"path": name or path.name, "size": len(data), "sha256": sha}
+    digest = blake3.blake3(data) if algo == "blake3" else hashlib.sha256(data)
+    return {"path": name or path.name, "size": len(data), algo: digest.hexdigest()}
 
 
 def manifest(out: Path) -> dict[str, Any]:
@@ -73,9 +76,10 @@ def test_paths_outside_the_directory_are_refused_before_reading(tmp_path: Path) 
     secret = tmp_path / "secret.txt"  # outside both: listed with its true size and hash
     secret.write_text("host-7\n")
     entry, original = file_entry(secret), (out / MANIFEST).read_text()
+    listed = file_entry(secret, algo="blake3")
     for name in ("../secret.txt", "../../../../" + str(secret).lstrip("/"), str(secret)):
         doc = json.loads(original)
-        doc["files"][name] = {"size": entry["size"], "sha256": entry["sha256"]}
+        doc["files"][name] = {"size": listed["size"], "blake3": listed["blake3"]}
         rewrite(out, doc)
         line = one_error(run(out))
         assert "names a path outside the directory; refusing to read it" in line, line
@@ -92,7 +96,9 @@ def test_a_symlink_out_of_the_directory_is_refused(tmp_path: Path) -> None:
     secret.write_text("host-7\n")
     (out / "notes.txt").symlink_to(secret)
     doc = manifest(out)
-    doc["files"]["notes.txt"] = {k: v for k, v in file_entry(secret).items() if k != "path"}
+    doc["files"]["notes.txt"] = {
+        k: v for k, v in file_entry(secret, algo="blake3").items() if k != "path"
+    }
     rewrite(out, doc)
     line = one_error(run(out))
     assert (
@@ -106,7 +112,7 @@ def test_a_symlink_out_of_the_directory_is_refused(tmp_path: Path) -> None:
     [
         (lambda d: d["files"]["config.json"].update(size="abc"), "files['config.json'].size is 'abc' (str)"),
         (lambda d: d["files"].update({"config.json": [1, 2]}), "files['config.json'] is [1, 2] (list)"),
-        (lambda d: d["files"]["config.json"].update(sha256=None), "files['config.json'].sha256 is missing"),
+        (lambda d: d["files"]["config.json"].update(blake3=None), "files['config.json'].blake3 is missing"),
         (lambda d: d["source"][0].update(files="__0_0.distcp"), "source[0].files is '__0_0.distcp'"),
         (lambda d: d["source"][0]["files"][0].update(records=[{"offset": -1}]), "records[0].offset is -1"),
         (lambda d: d.update(source={}), "entry source is {} (dict), not a list"),

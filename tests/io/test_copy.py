@@ -5,9 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from shardforge.errors import CheckpointError, MergeError
+from shardforge.errors import CheckpointError
 from shardforge.io.copy import (
-    HASHED_COPY_THREADS,
     THREADS_ENV,
     CopyJob,
     copy_jobs,
@@ -88,13 +87,12 @@ def test_copy_threads_leave_a_core_and_keep_to_the_thread_share(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The cores less one, at most 8 (a many-core node copies on 8 threads, not 4), within
-    OMP_NUM_THREADS; SHARDFORGE_COPY_THREADS chooses; a hashed output file's jobs at most 3."""
+    OMP_NUM_THREADS; SHARDFORGE_COPY_THREADS chooses (a hashed output's jobs too)."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv(THREADS_ENV, raising=False)
     for cores, threads in ((1, 1), (2, 1), (3, 2), (5, 4), (16, 8), (64, 8)):
         monkeypatch.setattr(os, "cpu_count", lambda n=cores: n)
         assert copy_threads() == threads
-        assert copy_threads(hashed=True) == min(threads, HASHED_COPY_THREADS)
     for share, threads in (("1", 1), ("2", 2), ("12", 8), ("0", 1), ("many", 8)):
         monkeypatch.setenv("OMP_NUM_THREADS", share)
         assert copy_threads() == threads
@@ -102,8 +100,6 @@ def test_copy_threads_leave_a_core_and_keep_to_the_thread_share(
     for chosen, threads in (("12", 12), ("1", 1), ("0", 1), ("x", 1)):
         monkeypatch.setenv(THREADS_ENV, chosen)
         assert copy_threads() == threads  # not chosen ("0", "x"): OMP_NUM_THREADS's share
-    monkeypatch.setenv(THREADS_ENV, "6")
-    assert copy_threads(hashed=True) == HASHED_COPY_THREADS
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -152,13 +148,14 @@ def test_large_jobs_run_in_pieces_each_read_ahead_before_it_is_copied(
 
 def _hashed_copy(tmp_path: Path, jobs_spec: list[tuple[Path, int, int, int]], threads: int) -> str:
     """Copy (src, src_offset, dst_offset, n) jobs into a hashed output; its hash as written."""
-    import hashlib
+    import blake3
 
     from shardforge.io.digest import FileHash, hashing
 
     size = max(d + n for _, _, d, n in jobs_spec)
-    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    h = FileHash()
+    path = tmp_path / "out.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    h = FileHash(path)
     try:
         os.ftruncate(fd, size)
         with hashing(fd, h):
@@ -166,10 +163,10 @@ def _hashed_copy(tmp_path: Path, jobs_spec: list[tuple[Path, int, int, int]], th
                       threads=threads)  # fmt: skip
     finally:
         os.close(fd)
-    written = (tmp_path / "out.bin").read_bytes()
-    for path, off, dst, n in jobs_spec:
-        assert written[dst : dst + n] == path.read_bytes()[off : off + n]
-    assert h.hexdigest(size) == hashlib.sha256(written).hexdigest()
+    written = path.read_bytes()
+    for src, off, dst, n in jobs_spec:
+        assert written[dst : dst + n] == src.read_bytes()[off : off + n]
+    assert h.hexdigest(size) == blake3.blake3(written).hexdigest()
     return h.hexdigest(size)
 
 
@@ -177,50 +174,61 @@ def _hashed_copy(tmp_path: Path, jobs_spec: list[tuple[Path, int, int, int]], th
 def test_a_hashed_output_is_hashed_as_the_copy_threads_write_it(
     tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Contiguous jobs hand their blocks over in turn (blocks smaller than the jobs here, and
-    jobs cut into pieces of 3000 bytes); jobs that leave a gap are kept until the gap is
-    filled; the bytes are never read back."""
+    """Every piece copied tells the hash where it landed (jobs cut into pieces of 3000 bytes,
+    the hash catching up every 1000); jobs after a gap leave the frontier at the gap until it
+    is filled."""
     import shardforge.io.copy as copy_module
+    import shardforge.io.digest as digest
 
-    monkeypatch.setattr(copy_module, "HASH_BLOCK", 1000)
     monkeypatch.setattr(copy_module, "READ_PIECE", 3000)
+    monkeypatch.setattr(digest, "CHUNK", 1000)
     srcs = _files(tmp_path, 3, 1 << 16)
     contiguous = [(srcs[i % 3], (i // 3) * 4096, (47 - i) * 4096, 4096) for i in range(48)]
     _hashed_copy(tmp_path, contiguous, threads)
-    # everything but the first 4096 bytes, then those: the rest waits (kept) until they come
     gapped = [(srcs[0], 0, 4096, 40000), (srcs[1], 0, 0, 4096)]
-    fd = os.open(tmp_path / "g.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    path = tmp_path / "g.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         from shardforge.io.digest import FileHash, hashing
 
-        h = FileHash()
+        h = FileHash(path)
         with hashing(fd, h):
             copy_jobs([CopyJob(*gapped[0][:2], fd, *gapped[0][2:])], copy_range, threads=threads)
-            assert h.frontier == 0  # kept: the first 4096 bytes are not written yet
+            assert h.frontier == 0 and h.hashed == 0  # the first 4096 bytes are not written
             copy_jobs([CopyJob(*gapped[1][:2], fd, *gapped[1][2:])], copy_range, threads=threads)
         assert h.frontier == 44096
+        h.hexdigest(44096)
     finally:
         os.close(fd)
 
 
-@pytest.mark.parametrize("threads", [1, 4])
-def test_a_failed_or_stopped_hashed_copy_leaves_no_thread_waiting(
-    tmp_path: Path, threads: int
+def test_a_hashed_copy_hashes_the_bytes_it_wrote_not_a_read_of_its_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Issue 35 (3): a source rewritten in place while it is copied must not give a manifest
+    of other bytes than the output holds. Here the source changes just before the kernel
+    copies it: the digest is the output's (the hash reads the output), whatever was read of
+    the source before."""
+    import blake3
+
     from shardforge.io.digest import FileHash, hashing
 
     (src,) = _files(tmp_path, 1, 1 << 16)
-    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    real = os.copy_file_range
+
+    def rewritten_first(fd_in: int, fd_out: int, count: int, *args: int) -> int:
+        with src.open("r+b") as f:  # the source is rewritten in place now
+            f.write(b"\xff" * (1 << 16))
+        return real(fd_in, fd_out, count, *args)
+
+    monkeypatch.setattr(os, "copy_file_range", rewritten_first)
+    path = tmp_path / "out.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    h = FileHash(path)
     try:
-        h = FileHash()
-        jobs = [CopyJob(src, 0, fd, 0, 4096), CopyJob(tmp_path / "gone.bin", 0, fd, 4096, 10)]
-        jobs += [CopyJob(src, 4096 * i, fd, 4096 * i + 10 - 4096, 4096) for i in range(2, 9)]
-        with hashing(fd, h), pytest.raises(CheckpointError, match=r"gone\.bin: cannot read"):
-            copy_jobs(jobs, copy_range, threads=threads)
-        h2 = FileHash()
-        with hashing(fd, h2):
-            assert not copy_jobs([CopyJob(src, 0, fd, 0, 4096)], copy_range, stop=lambda: True)
-        with pytest.raises(MergeError, match="abandoned: the copy was stopped"):
-            h2.feed(0, b"x")
+        with hashing(fd, h):
+            copy_jobs([CopyJob(src, 0, fd, 0, 1 << 16)], copy_range, threads=1)
     finally:
         os.close(fd)
+    assert path.read_bytes() == b"\xff" * (1 << 16)
+    assert h.hexdigest(1 << 16) == blake3.blake3(path.read_bytes()).hexdigest()

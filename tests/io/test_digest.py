@@ -1,4 +1,5 @@
-"""`FileHash`: the SHA-256 of a file from its pieces in any order, never read back."""
+"""`FileHash`: the BLAKE3 (or SHA-256) of an output file, read back from the file behind its
+writers, whatever order they write in; `hash_file` of a whole file."""
 
 from __future__ import annotations
 
@@ -6,15 +7,17 @@ import hashlib
 import itertools
 import os
 import random
-import threading
 from pathlib import Path
 
+import blake3
 import pytest
 
+import shardforge.io.digest as digest
 from shardforge.errors import MergeError
-from shardforge.io.digest import FileHash, hash_of, hashing
+from shardforge.io.digest import FileHash, hash_file, hash_of, hashing
 
 DATA = os.urandom(1 << 16)
+WANT = {"blake3": blake3.blake3(DATA).hexdigest(), "sha256": hashlib.sha256(DATA).hexdigest()}
 
 
 def pieces(n: int, seed: int = 0) -> list[tuple[int, bytes]]:
@@ -25,108 +28,101 @@ def pieces(n: int, seed: int = 0) -> list[tuple[int, bytes]]:
     return [(a, DATA[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
-def test_pieces_in_any_order_give_hashlibs_digest() -> None:
-    for seed in range(5):
-        h = FileHash()
-        shuffled = pieces(40, seed)
-        random.Random(seed).shuffle(shuffled)
-        for offset, data in shuffled:
-            h.feed(offset, data)
-        assert h.hexdigest(len(DATA)) == hashlib.sha256(DATA).hexdigest()
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catch-ups every 1000 bytes, mappings of 5000: many background turns on 64 KB."""
+    monkeypatch.setattr(digest, "CHUNK", 1000)
+    monkeypatch.setattr(digest, "HASH_SLICE", 5000)
 
 
-def test_an_incomplete_or_overlapping_file_is_refused() -> None:
-    h = FileHash()
+@pytest.mark.parametrize("algo", ["blake3", "sha256"])
+def test_pieces_written_in_any_order_give_the_files_digest(
+    tmp_path: Path, algo: str, small_chunks: None
+) -> None:
+    for seed in range(3):
+        path = tmp_path / f"out{seed}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            h = FileHash(path, algo)
+            shuffled = pieces(40, seed)
+            random.Random(seed).shuffle(shuffled)
+            for offset, data in shuffled:
+                os.pwrite(fd, data, offset)
+                h.written(offset, len(data))
+            assert h.hexdigest(len(DATA)) == WANT[algo]
+            assert h.hexdigest(len(DATA)) == WANT[algo]  # asked again (journal and manifest)
+        finally:
+            os.close(fd)
+        assert hash_file(path, algo) == WANT[algo]
+
+
+def test_the_digest_is_of_the_bytes_in_the_output(tmp_path: Path, small_chunks: None) -> None:
+    """What the hash reads is the output file itself: bytes changed there before the hash
+    reached them are what it hashes (the manifest describes the file, not a separate read
+    of the input)."""
+    path = tmp_path / "out"
+    path.write_bytes(DATA)
+    h = FileHash(path)
+    h.written(10, len(DATA) - 10)
+    with path.open("r+b") as f:
+        f.seek(20)
+        f.write(b"\0" * 10)
+    h.written(0, 10)
+    changed = DATA[:20] + b"\0" * 10 + DATA[30:]
+    assert h.hexdigest(len(DATA)) == blake3.blake3(changed).hexdigest()
+
+
+def test_an_incomplete_or_overlapping_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "out"
+    path.write_bytes(DATA)
+    h = FileHash(path)
     (a, first), (b, second), *_ = pieces(4)
-    h.feed(b, second)
+    h.written(b, len(second))
     with pytest.raises(MergeError, match="out of order"):
         h.hexdigest(len(DATA))
     with pytest.raises(MergeError, match="written twice"):
-        h.feed(b, second)
-    h.feed(a, first)
+        h.written(b, len(second))
+    h.written(a, len(first))
     with pytest.raises(MergeError, match="written twice"):
-        h.feed(a, first)
+        h.written(a, len(first))
     with pytest.raises(MergeError, match=f"{len(first) + len(second)} of {len(DATA)} bytes"):
+        h.hexdigest(len(DATA))
+    h.close()
+
+
+def test_the_hash_follows_the_writes_in_the_background(tmp_path: Path, small_chunks: None) -> None:
+    """Once `CHUNK` contiguous bytes are written the hash catches up on its own thread;
+    `wait_hashed` returns once the bytes before it are hashed (a staging file may then drop
+    them)."""
+    path = tmp_path / "out"
+    path.write_bytes(DATA)
+    h = FileHash(path)
+    h.written(0, 30000)
+    h.wait_hashed(30000)
+    assert h.hashed == 30000
+    with pytest.raises(MergeError, match="internal error: 40000 bytes to hash, 30000 written"):
+        h.wait_hashed(40000)
+    h.written(30000, len(DATA) - 30000)
+    assert h.hexdigest(len(DATA)) == WANT["blake3"]
+
+
+def test_a_read_error_is_raised_to_whoever_asks_for_the_digest(tmp_path: Path) -> None:
+    path = tmp_path / "out"
+    path.write_bytes(DATA[:100])  # shorter than what is said to be written: no mapping
+    h = FileHash(path)
+    h.written(0, len(DATA))
+    with pytest.raises(MergeError, match="could not be hashed"):
         h.hexdigest(len(DATA))
 
 
-def test_threads_hand_their_blocks_over_in_turn() -> None:
-    """Eight threads, each with one block, started in reverse: each waits for its turn."""
-    h = FileHash()
-    blocks = pieces(8, seed=3)
-    threads = [threading.Thread(target=h.feed_in_turn, args=p) for p in reversed(blocks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=10)
-    assert not any(t.is_alive() for t in threads)
-    assert h.hexdigest(len(DATA)) == hashlib.sha256(DATA).hexdigest()
-
-
-def test_abort_releases_every_waiting_thread() -> None:
-    h = FileHash()
-    errors: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            h.feed_in_turn(100, b"x")
-        except MergeError as exc:
-            errors.append(exc)
-
-    t = threading.Thread(target=wait)
-    t.start()
-    h.abort("a copy failed")
-    t.join(timeout=10)
-    assert not t.is_alive()
-    assert [str(e) for e in errors] == ["the output's hash was abandoned: a copy failed"]
-    with pytest.raises(MergeError, match="abandoned"):
-        h.feed(0, b"y")
-
-
-def test_deferred_bytes_are_read_from_their_source_in_turn(tmp_path: Path) -> None:
-    """Bytes copied in the kernel after a gap: hashed from the source once the gap is filled."""
-    src = tmp_path / "src.bin"
-    src.write_bytes(b"\0" * 100 + DATA[3000:])
-    h = FileHash()
-    h.feed(0, DATA[:1000])
-    h.defer(3000, src, 100, len(DATA) - 3000)
-    assert h.frontier == 1000  # the gap [1000, 3000) is not written yet
-    h.feed(1000, DATA[1000:3000])
-    assert h.frontier == len(DATA)
-    assert h.hexdigest(len(DATA)) == hashlib.sha256(DATA).hexdigest()
-
-
-def test_written_bytes_out_of_turn_are_read_back_from_the_output(tmp_path: Path) -> None:
-    """`feed_written`: a piece in turn is hashed from memory; one out of turn is kept as its
-    place in the output only, and read back from the output file when the hash reaches it."""
-    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        h = FileHash()
-        shuffled = pieces(30, seed=7)
-        random.Random(7).shuffle(shuffled)
-        for offset, data in shuffled:
-            os.pwrite(fd, data, offset)
-            h.feed_written(fd, offset, data)
-            assert not any(isinstance(p, bytes) for p in h._pending.values())
-        assert h.hexdigest(len(DATA)) == hashlib.sha256(DATA).hexdigest()
-        # what is hashed out of turn is the output's bytes when the hash reaches them
-        h = FileHash()
-        h.feed_written(fd, 10, DATA[10:])
-        os.pwrite(fd, b"\0" * 10, 20)
-        h.feed_written(fd, 0, DATA[:10])
-        changed = DATA[:20] + b"\0" * 10 + DATA[30:]
-        assert h.hexdigest(len(DATA)) == hashlib.sha256(changed).hexdigest()
-    finally:
-        os.close(fd)
-
-
 def test_hashing_registers_a_descriptor_for_the_block_only(tmp_path: Path) -> None:
-    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        h = FileHash()
+        h = FileHash(path)
         with hashing(fd, h):
             assert hash_of(fd) is h
-            with pytest.raises(MergeError, match="hashed twice"), hashing(fd, FileHash()):
+            with pytest.raises(MergeError, match="hashed twice"), hashing(fd, FileHash(path)):
                 pass
         assert hash_of(fd) is None
         with hashing(fd, None):

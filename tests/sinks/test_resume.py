@@ -37,9 +37,10 @@ def saves(tmp_path_factory: pytest.TempPathFactory) -> Saves:
     return two_saves(tmp_path_factory.mktemp("saves"))
 
 
-# each save of the journal of a local merge (its first: the empty one; each later one adds one
-# finished file, whose hash is done)
+# each save of the journal of a local merge (its first: the empty one; each later one, on the
+# journal's thread, adds one finished file, whose hash is done)
 JOURNAL_SAVED = r"/\.out\.tmp-[^/]+/" + re.escape(Path(JOURNAL_NAME).with_suffix(".tmp").name) + "$"
+JOURNAL_THREAD = "^shardforge-journal"
 
 
 def test_a_killed_merge_resumes_keeping_its_finished_files(
@@ -55,10 +56,9 @@ def test_a_killed_merge_resumes_keeping_its_finished_files(
     )
     (tmp_path / "cfg.yml").write_text(yaml.safe_dump(config))
     out = tmp_path / "out"
-    # stopped once the journal holds two finished files (its first save is the empty one;
-    # each later save adds one file, whose hash is done): not at a moment that races hashing
-    journal = r"/\.out\.tmp-[^/]+/" + re.escape(Path(JOURNAL_NAME).with_suffix(".tmp").name) + "$"
-    gate = Gate(tmp_path / "gate", "os:replace", journal, nth=3)
+    # stopped once the journal holds two finished files (each save on the journal's thread adds
+    # one file, whose hash is done): not at a moment that races hashing
+    gate = Gate(tmp_path / "gate", "os:replace", JOURNAL_SAVED, thread=JOURNAL_THREAD, nth=2)
     cmd = [
         sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(tmp_path / "cfg.yml"),
         "--output_path", str(out), "--checkpoint", str(folder), "--max_shard_size", "150KB",
@@ -108,7 +108,7 @@ def test_resume_over_a_checkpoint_replaced_by_another_save_is_refused(
     shutil.copytree(saves.a, ck)
     (tmp_path / "cfg.yml").write_text(yaml.safe_dump(saves.config()))
     out = tmp_path / "out"
-    gate = Gate(tmp_path / "gate", "os:replace", JOURNAL_SAVED, nth=3)  # 2 files finished
+    gate = Gate(tmp_path / "gate", "os:replace", JOURNAL_SAVED, thread=JOURNAL_THREAD, nth=2)
     cmd = [
         sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(tmp_path / "cfg.yml"),
         "--output_path", str(out), "--checkpoint", str(ck), "--max_shard_size", "1MB", "--quiet",

@@ -11,7 +11,8 @@ write it too. Before anything in it is used:
    17th bracket, never handed to a recursive parser;
 3. it is checked against the schema the writer (`sinks.manifest`) follows: every field of the
    kind written (sizes and offsets non-negative integers, hashes hex digests, CRC-32s 32-bit),
-   the first wrong one named in one `error:` line;
+   the first wrong one named in one `error:` line; version 1 (SHA-256 digests) and version 2
+   (the digests of the hash its `hash` names: BLAKE3 or SHA-256) are read;
 4. every path in it (the output's files, the checkpoint's files) is a plain relative path:
    no absolute path, no ``..``, ``.`` or empty part, no backslash or NUL; on a local disk
    `cli.verify` also refuses a file that resolves outside its directory through a symlink
@@ -28,6 +29,10 @@ from typing import Any
 
 from shardforge.errors import MergeError, shown
 from shardforge.sinks.manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, canonical
+
+# the versions read, and the hash of each file's digest in each (version 2: its `hash`)
+VERSIONS = (1, MANIFEST_VERSION)
+HASHES = ("blake3", "sha256")
 
 # a manifest is about 100 bytes per file and per checkpoint record: 64 MiB is over 500,000
 MAX_MANIFEST_BYTES = 64 << 20
@@ -51,10 +56,13 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
         raise MergeError(f"{where}: not readable as JSON ({type(exc).__name__})") from None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
         raise MergeError(f"{where}: not a {MANIFEST_FORMAT} document")
-    if doc.get("version") != MANIFEST_VERSION:
+    if doc.get("version") not in VERSIONS or type(doc.get("version")) is not int:
         raise MergeError(
-            f"{where}: version {shown(doc.get('version'))}; this shardforge reads version 1"
+            f"{where}: version {shown(doc.get('version'))}; this shardforge reads versions "
+            f"{', '.join(map(str, VERSIONS))} (a newer shardforge wrote it: verify with that)"
         )
+    if doc["version"] > 1 and doc.get("hash") not in HASHES:
+        _bad(where, "hash", doc.get("hash"), f"one of {', '.join(HASHES)}")
     if doc.get("checksum") != hashlib.sha256(canonical(doc)).hexdigest():
         raise MergeError(f"{where}: changed after it was written (its own checksum does not match)")
     check_schema(doc, where)
@@ -87,7 +95,7 @@ def check_schema(doc: dict[str, Any], where: str) -> None:
         _path(name, at, where)
         if name == MANIFEST:
             raise MergeError(f"{where}: lists itself under files; {_FIX}")
-        _fields(entry, at, where, size=_count, sha256=_sha256)
+        _fields(entry, at, where, size=_count, **{hash_of(doc): _DIGESTS[hash_of(doc)]})
     for i, source in enumerate(_typed(doc.get("source"), list, "source", where)):
         at = f"source[{i}]"
         _fields(source, at, where, location=_text, format=_text)
@@ -100,6 +108,11 @@ def check_schema(doc: dict[str, Any], where: str) -> None:
             records = _typed(entry.get("records", []), list, f"{here}.records", where)
             for k, record in enumerate(records):
                 _record(record, f"{here}.records[{k}]", where)
+
+
+def hash_of(doc: dict[str, Any]) -> str:
+    """The hash of the files' digests: version 1's SHA-256, else the one `hash` names."""
+    return "sha256" if doc["version"] == 1 else str(doc["hash"])
 
 
 def _record(record: Any, at: str, where: str) -> None:
@@ -126,10 +139,16 @@ def _sha256(value: Any) -> bool:
     return type(value) is str and _HEX64.fullmatch(value) is not None
 
 
+def _blake3(value: Any) -> bool:
+    return type(value) is str and _HEX64.fullmatch(value) is not None
+
+
+_DIGESTS: dict[str, Callable[[Any], bool]] = {"blake3": _blake3, "sha256": _sha256}
 _KINDS: dict[Callable[[Any], bool], str] = {
     _count: "a byte count (an integer, 0 or more)",
     _text: "a string",
     _sha256: "a SHA-256 (64 lowercase hex digits)",
+    _blake3: "a BLAKE3 (64 lowercase hex digits)",
 }
 
 

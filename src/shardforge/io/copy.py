@@ -13,13 +13,10 @@
   more than they sped up the copy, benchmarks/README.md, "Session F: the byte-path profile"),
   at most `MAX_COPY_THREADS`, `SHARDFORGE_COPY_THREADS` to choose. The copies happen in the
   kernel, the GIL released, so the merge goes on importing and checking meanwhile; no tensor
-  bytes pass through Python. Into an output file whose SHA-256 is computed as it is written
-  (`io.digest.hashing`), the jobs instead run in the order of their output bytes, each block of
-  the source mapped (`mmap`, no copy in this process), handed to the hash in turn and then
-  copied in the kernel: the hash runs on the copy's threads (at most `HASHED_COPY_THREADS`:
-  one hashes while the others map the next block and copy the last), and no byte is copied
-  twice (measured against reading each block into a buffer and writing it:
-  benchmarks/README.md, "The integrity manifest").
+  bytes pass through Python. Into an output file whose hash the manifest lists
+  (`io.digest.hashing`), the jobs run in the order of their output bytes instead, so that the
+  hash, which reads the written bytes back on a thread of its own, follows the copy closely;
+  every write tells the hash where it landed (`FileHash.written`), nothing else.
 - Read-ahead: jobs are cut into `pieces` of at most `READ_PIECE` bytes, each asked of the
   kernel ahead of its copy (`io.readahead.ReadAhead`).
 """
@@ -27,13 +24,11 @@
 from __future__ import annotations
 
 import errno
-import functools
-import mmap
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar, copy_context
 from dataclasses import dataclass
@@ -41,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from shardforge.errors import CheckpointError
-from shardforge.io.digest import FileHash, HashAbandoned, hash_of
+from shardforge.io.digest import hash_of
 from shardforge.io.dtypes import torch_ready
 from shardforge.io.files import open_regular
 from shardforge.io.readahead import ReadAhead, read_ahead_depth
@@ -54,16 +49,11 @@ T = TypeVar("T")
 
 # copy threads: at most this many, on the cores less one (`copy_threads`)
 MAX_COPY_THREADS = 8
-# ... and at most this many on the jobs of one hashed output file (each maps a HASH_BLOCK)
-HASHED_COPY_THREADS = 3
 THREADS_ENV = "SHARDFORGE_COPY_THREADS"  # the copy threads, chosen (a positive integer)
 # a copy job's largest piece, and one read-ahead request: several MB per request
 READ_PIECE = 8 << 20
 # one copy_file_range call (or one bounded read + write where it is unsupported) moves at most this
 COPY_BLOCK = 64 << 20
-# a copy into a hashed output file is hashed from a mapping of its source, this many bytes at a
-# time per thread (what one thread holds mapped)
-HASH_BLOCK = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -207,46 +197,29 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """Write all of `data` at `offset` of `fd` (and feed the file's hash, if it has one)."""
-    view = data.cast("B")
-    h = hash_of(fd)
-    if h is not None:
-        h.feed(offset, view)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+    """Write all of `data` at `offset` of `fd` (and tell the file's hash, if it has one)."""
+    pwrite_then_hash(fd, data, offset)
 
 
 def pwrite_then_hash(fd: int, data: memoryview, offset: int) -> None:
-    """Write all of `data` at `offset` of `fd`, then feed the file's hash (if it has one): a
-    piece out of turn is read back from `fd` when the hash reaches it (`FileHash.feed_written`),
-    not kept. For writers whose pieces arrive out of order (a stored object's parallel GETs)."""
+    """Write all of `data` at `offset` of `fd`, then tell the file's hash (if it has one) that
+    these bytes are written (`FileHash.written`: it reads them back from the file)."""
     view = data.cast("B")  # lengths in bytes, whatever the element type
     _write_plain(fd, view, offset)
     h = hash_of(fd)
     if h is not None:
-        h.feed_written(fd, offset, view)
+        h.written(offset, len(view))
 
 
 def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
     """Copy bytes file to file, in the kernel where possible (a stand-in of a stored object:
-    its bytes by ranged requests, several at a time); into a hashed output file
-    (`io.digest.hashing`), each block is hashed from a mapping of the source first."""
-    h = hash_of(dst)
-    if h is not None:
-        _hash_and_copy(src, dst, src_off, dst_off, count, h, in_turn=False)
-    else:
-        _kernel_copy(src, dst, src_off, dst_off, count)
-
-
-def _kernel_copy(src: int, dst: int, src_off: int, dst_off: int, count: int) -> None:
-    """`copy_file_range` (or a bounded read + write where it is unsupported); a stored
-    object's stand-in by its ranged requests (their bytes written by `pwrite_then_hash`, which
-    feeds the output's hash if it has one)."""
+    its bytes by ranged requests, several at a time); each block copied into a hashed output
+    file (`io.digest.hashing`) is told to its hash once written."""
     remote = remote_of(src)
-    if remote is not None:
+    if remote is not None:  # each part written by `pwrite_then_hash`
         remote.copy_to(dst, src_off, dst_off, count, write=pwrite_then_hash)
         return
+    h = hash_of(dst)
     while count > 0:
         try:
             n = os.copy_file_range(src, dst, min(count, COPY_BLOCK), src_off, dst_off)
@@ -260,33 +233,8 @@ def _kernel_copy(src: int, dst: int, src_off: int, dst_off: int, count: int) -> 
                 raise CheckpointError("unexpected end of a data file while copying")
             _write_plain(dst, memoryview(data), dst_off)
             n = len(data)
-        src_off, dst_off, count = src_off + n, dst_off + n, count - n
-
-
-def _hash_and_copy(
-    src: int, dst: int, src_off: int, dst_off: int, count: int, h: FileHash, in_turn: bool
-) -> None:
-    """Copy into a hashed output, block by block: the source's block is mapped and hashed
-    (no copy of it in this process), then copied in the kernel. `in_turn`: the block waits for
-    its turn in the file (`FileHash.feed_in_turn`: copy jobs in file order on several
-    threads), else it is kept until then (`FileHash.feed`). A stored object's stand-in has no
-    bytes to map: its ranged requests feed the hash as they are written (kept until their
-    turn)."""
-    if remote_of(src) is not None:
-        _kernel_copy(src, dst, src_off, dst_off, count)
-        return
-    size = os.fstat(src).st_size
-    if src_off + count > size:  # mapped bytes past the end would be a SIGBUS, not an error
-        raise CheckpointError(
-            f"a data file ends at byte {size}, before the {count} bytes at {src_off} to copy"
-        )
-    while count > 0:
-        n = min(count, HASH_BLOCK)
-        start = src_off - src_off % mmap.ALLOCATIONGRANULARITY
-        mapped = mmap.mmap(src, n + src_off - start, mmap.MAP_SHARED, mmap.PROT_READ, offset=start)
-        with mapped, memoryview(mapped)[src_off - start :] as block:
-            (h.feed_in_turn if in_turn else h.feed)(dst_off, block)
-        _kernel_copy(src, dst, src_off, dst_off, n)
+        if h is not None:
+            h.written(dst_off, n)
         src_off, dst_off, count = src_off + n, dst_off + n, count - n
 
 
@@ -307,25 +255,13 @@ def _run(job: CopyJob, copy: Callable[[int, int, int, int, int], None]) -> None:
 
 
 def write_order(job: CopyJob) -> tuple[int, int]:
-    """Jobs that feed their output file's hash run in the order of their output bytes."""
+    """Jobs into a hashed output run in the order of their output bytes (its hash follows)."""
     return job.dst_fd, job.dst_offset
 
 
-def _in_turn(jobs: Sequence[CopyJob]) -> FileHash | None:
-    """The hash of the one output file the jobs fill, when they cover a contiguous range from
-    where that hash stands (then they hand it their blocks in turn, on several threads); None
-    when the output is not hashed, or the jobs leave gaps (then each block is kept until its
-    turn: `FileHash.feed`)."""
-    fds = {job.dst_fd for job in jobs}
-    h = hash_of(next(iter(fds))) if len(fds) == 1 else None
-    if h is None:
-        return None
-    at = h.frontier
-    for job in sorted(jobs, key=write_order):
-        if job.dst_offset != at:
-            return None
-        at += job.nbytes
-    return h
+def _hashed(jobs: Sequence[CopyJob]) -> bool:
+    """Whether the jobs fill hashed output files (`io.digest.hashing`)."""
+    return bool(jobs) and all(hash_of(job.dst_fd) is not None for job in jobs)
 
 
 def read_order(job: CopyJob) -> tuple[str, int]:
@@ -343,20 +279,17 @@ def _env_int(name: str) -> int | None:
         return None
 
 
-def copy_threads(hashed: bool = False) -> int:
+def copy_threads() -> int:
     """Copies in flight at once: `SHARDFORGE_COPY_THREADS` when set; else the cores less one
     (one left to the rest of the merge: 1 on a 2-core machine), at most `MAX_COPY_THREADS`, and
     no more than `OMP_NUM_THREADS` where that is set (a merge rank's share of the cores; 1 for
-    the merge that runs beside training). `hashed`: the jobs of one hashed output file, at most
-    `HASHED_COPY_THREADS` (its hash is one stream; each thread maps a block of the source)."""
+    the merge that runs beside training)."""
     chosen = _env_int(THREADS_ENV)
     if chosen is not None and chosen > 0:
-        n = chosen
-    else:
-        share = _env_int("OMP_NUM_THREADS")
-        share = MAX_COPY_THREADS if share is None else share
-        n = max(1, min(MAX_COPY_THREADS, share, (os.cpu_count() or 1) - 1))
-    return min(n, HASHED_COPY_THREADS) if hashed else n
+        return chosen
+    share = _env_int("OMP_NUM_THREADS")
+    share = MAX_COPY_THREADS if share is None else share
+    return max(1, min(MAX_COPY_THREADS, share, (os.cpu_count() or 1) - 1))
 
 
 def pieces(jobs: Sequence[CopyJob], size: int | None = None) -> list[CopyJob]:
@@ -388,16 +321,13 @@ def copy_jobs(
     the jobs not started yet, and then this returns False. The first error is raised once the
     copies already running have finished.
 
-    Jobs that fill a hashed output file (`io.digest.hashing`) contiguously instead run in
-    `write_order`, each block of the source mapped, handed to the file's hash in turn and
-    copied in the kernel (the hash runs on these threads, as the bytes are copied)."""
-    in_turn = _in_turn(jobs)
-    ordered = pieces(sorted(jobs, key=read_order if in_turn is None else write_order))
-    n = copy_threads(hashed=in_turn is not None) if threads is None else threads
-    runner = copy if in_turn is None else functools.partial(_hash_and_copy, h=in_turn, in_turn=True)
+    Jobs that fill hashed output files (`io.digest.hashing`) run in `write_order` instead:
+    each file's hash reads its written bytes back as the copy advances through it."""
+    ordered = pieces(sorted(jobs, key=write_order if _hashed(jobs) else read_order))
+    n = copy_threads() if threads is None else threads
     ahead = ReadAhead(ordered, read_ahead_depth(n)) if hasattr(os, "posix_fadvise") else None
     try:
-        return _run_all(ordered, runner, n, in_turn, ahead, progress, stop)
+        return _run_all(ordered, copy, n, ahead, progress, stop)
     finally:
         if ahead is not None:
             ahead.close()
@@ -407,7 +337,6 @@ def _run_all(
     ordered: Sequence[CopyJob],
     runner: Callable[[int, int, int, int, int], None],
     n: int,
-    in_turn: FileHash | None,
     ahead: ReadAhead | None,
     progress: Callable[[int], None] | None,
     stop: Callable[[], bool] | None,
@@ -416,17 +345,10 @@ def _run_all(
 
     def one(index: int, job: CopyJob) -> bool:
         if stop is not None and stop():
-            if in_turn is not None:
-                in_turn.abort("the copy was stopped")
             return False
         if ahead is not None:
             ahead.started(index)
-        try:
-            _run(job, runner)
-        except BaseException as exc:
-            if in_turn is not None:  # the jobs after this one wait for its bytes: release them
-                in_turn.abort(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            raise
+        _run(job, runner)
         return True
 
     if n <= 1 or len(ordered) <= 1:
@@ -446,23 +368,8 @@ def _run_all(
                     done = False
                 elif progress is not None:
                     progress(job.nbytes)
-        except BaseException as exc:
+        except BaseException:
             for fut in futures:
                 fut.cancel()
-            if isinstance(exc, HashAbandoned):  # an earlier job released by a later failure
-                cause = _first_cause(futures)
-                if cause is not None:
-                    raise cause from None
             raise
     return done
-
-
-def _first_cause(futures: Sequence[Future[bool]]) -> BaseException | None:
-    """The first error of the finished jobs that is not a released hash (`HashAbandoned`)."""
-    for fut in futures:
-        if fut.cancelled():
-            continue
-        exc = fut.exception()
-        if exc is not None and not isinstance(exc, HashAbandoned):
-            return exc
-    return None

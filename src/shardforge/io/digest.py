@@ -1,180 +1,185 @@
-"""The SHA-256 of an output file, computed from the bytes as they are written (never read back).
+"""The hash of an output file, taken from the output's own bytes as they are written.
 
-SHA-256 takes a file's bytes in order, and the merge writes them in another: copies start in
-the order of their source bytes, casts run on several threads, an early copy fills some tensors
-before the rest are known. A `FileHash` therefore takes every piece written at its offset and
-hashes in file order:
+The integrity manifest (`sinks.manifest`) lists each file's BLAKE3 (the default: multithreaded
+within one file, about 5 GB/s per core) or SHA-256 (`--manifest_hash sha256`, for comparing
+with the digests the Hub lists). Both take a file's bytes in order; the merge writes them in
+another (copies on several threads, casts, an early copy that fills some tensors before the rest
+are known). A `FileHash` is therefore told where each write landed (`written(offset, n)`), and
+hashes, on a thread of its own, what lies before the frontier of contiguous written bytes: read
+back from the output file (a mapping of its page cache, `HASH_SLICE` at a time), so the digest is
+that of the very bytes written, never of a separate read of the input. The copy never waits for
+the hash: the hash follows it a few tens of MB behind (`CHUNK`), and the copy's threads stay
+free; a finished file's digest (`hexdigest`) waits only for that remainder.
 
-- `feed(offset, data)`: a piece written at `offset`; hashed at once when everything before it
-  has been, else kept (a copy) until then. The writers of one output file keep to its order
-  tensor by tensor, so what is kept stays within about one tensor.
-- `feed_in_turn(offset, data)`: the same, but waits until everything before `offset` has been
-  hashed: the copy jobs of one file, run in file order on several threads, hand their blocks
-  over this way (each thread holds one block; `io.copy.copy_jobs`).
-- `defer(offset, path, src_offset, n)`: bytes copied in the kernel (`copy_file_range`) while
-  an earlier range is not written yet; they are read from their source file when the hash
-  reaches them (the early copy's tensors after a gap: `merge.overlap`).
-- `feed_written(fd, offset, data)`: a piece already written at `offset` of the output `fd`;
-  hashed at once when in turn, else read back from the output (its page cache) when the hash
-  reaches it, nothing kept. The parallel ranged GETs of a stored object (`io.remote`) write
-  their bodies this way: up to `PARALLEL` parts arrive out of order, and keeping them would
-  hold about 100 MB per stream.
-
-`hashing(fd, h)` registers `h` for the open output file `fd`: `io.copy`'s `pwrite_all` and
-`copy_range` then feed it every byte they write there, whichever code calls them (a format's
-`TensorSource.write`, a cast thread). `abort()` wakes every waiting thread with an error, so a
-failed or stopped copy never leaves one waiting.
+`hashing(fd, h)` registers `h` for the open output file `fd`: `io.copy`'s `pwrite_all`,
+`copy_range` and `pwrite_then_hash` then tell it of every byte they write there, whichever code
+calls them (a format's `TensorSource.write`, a cast thread, a stored object's ranged GETs).
+`hash_file` hashes a whole file already written (the small files beside the weights, the files a
+merge on several ranks wrote together, a kept file of `--resume`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import mmap
 import os
 import threading
+import weakref
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shardforge.errors import MergeError
-from shardforge.io.files import open_regular, read_exact_into
 
-# bytes of a deferred piece read (and hashed) at a time
-DEFERRED_BLOCK = 8 << 20
-
-
-class HashAbandoned(MergeError):
-    """A piece could not be hashed because another writer of the file failed or stopped
-    (`FileHash.abort`): a consequence, never the cause, of the error to report."""
-
-
-@dataclass(frozen=True)
-class _Deferred:
-    """`n` bytes at `src_offset` of `path`, copied to the output without passing through here."""
-
-    path: Path
-    src_offset: int
-    n: int
+BLAKE3 = "blake3"
+SHA256 = "sha256"
+ALGORITHMS = (BLAKE3, SHA256)  # the manifest's hash: the first is the default
+DEFAULT = BLAKE3
+# the hash runs once this many contiguous bytes are written and not hashed yet
+CHUNK = 32 << 20
+# bytes of the output mapped at a time (the mapping's pages count in the process's RSS)
+HASH_SLICE = 16 << 20
+# hashes running at once (each BLAKE3 also uses every core for a large slice)
+HASH_THREADS = 2
 
 
-@dataclass(frozen=True)
-class _Written:
-    """`n` bytes already written at `offset` of the open output file `fd`."""
+def new_hasher(algo: str) -> Any:
+    """A fresh hasher of `algo` (`ALGORITHMS`); BLAKE3 on every core."""
+    if algo == BLAKE3:
+        import blake3
 
-    fd: int
-    offset: int
-    n: int
+        return blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if algo == SHA256:
+        return hashlib.sha256()
+    raise MergeError(f"internal error: unknown hash {algo!r}")
+
+
+def hash_file(path: Path, algo: str) -> str:
+    """The `algo` digest of a whole file already written (BLAKE3 on every core)."""
+    h = new_hasher(algo)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _hash_fd(h, fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    return str(h.hexdigest())
+
+
+def _hash_fd(h: Any, fd: int, start: int, stop: int) -> None:
+    """Feed `h` the bytes [start, stop) of `fd`, mapped `HASH_SLICE` at a time."""
+    while start < stop:
+        end = min(stop, start + HASH_SLICE)
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        mapped = mmap.mmap(fd, end - base, mmap.MAP_SHARED, mmap.PROT_READ, offset=base)
+        with mapped, memoryview(mapped) as whole, whole[start - base :] as view:
+            h.update(view)
+        start = end
+
+
+_POOL = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="shardforge-hash")
 
 
 class FileHash:
-    """The SHA-256 of one output file, fed its pieces in any order (see the module docstring)."""
+    """The `algo` digest of the output file at `path`, read back behind its writers (see the
+    module docstring). `written` from any thread; `hexdigest` once every byte is written."""
 
-    def __init__(self) -> None:
-        self._sha = hashlib.sha256()
-        self.frontier = 0  # every byte before it is hashed
-        self._pending: dict[int, bytes | _Deferred | _Written] = {}
+    def __init__(self, path: Path, algo: str = DEFAULT) -> None:
+        self.algo = algo
+        self._h = new_hasher(algo)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # stays valid across renames
+        self._fd = fd
+        self._close = weakref.finalize(self, os.close, fd)
+        self.frontier = 0  # every byte before it is written
+        self.hashed = 0  # every byte before it is hashed
+        self._pending: dict[int, int] = {}  # offset -> length of a write past the frontier
         self._cond = threading.Condition()
-        self._failed: str | None = None
+        self._busy = False  # a thread is hashing [hashed, ...)
+        self._queued = False  # a background catch-up is submitted
+        self._done = False  # the digest was taken (or the hash closed)
+        self._error: BaseException | None = None
 
-    def feed(self, offset: int, data: bytes | bytearray | memoryview) -> None:
-        """`data` was written at `offset` (hashed now, or kept until its turn)."""
+    def written(self, offset: int, n: int) -> None:
+        """`n` bytes were written at `offset` (the hash catches up in the background)."""
         with self._cond:
             self._check()
-            if offset != self.frontier:
-                self._keep(offset, bytes(data))
-                return
-            self._sha.update(data)
-            self.frontier += len(data)
-            self._advance()
+            if offset < self.frontier or offset in self._pending:
+                raise MergeError(f"internal error: bytes at {offset} were written twice")
+            self._pending[offset] = n
+            while self.frontier in self._pending:
+                self.frontier += self._pending.pop(self.frontier)
+            if not self._queued and not self._busy and self.frontier - self.hashed >= CHUNK:
+                self._queued = True
+                _POOL.submit(self._background)
 
-    def feed_in_turn(self, offset: int, data: bytes | bytearray | memoryview) -> None:
-        """`data` was read for `offset`: wait until every byte before it is hashed, hash it."""
-        with self._cond:
-            while self.frontier < offset and self._failed is None:
-                self._cond.wait()
-            self._check()
-            if self.frontier != offset:
-                raise MergeError(f"internal error: bytes at {offset} were hashed twice")
-            self._sha.update(data)
-            self.frontier += len(data)
-            self._advance()
-
-    def feed_written(self, fd: int, offset: int, data: bytes | bytearray | memoryview) -> None:
-        """`data` is written at `offset` of `fd` (the output): hashed now if in turn, else read
-        back from `fd` when it is (nothing kept meanwhile)."""
-        with self._cond:
-            self._check()
-            if offset != self.frontier:
-                self._keep(offset, _Written(fd, offset, len(data)))
-                return
-            self._sha.update(data)
-            self.frontier += len(data)
-            self._advance()
-
-    def defer(self, offset: int, path: Path, src_offset: int, n: int) -> None:
-        """`n` bytes at `src_offset` of `path` were copied to `offset` in the kernel."""
-        with self._cond:
-            self._check()
-            self._keep(offset, _Deferred(path, src_offset, n))
-            self._advance()
-
-    def abort(self, why: str) -> None:
-        """No more bytes will come: every waiting thread (and later call) raises."""
-        with self._cond:
-            self._failed = self._failed or why
-            self._cond.notify_all()
+    def wait_hashed(self, upto: int) -> None:
+        """Return once every byte before `upto` (written already) is hashed: the caller may
+        then drop them (a staging file's uploaded parts)."""
+        self._drive(upto)
 
     def hexdigest(self, size: int) -> str:
-        """The file's SHA-256, once all `size` bytes were fed."""
+        """The file's digest, once all `size` bytes were written (the rest hashed now)."""
         with self._cond:
-            self._check()
-            if self.frontier != size or self._pending:
+            complete = self.frontier == size and not self._pending
+        if complete:
+            self._drive(size)
+        with self._cond:
+            if not complete or self.hashed != size:
                 raise MergeError(
-                    f"internal error: {self.frontier} of {size} bytes hashed, "
+                    f"internal error: {self.frontier} of {size} bytes written in order, "
                     f"{len(self._pending)} pieces out of order"
                 )
-            return self._sha.hexdigest()
+            self._done = True
+            self._close()
+            return str(self._h.hexdigest())
 
-    def _keep(self, offset: int, piece: bytes | _Deferred | _Written) -> None:
-        if offset < self.frontier or offset in self._pending:
-            raise MergeError(f"internal error: bytes at {offset} were written twice")
-        self._pending[offset] = piece
+    def close(self) -> None:
+        """No digest will be asked for (a failed or discarded write): the output let go."""
+        with self._cond:
+            self._done = True
+            while self._busy:
+                self._cond.wait()
+            self._close()
 
-    def _advance(self) -> None:
-        """Hash the kept pieces that are now in turn; wake the threads waiting for theirs."""
-        while self.frontier in self._pending:
-            piece = self._pending.pop(self.frontier)
-            if isinstance(piece, _Deferred):
-                self._hash_source(piece)
-            elif isinstance(piece, _Written):
-                self._hash_range(piece.fd, piece.offset, piece.n, "the output file")
-                self.frontier += piece.n
-            else:
-                self._sha.update(piece)
-                self.frontier += len(piece)
-        self._cond.notify_all()
+    def _background(self) -> None:
+        with contextlib.suppress(BaseException):  # kept in `_error`, raised to whoever asks
+            self._drive(None)
 
-    def _hash_source(self, piece: _Deferred) -> None:
-        fd = open_regular(piece.path)
-        try:
-            self._hash_range(fd, piece.src_offset, piece.n, str(piece.path))
-        finally:
-            os.close(fd)
-        self.frontier += piece.n
-
-    def _hash_range(self, fd: int, offset: int, n: int, label: str) -> None:
-        """Hash `n` bytes at `offset` of `fd`, read `DEFERRED_BLOCK` at a time."""
-        buf = bytearray(min(n, DEFERRED_BLOCK))
-        done = 0
-        while done < n:
-            view = memoryview(buf)[: min(len(buf), n - done)]
-            read_exact_into(fd, view, offset + done, label)
-            self._sha.update(view)
-            done += len(view)
+    def _drive(self, upto: int | None) -> None:
+        """Hash what is written until `hashed` reaches `upto` (None: the background's turn,
+        which stops once less than `CHUNK` is left to hash)."""
+        while True:
+            with self._cond:
+                while self._busy:
+                    self._cond.wait()
+                if upto is None:
+                    self._queued = False
+                self._check()
+                start, stop = self.hashed, self.frontier
+                if upto is not None and upto > stop:
+                    raise MergeError(f"internal error: {upto} bytes to hash, {stop} written")
+                if self._done or stop == start or (upto is None and stop - start < CHUNK):
+                    return
+                if upto is not None and start >= upto:
+                    return
+                self._busy = True
+            try:
+                _hash_fd(self._h, self._fd, start, stop)
+            except BaseException as exc:
+                with self._cond:
+                    self._error = self._error or exc
+            finally:
+                with self._cond:
+                    self._busy = False
+                    if self._error is None:
+                        self.hashed = stop
+                    self._cond.notify_all()
 
     def _check(self) -> None:
-        if self._failed is not None:
-            raise HashAbandoned(f"the output's hash was abandoned: {self._failed}")
+        if self._error is not None:
+            raise MergeError(f"the output could not be hashed: {self._error}")
 
 
 # open output file descriptor -> the hash its writes feed (`hashing`)
@@ -184,7 +189,7 @@ _LOCK = threading.Lock()
 
 @contextmanager
 def hashing(fd: int, h: FileHash | None) -> Iterator[None]:
-    """Within the block every byte `io.copy` writes to `fd` feeds `h` (None: nothing)."""
+    """Within the block every byte `io.copy` writes to `fd` is told to `h` (None: nothing)."""
     if h is None:
         yield
         return
@@ -202,3 +207,29 @@ def hashing(fd: int, h: FileHash | None) -> Iterator[None]:
 def hash_of(fd: int) -> FileHash | None:
     """The hash that writes to `fd` feed, if any."""
     return _HASHES.get(fd)
+
+
+class Digests(dict[str, "FileHash | str"]):
+    """Each output file's hash as it is written, or its digest already known (a file a
+    resumed merge kept), all of one `algo` (the manifest's)."""
+
+    def __init__(self, algo: str = DEFAULT) -> None:
+        super().__init__()
+        self.algo = algo
+
+    def start(self, name: str, path: Path) -> FileHash:
+        """The hash of the output file `name` at `path`, just created."""
+        h = FileHash(path, self.algo)
+        self[name] = h
+        return h
+
+    def digest(self, name: str, size: int) -> str:
+        """The digest of `name` (`size` bytes, all written)."""
+        value = self[name]
+        return value if isinstance(value, str) else value.hexdigest(size)
+
+    def close(self) -> None:
+        """A write that failed or was discarded: every hash still open let go."""
+        for value in self.values():
+            if isinstance(value, FileHash):
+                value.close()

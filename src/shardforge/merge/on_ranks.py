@@ -18,6 +18,7 @@ import torch.distributed as dist
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import MergeError, ShardforgeError
 from shardforge.io.copy import ReadCache
+from shardforge.io.digest import Digests
 from shardforge.io.dist import finish_together
 from shardforge.io.pins import pin_session
 from shardforge.io.publish import atomic_directory, check_free_space, check_output_path
@@ -114,19 +115,22 @@ def _write_share(prep: Prepared, directory: Path, request: MergeRequest) -> None
         )
 
 
-def _hashes(prep: Prepared, directory: Path) -> dict[str, str] | None:
-    """The SHA-256 of every weights file for the manifest (None: no manifest). Several ranks
-    write each file and SHA-256 is not made of parts, so once all have written, each rank
-    hashes whole files (every `world`-th), read again; every rank gets them all."""
-    if new_hashes() is None:
+def _hashes(prep: Prepared, directory: Path, algo: str) -> Digests | None:
+    """The digest of every weights file for the manifest (None: no manifest). Several ranks
+    write each file and neither hash is made of parts, so once all have written, each rank
+    hashes whole files (every `world`-th; BLAKE3 on every core), read again; every rank gets
+    them all."""
+    hashes = new_hashes(algo)
+    if hashes is None:
         return None
     rank, world = dist.get_rank(), dist.get_world_size()
     names = [f.name for f in prep.plan.files][rank::world]
     mine: dict[str, str] = {}
-    on_every_rank(lambda: mine.update(hash_files(directory, names)))
+    on_every_rank(lambda: mine.update(hash_files(directory, names, algo)))
     parts: list[Any] = [None] * world
     dist.all_gather_object(parts, mine)
-    return {name: digest for part in parts for name, digest in part.items()}
+    hashes.update({name: digest for part in parts for name, digest in part.items()})
+    return hashes
 
 
 def merge_on_ranks(config: ShardforgeConfig, request: MergeRequest) -> Path:
@@ -165,7 +169,7 @@ def _merge_held(config: ShardforgeConfig, request: MergeRequest, out: Path) -> P
         with publish if rank == 0 else _no_directory() as tmp:
             directory = Path(broadcast(str(tmp) if rank == 0 else None))
             _write_share(prep, directory, request)
-            hashes = _hashes(prep, directory)
+            hashes = _hashes(prep, directory, request.manifest_hash)
             if rank == 0:
                 write_index(prep.plan, directory)
                 assert output.companions is not None

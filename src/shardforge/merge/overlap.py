@@ -24,9 +24,9 @@ guess is stopped at once), and, once the copy is done, for every
 copied tensor the same source slabs the real sources give. Only then are the files moved into
 the merge's output directory, and the merge writes what is left (casts, other chunk shapes),
 fsyncs, writes the index and companions, verifies and publishes as it always does. With the
-integrity manifest (`sinks.manifest`) each file's hash is fed as the early copy writes it: the
-tensors before the first one left to the merge are hashed as they are copied; those after it
-are hashed from their source once the merge has written the gap (`io.digest.FileHash.defer`). Any
+integrity manifest (`sinks.manifest`) each file's hash reads back what the early copy wrote,
+up to the first tensor left to the merge, and goes on once the merge has written it (the
+bytes of the output, never of a separate read of the input: `io.digest.FileHash`). Any
 difference (a wrong guess) discards the copy and the merge writes everything itself; any error
 of the merge (a bad input) discards it too, so a refused merge leaves nothing behind. A guess
 never fails a merge: its own errors only mean no early copy.
@@ -65,7 +65,7 @@ from shardforge.io.copy import (
     fact_session,
     pwrite_all,
 )
-from shardforge.io.digest import FileHash, hashing
+from shardforge.io.digest import DEFAULT, Digests, hashing
 from shardforge.io.dtypes import dtype_name, lookup_dtype
 from shardforge.io.fs import preallocate
 from shardforge.io.pins import pin_session
@@ -224,6 +224,7 @@ class CopyTarget:
     dtype: DtypeChoice
     max_shard_size: int | str | None
     keep: tuple[str, ...] = ()  # --keep_dtype
+    manifest_hash: str = DEFAULT  # --manifest_hash
 
 
 class EarlyCopy:
@@ -239,7 +240,7 @@ class EarlyCopy:
         self.guess: Guess | None = None  # set once every early byte is copied
         self.copied: dict[str, list[FileSlab]] = {}  # output name -> the slabs copied
         # file name -> its hash so far (None: no manifest; `io.digest`)
-        self.hashes: dict[str, FileHash | str] | None = new_hashes()
+        self.hashes: Digests | None = new_hashes(target.manifest_hash)
         self.outcome = "running"
         self.started = False  # `start` was called
         self._began = threading.Event()  # the copy's thread runs
@@ -318,43 +319,34 @@ class EarlyCopy:
         self, pf: PlannedFile, entries: Mapping[str, TensorEntry], reader: ReadCache
     ) -> dict[str, list[FileSlab]] | None:
         """Copy what `pf` can take file to file; the slabs copied per tensor, None when the
-        copy was discarded before it ended. With a manifest, the file's hash is fed as it is
-        written (`io.digest`): the tensors before the first one left to the merge are copied
-        through memory in file order and hashed; those after it are copied in the kernel and
-        hashed from their source once the merge has written what lies before them."""
+        copy was discarded before it ended. With a manifest, the file's hash follows the copy,
+        reading the written bytes back (`io.digest`); it stops at the first tensor left to the
+        merge and goes on once the merge has written it."""
         assert self.directory is not None
         copied: dict[str, list[FileSlab]] = {}
-        fd = os.open(self.directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        h = FileHash() if self.hashes is not None else None
+        path = self.directory / pf.name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        h = self.hashes.start(pf.name, path) if self.hashes is not None else None
         try:
             preallocate(fd, pf.size)
-            lead: list[CopyJob] = []  # before the first gap: hashed as they are copied
-            later: list[CopyJob] = []  # after it
-            gap = False
+            jobs: list[CopyJob] = []
             for planned in pf.tensors:
                 entry = entries[planned.spec.name]
                 same = dtype_name(entry.dtype) == dtype_name(planned.spec.dtype)
                 slabs = entry_slabs(entry, reader) if same else None
                 if slabs is None:
-                    gap = True  # left to the merge
-                    continue
+                    continue  # left to the merge
                 copied[planned.spec.name] = slabs
-                (later if gap else lead).extend(
+                jobs.extend(
                     CopyJob(s.path, s.src_offset, fd, planned.offset + s.dst_offset, s.nbytes)
                     for s in slabs
                 )
             with hashing(fd, h):
                 pwrite_all(fd, memoryview(pf.header), 0)
-                if not copy_jobs(lead, copy_range, stop=self._stop.is_set):
+                if not copy_jobs(jobs, copy_range, stop=self._stop.is_set):
                     return None
-            if not copy_jobs(later, copy_range, stop=self._stop.is_set):
-                return None
         finally:
             os.close(fd)
-        if h is not None and self.hashes is not None:
-            for job in later:
-                h.defer(job.dst_offset, job.src, job.src_offset, job.nbytes)
-            self.hashes[pf.name] = h
         return copied
 
     def accept(self, plan: OutputPlan, sources: Mapping[str, TensorSource]) -> bool:
@@ -391,9 +383,7 @@ class EarlyCopy:
                     return f"another source for {name}"
         return None
 
-    def take(
-        self, directory: Path
-    ) -> tuple[dict[str, list[FileSlab]], dict[str, FileHash | str] | None]:
+    def take(self, directory: Path) -> tuple[dict[str, list[FileSlab]], Digests | None]:
         """Move the accepted files into the merge's hidden output directory; the slabs they
         hold and their hashes so far (the sink writes the rest:
         `sinks.safetensors_files.finish_plan`)."""
@@ -414,6 +404,8 @@ class EarlyCopy:
             self._began.wait(START_WAIT_S)
             if self._began.is_set():
                 self._thread.join()
+        if self.hashes is not None and self.directory is not None:
+            self.hashes.close()  # the files' hashes let them go
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             log.debug("early copy removed (%s)", self.outcome)
@@ -471,12 +463,13 @@ def early_copy(
     dtype: DtypeChoice,
     max_shard_size: int | str | None,
     keep: Sequence[str] = (),
+    manifest_hash: str = DEFAULT,
 ) -> Iterator[EarlyCopy | None]:
     """An `EarlyCopy` for the block (the head start's, when it was started for this merge), or
     None when turned off; whatever it wrote and was not moved into the output is removed when
     the block ends, however it ends."""
     target = CopyTarget(
-        candidate, config_source, out, overwrite, dtype, max_shard_size, tuple(keep)
+        candidate, config_source, out, overwrite, dtype, max_shard_size, tuple(keep), manifest_hash
     )
     early = _take_head_start(target)
     if not ENABLED:
@@ -524,6 +517,7 @@ def _head_start_copy(
             dtype,
             request.max_shard_size,
             tuple(request.keep_dtype),
+            request.manifest_hash,
         )
     )
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from shardforge.io.digest import ALGORITHMS
 from shardforge.merge.options import (
     TORCHRUN,
     check_keywords,
@@ -139,10 +140,20 @@ class MergeRequest:
     resume: bool = flag(
         "Continue an interrupted merge to the same output: what it finished (files of its "
         "hidden directory, or parts uploaded to s3://) is re-checked and kept, the rest written.",
-        doc="Finished files are re-checked by size and SHA-256, uploaded parts by size; a merge "
+        doc="Finished files are re-checked by size and digest, uploaded parts by size; a merge "
         "of another plan, or of inputs that changed since (another save of the same shapes, "
         "a file replaced or rewritten), is refused, naming what changed. See "
         "[storage.md](storage.md#resume).",
+    )
+    manifest_hash: str = optional(
+        "The hash of shardforge-manifest.json: blake3 (default; b3sum prints it) or sha256 "
+        "(sha256sum, and the digests the Hugging Face Hub lists).",
+        choices=ALGORITHMS,
+        doc="Each weights file is hashed from its written bytes while the copy goes on; "
+        "BLAKE3 uses every core and keeps up with the copy, SHA-256 (one core, about 1.5 "
+        "GB/s) may add its remainder at the end. `shardforge verify` reads both. See "
+        "[verify.md](verify.md).",
+        default="blake3",
     )
     take_over_lock: bool = flag(
         "Take over the output's lock file when it names a merge on another host (one that no "

@@ -112,6 +112,7 @@ def _early_copy(
         dtype_choice_name(request.dtype),
         request.max_shard_size,
         request.keep_dtype,
+        request.manifest_hash,
     )
 
 
@@ -159,6 +160,7 @@ def _run_prepared(
         request.quiet,
         request.resume,
         request.overwrite_non_model,
+        request.manifest_hash,
     )
     # every input pinned as planned (the head start's files as it first opened them), checked
     # at every read and before publishing (`io.pins`); after `accept`: no parse runs beside it

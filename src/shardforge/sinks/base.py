@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from shardforge.io.digest import DEFAULT
 from shardforge.sinks.plan import OutputPlan, TensorSpec, plan_output
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class WriteOptions:
     quiet: bool = False
     resume: bool = False  # continue an interrupted write to the same output
     overwrite_non_model: bool = False  # overwrite also an output holding more than a model
+    manifest_hash: str = DEFAULT  # the integrity manifest's hash (`io.digest.ALGORITHMS`)
 
     @property
     def model_only(self) -> bool:

@@ -84,7 +84,7 @@ class TransformersSink(Sink):
             # save_pretrained writes through the safetensors library, which gives no bytes to
             # hash on their way: this path (the whole model in memory already) hashes its
             # files once written
-            write_manifest(tmp, new_hashes(), output.sources.values())
+            write_manifest(tmp, new_hashes(options.manifest_hash), output.sources.values())
 
     def verify(self, output: Output, location: Path, progress: Progress | None = None) -> int:
         return HfDirectorySink().verify(output, location, progress)

@@ -91,7 +91,7 @@ class HfDirectorySink(Sink):
                     finish_plan(output.plan, output.sources, tmp, copied, update, journal, hashes)
                     write_index(output.plan, tmp)
                 else:
-                    hashes = new_hashes()
+                    hashes = new_hashes(options.manifest_hash)
                     write_plan(output.plan, output.sources, tmp, update, journal, hashes)
             journal.close()
             if output.companions is not None:
@@ -120,7 +120,7 @@ class AdapterDirectorySink(Sink):
 
     def write(self, output: Output, out: Path, options: WriteOptions) -> None:
         assert output.adapter_config is not None
-        hashes = new_hashes()
+        hashes = new_hashes(options.manifest_hash)
         with atomic_directory(out, options.overwrite, model_only=options.model_only) as tmp:
             with progress(output.plan.total_bytes, "merging", options.quiet) as update:
                 write_plan(output.plan, output.sources, tmp, update, hashes=hashes)

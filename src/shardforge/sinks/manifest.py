@@ -1,17 +1,21 @@
 """The integrity manifest every output directory carries: ``shardforge-manifest.json``.
 
-    {"format": "shardforge-manifest", "version": 1, "written_by": "shardforge 0.1.0",
-     "files": {"model.safetensors": {"size": 4000000000, "sha256": "9f2c..."}, ...},
+    {"format": "shardforge-manifest", "version": 2, "hash": "blake3",
+     "written_by": "shardforge 0.1.0",
+     "files": {"model.safetensors": {"size": 4000000000, "blake3": "9f2c..."}, ...},
      "source": [{"location": "/runs/a/checkpoint-500/pytorch_model_fsdp_0", "format": "dcp",
                  "files": [{"path": "__0_0.distcp", "size": 2000000000,
                             "records": [{"offset": 0, "length": 8392000,
                                          "crc32": {"0/data/0": 2891173640}}, ...]}, ...]}]}
 
-`files` lists every file of the directory but the manifest itself, with its SHA-256. The
-weights are hashed as they are written (`safetensors_files.write_plan` with `hashes`:
-`io.digest.FileHash`, on the copy's threads); the small files beside them (config, generation
-config, tokenizer, index, adapter config: written by transformers or as JSON) are hashed here
-once written. `source` is what the merge read (`CheckpointFormat.identity`): each checkpoint
+`files` lists every file of the directory but the manifest itself, with its digest under the
+name of the manifest's `hash`: BLAKE3 by default (what `b3sum` prints), SHA-256 with
+`--manifest_hash sha256` (what the Hub lists). Version 1 (every manifest before BLAKE3) had no
+`hash` and SHA-256 digests; `shardforge verify` reads both. The weights are hashed from their
+written bytes as the copy goes (`safetensors_files.write_plan` with `hashes`:
+`io.digest.FileHash`, read back on a thread of its own); the small files beside them (config,
+generation config, tokenizer, index, adapter config: written by transformers or as JSON) are
+hashed here once written. `source` is what the merge read (`CheckpointFormat.identity`): each checkpoint
 location, its files and sizes, and the CRC-32 its writer stored for each record where the
 format has them (the SHA-256 of a small file without records, such as `.metadata`).
 `checksum` is the SHA-256 of the rest of the manifest (`canonical`): an edited manifest is
@@ -30,14 +34,14 @@ from typing import Any
 
 from shardforge.formats.base import SourceFile, TensorSource
 from shardforge.formats.registry import format_named
-from shardforge.io.digest import FileHash
+from shardforge.io.digest import DEFAULT, Digests, hash_file
 from shardforge.io.mirror import public_name
 from shardforge.io.model_files import MERGE_MANIFEST
 from shardforge.version import __version__
 
 MANIFEST = MERGE_MANIFEST
 MANIFEST_FORMAT = "shardforge-manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 1: SHA-256 digests, no `hash` (read by `verify` still)
 # Turned off, no manifest is written and nothing is hashed (benchmarks/merge_bench.py's
 # `shardforge_nomanifest` measures what the manifest costs).
 ENABLED = True
@@ -47,19 +51,19 @@ READ_BLOCK = 1 << 20
 SMALL_SOURCE = 16 << 20
 
 
-def new_hashes() -> dict[str, FileHash | str] | None:
-    """Where a writer puts each file's hash as it writes it (None: no manifest)."""
-    return {} if ENABLED else None
+def new_hashes(algo: str = DEFAULT) -> Digests | None:
+    """Where a writer puts each file's `algo` hash as it writes it (None: no manifest)."""
+    return Digests(algo) if ENABLED else None
 
 
 def write_manifest(
     directory: Path,
-    hashes: Mapping[str, FileHash | str] | None,
+    hashes: Digests | None,
     sources: Iterable[TensorSource] = (),
     elsewhere: Mapping[str, int] | None = None,
 ) -> None:
     """Write the manifest of `directory` (every other file in it; `hashes`: the hashes of
-    those hashed as they were written, or their SHA-256 already known; the identity of what
+    those hashed as they were written, or their digest already known; the identity of what
     `sources` were read from); nothing when `hashes` is None (`ENABLED` off). `elsewhere`:
     files of the output that are not in `directory` (name -> size; uploaded already), with
     their hash in `hashes`."""
@@ -71,17 +75,16 @@ def write_manifest(
         if p.is_file() and p.name != MANIFEST
     }
     sizes.update(elsewhere or {})
+    algo = hashes.algo
     files: dict[str, dict[str, Any]] = {}
     for name, size in sorted(sizes.items()):
-        written = hashes.get(name)
-        if written is None:
-            digest = _hash_file(directory / name)
-        else:
-            digest = written if isinstance(written, str) else written.hexdigest(size)
-        files[name] = {"size": size, "sha256": digest}
+        known = name in hashes
+        digest = hashes.digest(name, size) if known else hash_file(directory / name, algo)
+        files[name] = {"size": size, algo: digest}
     doc: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
+        "hash": algo,
         "written_by": f"shardforge {__version__}",
         "files": files,
         "source": source_identity(sources),
@@ -97,15 +100,14 @@ def canonical(doc: Mapping[str, Any]) -> bytes:
     return json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
 
 
-def hash_files(directory: Path, names: Iterable[str]) -> dict[str, str]:
-    """The SHA-256 of files already written (a merge on several ranks: one file's bytes come
-    from several processes, and SHA-256 is not made of parts)."""
-    return {name: _hash_file(directory / name) for name in names}
+def hash_files(directory: Path, names: Iterable[str], algo: str) -> dict[str, str]:
+    """The `algo` digest of files already written (a merge on several ranks: one file's bytes
+    come from several processes, and neither hash is made of parts)."""
+    return {name: hash_file(directory / name, algo) for name in names}
 
 
 def _hash_file(path: Path) -> str:
-    """A file hashed once written: a small one written by another library (config,
-    tokenizer), or `hash_files`'."""
+    """The SHA-256 of a small source file without records (a `.metadata`, an index)."""
     sha = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(READ_BLOCK):

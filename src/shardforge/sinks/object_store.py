@@ -44,12 +44,13 @@ from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from shardforge.errors import MergeError, StorageError
 from shardforge.formats.base import Destination
 from shardforge.formats.sources import TensorSource
 from shardforge.io.copy import ReadCache, pwrite_all
-from shardforge.io.digest import FileHash, hash_of, hashing
+from shardforge.io.digest import ALGORITHMS, hash_of, hashing
 from shardforge.io.fs import punch_hole
 from shardforge.io.mirror import RemoteTarget
 from shardforge.io.model_files import refuse_non_model
@@ -148,7 +149,8 @@ class ObjectStoreSink(Sink):
         """Every file uploaded, then published (`_publish`); any failure before the index is
         published removes what this merge made (module docstring), but a resumed merge refused
         at publishing keeps the interrupted merge's journal and uploads (`PrefixTaken`)."""
-        hashes = new_hashes()  # each file's, as its staging file is filled (`sinks.manifest`)
+        # each file's, as its staging file is filled (`sinks.manifest`)
+        hashes = new_hashes(options.manifest_hash)
         done: list[str] = []  # what this merge made, or may have (recorded before the request)
         try:
             with (
@@ -232,7 +234,7 @@ class ObjectStoreSink(Sink):
                     int(e["part_size"]),
                     completed=e.get("completed"),
                     completing=bool(e.get("completing")),
-                    sha256=e.get("sha256"),
+                    digests=_digests(e),
                 )
             log.info("resuming the interrupted merge to %s", self.target.uri)
         elif resume:
@@ -302,22 +304,23 @@ class ObjectStoreSink(Sink):
                 journal.save()
         if kept is None:  # completed by the interrupted merge, and unchanged
             update(pf.size)
-            if hashes is not None and up.sha256 is not None:
-                hashes[pf.name] = up.sha256
+            if hashes is not None and up.digests.get(hashes.algo) is not None:
+                hashes[pf.name] = up.digests[hashes.algo]
             return
         up.etags = dict(kept)
         staged = self.target.staging / pf.name
         fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        h = FileHash() if hashes is not None else None
         try:
+            h = hashes.start(pf.name, staged) if hashes is not None else None
             os.ftruncate(fd, pf.size)
             with hashing(fd, h):
                 _Parts(self, pf, up, fd, pool).fill(sources, reader, update)
         finally:
             os.close(fd)
-            staged.unlink(missing_ok=True)
+            staged.unlink(missing_ok=True)  # (the hash holds it open until its digest)
         if hashes is not None and h is not None:
-            up.sha256 = hashes[pf.name] = h.hexdigest(pf.size)
+            up.digests = {h.algo: h.hexdigest(pf.size)}
+            hashes[pf.name] = up.digests[h.algo]
             journal.save()
 
     def _send(self, name: str, up: FileUpload, number: int, body: FileRange) -> str:
@@ -489,10 +492,14 @@ class _Parts:
             self.sink.uploaded += b - a
 
     def _settle(self) -> None:
-        """Wait for the oldest upload in flight; its blocks of the staging file go back."""
+        """Wait for the oldest upload in flight; its blocks of the staging file go back (once
+        the file's hash has read them: `io.digest.FileHash.wait_hashed`)."""
         number, fut = self.pending.popleft()
         self.up.etags[number] = fut.result()
         a, b = self.ranges[number - 1]
+        h = hash_of(self.fd)
+        if h is not None:
+            h.wait_hashed(b)
         punch_hole(self.fd, a, b - a)
 
     def _drain(self) -> None:
@@ -503,3 +510,12 @@ class _Parts:
             with contextlib.suppress(BaseException):  # the failure on its way is the one raised
                 fut.exception()
         self.pending.clear()
+
+
+def _digests(entry: Mapping[str, Any]) -> dict[str, str]:
+    """A journal entry's digests by hash name (a journal of an earlier version: its SHA-256)."""
+    found = entry.get("digests")
+    if isinstance(found, dict):
+        return {k: v for k, v in found.items() if k in ALGORITHMS and isinstance(v, str)}
+    sha = entry.get("sha256")
+    return {"sha256": sha} if isinstance(sha, str) else {}

@@ -11,8 +11,9 @@ a copy or a remount, which number devices and inodes anew, is not a change); the
 
 Every local Hugging Face directory write keeps ``.shardforge-resume.json`` in its hidden
 directory: the fingerprint, and for each finished file (written and fsynced) its size and
-SHA-256: the one computed as it was written for the integrity manifest (`sinks.manifest`),
-else hashed on a thread while the next file is written. The journal is removed just before
+digest under the name of its hash (``"blake3"`` or ``"sha256"``): the one taken from its
+written bytes for the integrity manifest (`sinks.manifest`), else its BLAKE3, each taken on a
+thread while the next file is written. The journal is removed just before
 the directory is published. A merge killed with SIGKILL leaves the hidden directory behind;
 `--resume` takes it over (`io.publish`), keeps every finished file whose size and hash still
 match and rewrites the others. The object-store sink keeps its own journal beside the prefix
@@ -25,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +35,7 @@ from typing import Any
 from shardforge.errors import ResumeRefused
 from shardforge.formats.base import TensorSource
 from shardforge.io.copy import session_memo
+from shardforge.io.digest import ALGORITHMS, BLAKE3, FileHash, hash_file
 from shardforge.io.mirror import public_name
 from shardforge.io.pins import pin, what_changed
 from shardforge.sinks.manifest import source_files
@@ -127,14 +130,6 @@ def _inputs_changed(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[s
     return found
 
 
-def sha256_of(path: Path, block: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class LocalJournal:
     """The finished files of one hidden output directory (see the module docstring)."""
 
@@ -142,8 +137,9 @@ class LocalJournal:
         self.directory, self.fingerprint = directory, fp
         self.path = directory / JOURNAL_NAME
         self.finished: dict[str, dict[str, Any]] = {}
-        self._hashing: dict[str, Future[str]] = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardforge-hash")
+        self._hashing: dict[str, Future[None]] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardforge-journal")
         left = self._load() if resume else None
         if left is not None:
             refused = resume_refused(directory, left.get("fingerprint"), fp)
@@ -165,39 +161,46 @@ class LocalJournal:
         os.replace(tmp, self.path)
 
     def kept(self, pf: PlannedFile) -> bool:
-        """Whether the interrupted merge finished `pf` and it is unchanged (size and SHA-256);
+        """Whether the interrupted merge finished `pf` and it is unchanged (size and digest);
         otherwise any partial file of it is removed, to be written again."""
         path = self.directory / pf.name
         entry = self.finished.get(pf.name)
         if entry is not None and path.is_file() and path.stat().st_size == pf.size:
-            if sha256_of(path) == entry.get("sha256"):
+            algo = next((a for a in ALGORITHMS if a in entry), None)
+            if algo is not None and hash_file(path, algo) == entry[algo]:
                 return True
             log.info("%s: changed since the interrupted merge wrote it; writing it again", pf.name)
         self.finished.pop(pf.name, None)
         path.unlink(missing_ok=True)
         return False
 
-    def finish(self, pf: PlannedFile, digest: str | None = None) -> None:
-        """`pf` is written and fsynced: record it with `digest`, its SHA-256 computed as it was
-        written (`sinks.manifest`), else hash it on the journal's thread."""
+    def finish(self, pf: PlannedFile, h: FileHash | None = None) -> None:
+        """`pf` is written and fsynced: record it with its digest, taken on the journal's
+        thread from `h` (its written bytes, hashed for the manifest: `sinks.manifest`), else
+        its BLAKE3 from the file; the journal is saved once it is known."""
         self._collect()
-        if digest is not None:
-            self.finished[pf.name] = {"size": pf.size, "sha256": digest}
-            self._save()
-            return
-        self._hashing[pf.name] = self._pool.submit(sha256_of, self.directory / pf.name)
+        self._hashing[pf.name] = self._pool.submit(self._record, pf, h)
 
-    def digest(self, name: str) -> str:
-        """The SHA-256 recorded for a kept file (`kept`)."""
-        return str(self.finished[name]["sha256"])
+    def _record(self, pf: PlannedFile, h: FileHash | None) -> None:
+        if h is not None:
+            entry = {"size": pf.size, h.algo: h.hexdigest(pf.size)}
+        else:
+            entry = {"size": pf.size, BLAKE3: hash_file(self.directory / pf.name, BLAKE3)}
+        with self._lock:
+            self.finished[pf.name] = entry
+            self._save()
+
+    def digest(self, name: str, algo: str) -> str:
+        """The `algo` digest of a kept file (`kept`): recorded, else taken now."""
+        recorded = self.finished[name].get(algo)
+        return str(recorded) if recorded else hash_file(self.directory / name, algo)
 
     def _collect(self, wait: bool = False) -> None:
+        """Raise the first failure of a finished recording (with `wait`: of every one)."""
         for name, fut in list(self._hashing.items()):
             if wait or fut.done():
-                size = (self.directory / name).stat().st_size
-                self.finished[name] = {"size": size, "sha256": fut.result()}
                 del self._hashing[name]
-                self._save()
+                fut.result()
 
     def close(self) -> None:
         """Every hash recorded; the journal removed (the directory is about to be published)."""

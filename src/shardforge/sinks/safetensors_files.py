@@ -6,23 +6,23 @@ A source whose bytes are slabs of input files (no cast) is copied file to file b
 byte range (`TensorSource.write`: a DCP entry chunk by chunk). Peak memory is therefore
 about one tensor, whatever the model size.
 
-With `hashes` (a directory's integrity manifest, `sinks.manifest`) every file's SHA-256 is
-computed from the bytes as they are written (`io.digest.FileHash`): the tensors are then
-written in file order, runs of slab tensors copied through the copy threads' buffers in the
-order of their output bytes (read, hashed in turn, written), the others fed as they write.
+With `hashes` (a directory's integrity manifest, `sinks.manifest`) every file's hash is taken
+from its written bytes, read back behind the writers on a thread of its own
+(`io.digest.FileHash`): the tensors are then written in file order, runs of slab tensors copied
+in the order of their output bytes, so that the hash follows the copy closely.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardforge.formats.base import Destination, TensorSource
 from shardforge.io.copy import CopyJob, FileSlab, ReadCache, copy_jobs, copy_range, pwrite_all
-from shardforge.io.digest import FileHash, hashing
+from shardforge.io.digest import Digests, FileHash, hashing
 from shardforge.io.fs import preallocate
 from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan, PlannedFile
 
@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from shardforge.sinks.resume import LocalJournal
 
 Progress = Callable[[int], None]
-# file name -> the hash of its bytes as they were written (`sinks.manifest`), or the SHA-256
+# file name -> the hash of its bytes as they were written (`sinks.manifest`), or the digest
 # of a file an interrupted merge wrote and this one kept (`sinks.resume`)
-Hashes = MutableMapping[str, FileHash | str]
+Hashes = Digests
 
 
 def write_plan(
@@ -48,20 +48,18 @@ def write_plan(
     """Create every planned file (and the index when sharded) in `directory`; fsync them.
     With a `journal`, a file an interrupted merge finished is kept (`sinks.resume`) and each
     file written is recorded. With `hashes`, each file's hash as it was written (or, for a
-    kept file, its SHA-256 as the journal recorded it) is added to it."""
+    kept file, its digest as the journal recorded it) is added to it."""
     with ReadCache() as reader:
         for pf in plan.files:
             if journal is not None and journal.kept(pf):
                 progress(pf.size)
                 if hashes is not None:
-                    hashes[pf.name] = journal.digest(pf.name)
+                    hashes[pf.name] = journal.digest(pf.name, hashes.algo)
                 continue
             fd = os.open(directory / pf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             try:
                 preallocate(fd, pf.size)
-                h = None if hashes is None else FileHash()
-                if hashes is not None and h is not None:
-                    hashes[pf.name] = h
+                h = None if hashes is None else hashes.start(pf.name, directory / pf.name)
                 with hashing(fd, h):
                     pwrite_all(fd, memoryview(pf.header), 0)
                     progress(len(pf.header))
@@ -74,10 +72,10 @@ def write_plan(
 
 
 def _finished(pf: PlannedFile, journal: LocalJournal | None, h: FileHash | str | None) -> None:
-    """`pf` is written and fsynced: the journal records it, with the SHA-256 it was written
-    with when it was hashed (else the journal hashes it)."""
+    """`pf` is written and fsynced: the journal records it, with the digest of its written
+    bytes when it was hashed (taken on the journal's thread; else the journal hashes it)."""
     if journal is not None:
-        journal.finish(pf, h.hexdigest(pf.size) if isinstance(h, FileHash) else h)
+        journal.finish(pf, h if isinstance(h, FileHash) else None)
 
 
 def _fill(

@@ -325,7 +325,8 @@ class FileUpload:
     etags: dict[int, str] = field(default_factory=dict)
     completed: str | None = None  # the object's ETag once completed
     completing: bool = False  # its completion was asked for (recorded before the request)
-    sha256: str | None = None  # the file's, as its staging file was filled (`sinks.manifest`)
+    # the file's digest, by hash name, as its staging file was filled (`sinks.manifest`)
+    digests: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -363,7 +364,7 @@ class Journal:
                         "part_size": f.part_size,
                         "completed": f.completed,
                         "completing": f.completing,
-                        "sha256": f.sha256,
+                        "digests": f.digests,
                     }
                     for n, f in self.files.items()
                 },
