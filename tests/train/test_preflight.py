@@ -157,8 +157,8 @@ def test_an_error_found_by_the_ranks_is_printed_once_as_the_last_line(
     )
     assert [line for line in lines if "error:" in line] == lines[-1:], proc.stderr
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
-    notices = [line for line in lines if "notice:" in line]
-    assert notices and len(notices) == len(set(notices)), notices
+    notices = [line for line in lines if "notice:" in line]  # how fsdp_config was read:
+    assert len(notices) == len(set(notices)), notices  # a debug line now; never per rank
 
 
 def _preflight_problem(cfg: dict[str, Any]) -> str:

@@ -228,8 +228,8 @@ def _check_kind(mode: int, lock: Path, output: Path | str) -> None:
     )
     kind = next((name for test, name in kinds if test(mode)), "a device or special file")
     raise ShardforgeError(
-        f"{output}: its lock file {lock} is {kind}, not a file shardforge wrote; remove it "
-        "(shardforge writes a lock file of its own there)"
+        f"{lock}: this lock file of {Path(output).name} is {kind}, not a file shardforge "
+        "wrote; remove it (shardforge writes one of its own there)"
     )
 
 
