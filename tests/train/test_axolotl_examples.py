@@ -41,11 +41,22 @@ PENDING: dict[str, tuple[str, ...]] = {
     "mistral--mistral-qlora-fsdp": ("optimizer",),  # paged_adamw_8bit
     "phi--phi3-ft-fsdp": ("resize_token_embeddings_to_32x",),
 }
+# examples that train and whose adapter loads in PEFT, but that merge-lora does not fuse yet:
+# name -> the start of its error line
+MERGE_PENDING = {
+    # peft wraps the fused experts' down_proj / gate_up_proj parameters for the gate_proj,
+    # up_proj and down_proj names of lora_target_linear (the dense and shared-expert MLPs)
+    "deepseek-v2--qlora-fsdp-2_5": "the adapter changes model.layers.1.mlp.experts.",
+}
 NAMES = [p.stem for p in ex.examples()]
 
 
 class PendingKeyError(Exception):
     """The example stops at a key of `PENDING` (an expected failure, nothing else)."""
+
+
+class MergePendingError(Exception):
+    """merge-lora refuses the example's adapter as `MERGE_PENDING` says (nothing else)."""
 
 
 def overrides(path: Path) -> dict[str, Any]:
@@ -58,9 +69,10 @@ def overrides(path: Path) -> dict[str, Any]:
 
 
 def _train_each(rank: int, world: int, paths: list[str], stores: str, logs: str) -> None:
-    """On each rank: train every config in turn, as a rank of `shardforge train` does (its own
-    process group each); a run that fails writes its error to logs/<name>.error and the next
-    run goes on."""
+    """On each rank: train every config in turn, as a rank of `shardforge train` does (a
+    process group of its own each, with a timeout: a run that fails on one rank stops its
+    peer's collectives too); a run that fails writes its error to logs/<name>.error.<rank>
+    and, once every rank is out of it, the next run starts."""
     import logging
 
     import torch.distributed as dist
@@ -73,18 +85,18 @@ def _train_each(rank: int, world: int, paths: list[str], stores: str, logs: str)
     os.chdir(Path(stores).parent)
     logger = logging.getLogger("shardforge")
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    dist.destroy_process_group()  # run_on_ranks' group: each run makes its own
     for i, path in enumerate(paths):
         name = Path(path).stem
         handler = logging.FileHandler(Path(logs) / f"{name}.log.{rank}")
         logger.addHandler(handler)
-        if not dist.is_initialized():
-            dist.init_process_group(
-                "gloo",
-                init_method=f"file://{stores}/s{i}",
-                rank=rank,
-                world_size=world,
-                timeout=timedelta(seconds=120),
-            )
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{stores}/s{i}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=180),
+        )
         try:
             cfg = load_cfg(path, command="train", **overrides(Path(path)))
             run_training(cfg.to_model())
@@ -95,7 +107,19 @@ def _train_each(rank: int, world: int, paths: list[str], stores: str, logs: str)
         finally:
             logger.removeHandler(handler)
             handler.close()
+        _all_done(Path(stores) / f"done{i}", rank, world)
     dist.init_process_group("gloo", init_method=f"file://{stores}/end", rank=rank, world_size=world)
+
+
+def _all_done(tag: Path, rank: int, world: int) -> None:
+    """Wait (in files, no collective) until every rank got here."""
+    import time
+
+    Path(f"{tag}.{rank}").touch()
+    deadline = time.monotonic() + 600
+    while not all(Path(f"{tag}.{r}").exists() for r in range(world)):
+        assert time.monotonic() < deadline, f"a rank never finished {tag.name}"
+        time.sleep(0.2)
 
 
 def _refusal(path: Path) -> str | None:
@@ -108,7 +132,7 @@ def _refusal(path: Path) -> str | None:
     try:
         preflight(load_cfg(path, command="train", **overrides(path)).to_model(), str(path))
     except ShardforgeError as exc:
-        return exc.message
+        return str(exc)
     return None
 
 
@@ -133,9 +157,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_examples_are_shipped_verbatim_and_only_four_keys_rewritten(
     trained: dict[str, Any],
 ) -> None:
-    assert len(NAMES) >= 12 and set(PENDING) <= set(NAMES)
+    assert len(NAMES) >= 12 and set(PENDING) | set(MERGE_PENDING) <= set(NAMES)
     # at least two thirds run as written
-    assert 3 * (len(NAMES) - len(PENDING)) >= 2 * len(NAMES)
+    assert 3 * (len(NAMES) - len(PENDING) - len(MERGE_PENDING)) >= 2 * len(NAMES)
     for path in ex.examples():
         head = path.read_text().splitlines()[:3]
         assert head[0].startswith("# source: examples/") and "axolotl" in head[0], path.name
@@ -158,14 +182,34 @@ def _failure(trained: dict[str, Any], name: str) -> str | None:
 
 
 def _merged(path: Path, cfg: Any, into: Path) -> Path:
-    """The run's result as a model directory: merge-lora of an adapter run, else the merged
-    sharded checkpoint (merge-sharded-fsdp-weights)."""
+    """The run's result as a model directory: merge-lora of an adapter run; a full fine-tune's
+    sharded checkpoint merged (merge-sharded-fsdp-weights), or its final save where the run
+    saves the full model (FULL_STATE_DICT, as these examples set it)."""
     from shardforge.cli.main import cli
 
+    out = Path(cfg.output_dir)
+    if not cfg.adapter and cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
+        assert not list(out.glob("checkpoint-*")), "a checkpoint the test does not merge"
+        return out
     command = "merge-lora" if cfg.adapter else "merge-sharded-fsdp-weights"
     result = CliRunner().invoke(cli, [command, str(path), "--output_path", str(into), "--quiet"])
+    pending = MERGE_PENDING.get(path.stem)
+    if result.exit_code and pending and f"{cfg.base_model}: {pending}" in result.output:
+        raise MergePendingError(result.output)
     assert result.exit_code == 0, (command, result.output)
     return into
+
+
+def _adapter_loads(cfg: Any) -> None:
+    """The adapter of the run loads in PEFT over the base model as transformers loads it."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(cfg.base_model)
+    model = PeftModel.from_pretrained(base, cfg.output_dir).eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.tensor([[1, 5, 9, 33]])).logits).all()
 
 
 def _keys(model_dir: Path) -> set[str]:
@@ -179,6 +223,10 @@ def _keys(model_dir: Path) -> set[str]:
 
 
 def _param(name: str) -> Any:
+    if name in MERGE_PENDING:
+        reason = "merge-lora does not fuse a LoRA on fused MoE experts yet"
+        mark = pytest.mark.xfail(strict=True, raises=MergePendingError, reason=reason)
+        return pytest.param(name, marks=mark)
     if name not in PENDING:
         return name
     reason = f"train refuses {', '.join(PENDING[name])} until issue 34's change for it lands"
@@ -195,13 +243,15 @@ def test_example_trains_on_two_ranks_merges_and_loads(trained: dict[str, Any], n
     from shardforge.config import load_cfg
 
     failure = _failure(trained, name)
-    if failure is not None and name in PENDING:
-        # expected only where the failure is the pending keys' refusal
-        if all(f"{key}:" in failure for key in PENDING[name]):
-            raise PendingKeyError(failure)
+    # an expected failure only where it is the refusal of the pending keys
+    pending = PENDING.get(name)
+    if failure is not None and pending and all(f"{key}:" in failure for key in pending):
+        raise PendingKeyError(failure)
     assert failure is None, failure
     path = trained["configs"][name]
     cfg = load_cfg(path, command="train", **overrides(path))
+    if cfg.adapter:
+        _adapter_loads(cfg)
     merged = _merged(path, cfg, trained["root"] / "merged" / name)
     base = Path(cfg.base_model)
     assert _keys(merged) == _keys(base), name  # per-expert MoE weights as the base has them
