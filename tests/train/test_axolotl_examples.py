@@ -28,6 +28,9 @@ STEPS = {"max_steps": 2}  # as `shardforge train CONFIG --max_steps 2` gives it
 PACKED_LEN = 128
 REWRITTEN = {"base_model", "output_dir", "dataset_prepared_path", "datasets"}
 
+# Not shipped: examples/mistral/mistral-qlora-fsdp.yml wraps MistralDecoderLayer, which its
+# Mixtral base model lacks: accelerate refuses it as train does (fsdp.transformer_layer_cls_to_wrap).
+
 # examples that stop at a key another change of issue 34 brings (the coordinator removes a row
 # once it has landed): name -> the keys `train` refuses in it today
 PENDING: dict[str, tuple[str, ...]] = {
@@ -38,7 +41,6 @@ PENDING: dict[str, tuple[str, ...]] = {
         "save_only_model",
     ),
     "qwen3--8b-qat-fsdp2": ("qat",),
-    "mistral--mistral-qlora-fsdp": ("optimizer",),  # paged_adamw_8bit
     "phi--phi3-ft-fsdp": ("resize_token_embeddings_to_32x",),
 }
 # examples that train and whose adapter loads in PEFT, but that merge-lora does not fuse yet:
