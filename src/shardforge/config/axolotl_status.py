@@ -257,7 +257,9 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "expert_backend": _u(_MOE_PLUGIN),
     "expert_parallel_backend": _only("expert_parallel_size > 1", "expert parallelism"),
     "expert_parallel_dispatch_chunks": _only("expert_parallel_size > 1", "expert parallelism"),
-    "expert_parallel_fallback_on_unsupported": _only("expert_parallel_size > 1", "expert parallelism"),
+    "expert_parallel_fallback_on_unsupported": _only(
+        "expert_parallel_size > 1", "expert parallelism"
+    ),
     "expert_parallel_num_nvl_bytes": _only("expert_parallel_size > 1", "expert parallelism"),
     "expert_parallel_num_rdma_bytes": _only("expert_parallel_size > 1", "expert parallelism"),
     "expert_parallel_save_dispatch": _only("expert_parallel_size > 1", "expert parallelism"),
@@ -439,7 +441,9 @@ TOP_LEVEL_STATUS: dict[str, AxolotlKey] = {
     "model_config": _i(ours="model_config_overrides"),
     "model_kwargs": _u("extra model loading arguments"),
     "model_quantization_config": _u("quantized model loading (MXFP4/FP8)"),
-    "model_quantization_config_kwargs": _only("model_quantization_config", "quantized model loading"),
+    "model_quantization_config_kwargs": _only(
+        "model_quantization_config", "quantized model loading"
+    ),
     "model_revision": _u("loading a specific model revision"),
     "model_type": _i("read from config.json; AutoModelForCausalLM"),
     "moe_bnb_fast": _only("use_scattermoe", "ScatterMoE expert kernels"),
