@@ -4,6 +4,9 @@ key of ours."""
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import pytest
 
 from shardforge.config.axolotl_keys import CHAT_TEMPLATE_NAMES as AXOLOTL_TEMPLATES
@@ -105,3 +108,69 @@ def test_the_table_is_large_and_classified() -> None:
         assert TOP_LEVEL[key].status == "unsupported", key
     for key in ("use_comet", "dataset_num_proc", "strict"):
         assert TOP_LEVEL[key].status == "ignored", key
+
+
+# the plugin each `_only` row that names a plugin means (Axolotl's class path)
+_PLUGINS = {
+    "the knowledge-distillation plugin": "axolotl.integrations.kd.KDPlugin",
+    "the Grokfast plugin": "axolotl.integrations.grokfast.GrokfastPlugin",
+    "the Spectrum plugin": "axolotl.integrations.spectrum.SpectrumPlugin",
+}
+_SIDE = re.compile(r"read only with (?P<trigger>.+) \((?P<feature>[^()]+)\), which train refuses$")
+
+
+def _triggers() -> dict[str, list[str]]:
+    """trigger (as a row names it) -> the side keys of the rows that name it"""
+    out: dict[str, list[str]] = {}
+    for key, row in TOP_LEVEL.items():
+        m = _SIDE.match(row.note)
+        if m:
+            out.setdefault(m.group("trigger"), []).append(key)
+    return out
+
+
+@pytest.mark.parametrize("trigger", sorted(_triggers()))
+def test_a_side_key_is_ignored_only_while_train_refuses_its_trigger(trigger: str) -> None:
+    """Each key ignored as "read only with TRIGGER" (`_only`): train refuses TRIGGER itself
+    (a value of another key, a plugin, or a key of its own row), so the side key alone changes
+    nothing; once TRIGGER is implemented, its side keys must be decided again."""
+    from shardforge.config import validate_cfg
+    from shardforge.errors import ConfigError
+
+    assert all(TOP_LEVEL[k].status == "ignored" for k in _triggers()[trigger])
+    value = re.fullmatch(r"(\w+): (\S+)", trigger)
+    larger = re.fullmatch(r"(\w+) > 1", trigger)
+    if trigger in _PLUGINS:
+        turned_on: dict[str, Any] = {"plugins": [_PLUGINS[trigger]]}
+    elif value or larger:
+        key = (value or larger).group(1)  # type: ignore[union-attr]
+        turned_on = {key: value.group(2) if value else 2}
+    else:  # one key or several ("a / b"), each refused by its own row
+        for key in trigger.split(" / "):
+            assert TOP_LEVEL[key].status == "unsupported", (trigger, key)
+        return
+    raw = {"base_model": "m", "datasets": [{"path": "d.jsonl", "type": "completion"}]}
+    with pytest.raises(ConfigError) as info:
+        validate_cfg({**raw, **turned_on}, command="train")
+    assert next(iter(turned_on)) in str(info.value), str(info.value)
+
+
+def test_the_side_keys_of_refused_features_are_ignored() -> None:
+    """The side keys of Dion, Q-GaLore, CAME, MixLoRA, expert parallelism, the MoE kernels and
+    the Grokfast / Spectrum plugins (issue 34): no longer counted as refused features."""
+    triggers = _triggers()
+    for trigger, some in {
+        "optimizer: dion": "dion_lr",
+        "optimizer: q_galore_adamw8bit": "qgalore_rank",
+        "optimizer: came_pytorch": "adam_beta3",
+        "adapter: mixlora": "mixlora_num_experts",
+        "expert_parallel_size > 1": "expert_parallel_backend",
+        "use_scattermoe": "moe_grouped_backend",
+        "use_dsv4_kernels": "dsv4_bf16_all",
+        "use_sonicmoe": "nvfp4_merge_aware",
+        "model_quantization_config": "model_quantization_config_kwargs",
+        "the Grokfast plugin": "grokfast_alpha",
+        "the Spectrum plugin": "spectrum_top_fraction",
+    }.items():
+        assert some in triggers[trigger], trigger
+    assert sum(row.status == "unsupported" for row in TOP_LEVEL.values()) <= 140

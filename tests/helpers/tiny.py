@@ -141,6 +141,9 @@ TINY_CONFIGS.update(
         },
         "deepseek_v2": {
             **_SMALL,
+            # as DeepSeek-V2's own configs: MLA has a key and value per head (with fewer, the
+            # attention of transformers 5 fails on any attention mask)
+            "num_key_value_heads": 4,
             "moe_intermediate_size": 32,
             "n_routed_experts": 4,
             "num_experts_per_tok": 2,

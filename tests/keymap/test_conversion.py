@@ -108,3 +108,21 @@ def test_contiguous_span() -> None:
     assert contiguous_span(full, (0, 0, 1), (1, 2, 3)) is None
     assert contiguous_span(full, (3, 5, 4), (1, 1, 1)) == (119, 1)
     assert contiguous_span(full, (1, 0, 0), (0, 6, 5)) == (30, 0)
+
+
+def test_saved_state_dict_is_what_save_pretrained_writes(tmp_path: Any) -> None:
+    """The real tensors of a model under the names save_pretrained writes (a FULL_STATE_DICT
+    run's final save: experts per expert, as the base model's files)."""
+    from safetensors.torch import load_file
+
+    from shardforge.keymap.conversion import saved_state_dict
+
+    model = _model("mixtral")
+    model.save_pretrained(tmp_path)
+    written = load_file(str(tmp_path / "model.safetensors"))
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    saved = saved_state_dict(model, state)
+    assert saved.keys() == written.keys()
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in saved  # as Mixtral saves it
+    for name, t in saved.items():
+        assert t.is_contiguous() and torch.equal(t, written[name]), name

@@ -499,3 +499,28 @@ def test_object_storage_adapter_or_output_is_refused_before_reading(tmp_path: Pa
     with pytest.raises(MergeError, match=r"^output s3://models/m: .*--merge_lora"):
         merge_lora({**cfg, "output_dir": str(tmp_path)}, "s3://models/m")
     assert not list(tmp_path.iterdir()) and not Path("s3:").exists()
+
+
+def test_a_moe_base_is_fused_under_the_names_it_is_saved_with(tmp_path: Path) -> None:
+    """Mixtral's experts are fused in memory and saved per expert: an adapter on the linear
+    layers (what lora_target_linear adapts there) is fused into the base files' tensors, the
+    output has the base model's names, loads, and gives peft's merged logits; an adapter on
+    the fused experts is refused in one line (not fused yet)."""
+    base = make_model(tmp_path / "base", "mixtral")
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj"]}
+    pm = make_adapter(base, tmp_path / "adapter", lora).eval()
+    with torch.no_grad():
+        want = pm.merge_and_unload()(IDS).logits
+    cfg = {"base_model": str(base), "output_dir": str(tmp_path / "run")}
+    out = merge_lora(cfg, tmp_path / "out", tmp_path / "adapter", dtype="float32", verify=True)
+    assert set(_written(out)) == set(load_file(str(base / "model.safetensors")))
+    with torch.no_grad():
+        torch.testing.assert_close(_load(out)(IDS).logits, want, rtol=1e-5, atol=1e-6)
+    experts = {"r": 2, "lora_alpha": 4, "target_modules": [], "target_parameters": ["down_proj"]}
+    make_adapter(base, tmp_path / "experts", experts)
+    # as training saves it: the experts' factors, the parameter targets left to peft's own
+    # conversion of the linear names (see tests/train/test_axolotl_examples.py)
+    _edit_config(tmp_path / "experts", target_parameters=None)
+    with pytest.raises(MergeError, match=r"changes model\.layers\.0\.mlp\.experts.*not fuse"):
+        merge_lora(cfg, tmp_path / "out2", tmp_path / "experts", dtype="float32")
+    assert not (tmp_path / "out2").exists()

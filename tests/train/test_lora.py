@@ -192,3 +192,31 @@ def test_target_linear_with_names_is_saved_as_it_was_trained(tmp_path: Path) -> 
     assert set(lora_config(cfg, None, False, expected.linear_names).target_modules) == linear
     with pytest.raises(ValueError, match="linear_names"):
         lora_config(cfg)
+
+
+def test_target_linear_of_a_moe_model_adapts_its_linear_layers_only(tmp_path: Path) -> None:
+    """lora_target_linear on Mixtral adapts the linear layers, as Axolotl's
+    find_all_linear_names names them: not the fused experts and the router, which peft's
+    "all-linear" adds as parameter targets (and which then refuse lora_dropout, as Axolotl's
+    Mixtral QLoRA example sets it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardforge.config import validate_cfg
+    from shardforge.train.lora import add_lora
+
+    base = make_model(tmp_path / "base", "mixtral", with_tokenizer=False)
+    cfg = validate_cfg(
+        {
+            "base_model": str(base),
+            "adapter": "lora",
+            "lora_target_linear": True,
+            "lora_dropout": 0.05,
+        }
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    config = add_lora(model, cfg)
+    assert set(config.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert not config.target_parameters
+    adapted = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapted and all(".self_attn." in n and ".lora_" in n for n in adapted)

@@ -60,6 +60,11 @@ def lora_config(
         if not linear:
             raise ValueError("lora_target_linear with lora_target_modules needs linear_names")
         targets = sorted(linear | set(given))
+    elif cfg.lora_target_linear and linear_names:
+        # the linear layers by name, as Axolotl's find_all_linear_names gives them to peft:
+        # peft's "all-linear" adds the fused experts and routers of a mixture-of-experts model
+        # too (target_parameters), which Axolotl adapts only with lora_target_parameters
+        targets = sorted(set(linear_names))
     elif cfg.lora_target_linear:
         targets = "all-linear"
     else:

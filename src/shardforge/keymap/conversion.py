@@ -80,6 +80,18 @@ def _conversions(model: Any) -> list[Any] | None:
     return list(found) or None
 
 
+def saved_state_dict(model: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (real values under the model's in-memory names) as ``save_pretrained`` writes
+    them: transformers' own ``revert_weight_conversion`` (fused MoE experts saved per expert,
+    renamed modules), each tensor contiguous; as they are on transformers 4.x."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4.x: saved under the in-memory names
+        return tensors
+    saved = revert_weight_conversion(model, dict(tensors))
+    return {name: t.contiguous() for name, t in saved.items()}
+
+
 def loaded_state_dict(
     model: Any, stored: Mapping[str, torch.Tensor], expected: Mapping[str, Any]
 ) -> dict[str, torch.Tensor]:

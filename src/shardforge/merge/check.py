@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,19 @@ class ExpectedModel:
     def accepted(self) -> dict[str, tuple[int, ...]]:
         """Every name a checkpoint may hold, with its shape: in-memory and saved names."""
         return {**self.shapes, **(self.saved.shapes if self.saved is not None else {})}
+
+    def as_saved(self) -> ExpectedModel:
+        """The model as ``save_pretrained`` writes it (saved names, shapes and dtypes; tied
+        targets kept), for a fusion of base files that hold it so (`merge.lora`)."""
+        if self.saved is None:
+            return self
+        tied = {t: self.shapes[t] for t in self.tied}
+        return replace(
+            self,
+            shapes={**self.saved.shapes, **tied},
+            dtypes={**self.saved.dtypes, **{t: self.dtypes[t] for t in tied}},
+            saved=None,
+        )
 
     def dtype_of(self, name: str) -> torch.dtype:
         if name in self.dtypes:

@@ -245,6 +245,24 @@ def _untie(
     return expected, untied
 
 
+def _as_saved(expected: ExpectedModel, adapter: Adapter, source: str) -> ExpectedModel:
+    """An architecture saved under other names than it has in memory (transformers' weight
+    conversion: MoE experts fused in memory, saved per expert): the adapter is fused into the
+    base files' tensors as they are saved, which holds while it changes none of the renamed
+    ones (LoRA on the attention and linear layers, as lora_target_linear adapts them)."""
+    if not expected.renamed_on_save:
+        return expected
+    view = expected.as_saved()
+    changed = [*adapter.names.fused_names(), *adapter.names.replacements]
+    renamed = sorted(n for n in changed if n not in view.shapes)
+    if renamed:
+        raise MergeError(
+            f"{source}: the adapter changes {renamed[0]}, which this architecture saves under "
+            "other names (transformers weight conversion); merge-lora does not fuse it yet"
+        )
+    return view
+
+
 def prepare_lora(
     cfg: ShardforgeConfig,
     lora_model_dir: str | Path | None = None,
@@ -262,12 +280,8 @@ def prepare_lora(
     config_source = cfg.base_model_config or str(base_dir)
     config = load_model_config(config_source, cfg.trust_remote_code)
     expected = build_expected(config, cfg.trust_remote_code)
-    if expected.renamed_on_save:
-        raise MergeError(
-            f"{config_source}: this architecture is saved under other names than it uses in "
-            "memory (transformers weight conversion); merge-lora does not fuse it yet"
-        )
     expected, untied = _untie(adapter, config, expected, cfg.trust_remote_code)
+    expected = _as_saved(expected, adapter, config_source)
     base = base_sources(base_dir, expected, config_source, untied)
     by_name = fuse_sources(
         base, adapter.names, adapter.tensors, adapter.settings, expected, str(adapter_dir)

@@ -1,7 +1,8 @@
 """FULL_STATE_DICT's final save: the whole model as Hugging Face weights in the run's output_dir.
 
     save_full_model(output_dir, model, model_config)   every rank (the gather is a collective)
-      full_model_tensors(...)   rank 0: the tensors to store (floating ones in the model's dtype)
+      full_model_tensors(...)   rank 0: the tensors to store (floating ones in the model's dtype),
+                                then under the names save_pretrained writes (saved_state_dict)
       write_hf_weights(...)     rank 0: the one writer of the weight files (the seam the shared
                                 Hugging Face directory sink takes over)
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from shardforge.io.fs import fsync_dir
 from shardforge.io.publish import atomic_file
+from shardforge.keymap.conversion import saved_state_dict
 
 log = logging.getLogger("shardforge")
 
@@ -51,9 +53,9 @@ def save_full_model(
     )
     if dist.get_rank() != 0:
         return
-    files = write_hf_weights(
-        output_dir, full_model_tensors(full, model, model_config), max_shard_size
-    )
+    # under the names save_pretrained writes (fused MoE experts per expert, as the base's)
+    tensors = saved_state_dict(model, full_model_tensors(full, model, model_config))
+    files = write_hf_weights(output_dir, tensors, max_shard_size)
     log.info("saved the full model to %s (%d file(s))", output_dir, len(files))
 
 

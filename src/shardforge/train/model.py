@@ -236,7 +236,12 @@ def shard_model(
         "mesh": mesh,
         "reshard_after_forward": cfg.fsdp.reshard_after_forward,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-        "offload_policy": CPUOffloadPolicy() if cfg.fsdp.offload_params else OffloadPolicy(),
+        # without a GPU the parameters are on the CPU already (preflight's notice)
+        "offload_policy": (
+            CPUOffloadPolicy()
+            if cfg.fsdp.offload_params and torch.cuda.is_available()
+            else OffloadPolicy()
+        ),
     }
     if ignored:
         kwargs["ignored_params"] = ignored
