@@ -33,6 +33,7 @@ LORA = {
     "lora_dropout": 0.0,
     "lora_target_linear": True,
     "max_steps": 2,
+    "warmup_steps": 0,  # Axolotl's default warmup would make the first of two steps lr 0
 }
 
 
