@@ -18,6 +18,9 @@ EXEMPT = {"__init__.py", "__main__.py", "version.py"}
 
 # module (relative to src/shardforge) -> "the test file that exercises it: why not its own"
 TESTED_ELSEWHERE: dict[str, str] = {
+    "config/axolotl_rows.py": "tests/config/test_axolotl_status.py: the rows, through the tables",
+    "config/axolotl_top_level.py": "tests/config/test_axolotl_status.py: the table, one of two",
+    "config/axolotl_top_level_m.py": "tests/config/test_axolotl_status.py: the table, one of two",
     "io/s3_adapter.py": "tests/sinks/test_uploads.py: failures told apart by type and code, on the server",
     "config/paths.py": "tests/config/test_loader.py: the object-storage path check, per key",
     "config/schema_data.py": "tests/config/test_schema.py: ShardforgeConfig's mixins, as one",
