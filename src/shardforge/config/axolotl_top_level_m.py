@@ -117,14 +117,15 @@ M_TO_Z: dict[str, AxolotlKey] = {
     "pose_split_on_token_ids": _only("use_pose", "PoSE context extension"),
     "precompute_ref_log_probs": _only("rl", "reinforcement learning"),
     "preprocess_iterable": _g(_PREPROCESS),
-    "pretrain_multipack_attn": _only("streaming / pretraining_dataset", "streamed data sets"),
-    "pretrain_multipack_buffer_size": _only(
-        "streaming / pretraining_dataset", "streamed data sets"
+    "pretrain_multipack_attn": _i(),
+    "pretrain_multipack_buffer_size": _i(
+        "deprecated spelling of streaming_multipack_buffer_size",
+        ours="streaming_multipack_buffer_size",
     ),
-    "pretraining_dataset": _u("streaming pretraining datasets"),
-    "pretraining_sample_concatenation": _only(
-        "streaming / pretraining_dataset", "streamed data sets"
+    "pretraining_dataset": _i(
+        "local files streamed, tokenized in windows and packed block by block; a Hub id is refused"
     ),
+    "pretraining_sample_concatenation": _i(),
     "process_reward_model": _u(_REWARD),
     "processor_kwargs": _only("processor_type", "multimodal training"),
     "processor_type": _u(_MULTIMODAL),
@@ -209,10 +210,8 @@ M_TO_Z: dict[str, AxolotlKey] = {
     "special_tokens": _i(),
     "spectrum_model_name": _only("the Spectrum plugin", "plugins"),
     "spectrum_top_fraction": _only("the Spectrum plugin", "plugins"),
-    "streaming": _u("streaming datasets"),
-    "streaming_multipack_buffer_size": _only(
-        "streaming / pretraining_dataset", "streamed data sets"
-    ),
+    "streaming": _i("local files streamed block by block; a Hub id is refused"),
+    "streaming_multipack_buffer_size": _i(),
     "strict": _g("Axolotl's own config check; shardforge always checks keys"),
     "swanlab_api_host": _g(_TRACKING),
     "swanlab_api_key": _g(_TRACKING),

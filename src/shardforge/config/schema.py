@@ -18,7 +18,13 @@ from __future__ import annotations
 from pydantic import ValidationInfo, field_validator, model_validator
 
 from shardforge.config.paths import local_path, names_object_storage
-from shardforge.config.schema_data import DataKeys, DatasetConfig, DatasetType
+from shardforge.config.schema_data import (
+    DataKeys,
+    DatasetConfig,
+    DatasetType,
+    StreamKeys,
+    stream_conflicts,
+)
 from shardforge.config.schema_fsdp import DType, FsdpConfig, MixedPrecisionConfig, ShardingKeys
 from shardforge.config.schema_lora import LoraKeys, QuantKeys
 from shardforge.config.schema_model import STORAGE_SECRET_KEYS, ModelKeys
@@ -57,6 +63,7 @@ class ShardforgeConfig(
     CheckpointKeys,
     PrecisionKeys,
     OptimKeys,
+    StreamKeys,
     DataKeys,
     ModelKeys,
 ):
@@ -93,6 +100,9 @@ class ShardforgeConfig(
                 raise ValueError(f"{first} and {second} are both set; choose one")
         self._consistent_saves()
         self._needs_evaluation()
+        streamed = stream_conflicts(self)
+        if streamed:
+            raise ValueError(streamed)
         return self
 
     def _needs_evaluation(self) -> None:

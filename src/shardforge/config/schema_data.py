@@ -166,6 +166,119 @@ class DatasetConfig(ConfigView):
         return data
 
 
+class PretrainingDataset(ConfigView):
+    """One entry of `pretraining_dataset:`: a local text corpus streamed, tokenized in windows
+    of sequence_len and packed on the fly (Axolotl's `type: pretrain`)."""
+
+    path: str = Field(description="A local data file or folder (json/jsonl/parquet/text).")
+    name: str | None = Field(
+        None, description="A configuration of a local data set folder (its README's `configs:`)."
+    )
+    split: str = Field("train", description="Only `train`: a stream is not sliced.")
+    type: Literal["pretrain"] = Field("pretrain", description="Axolotl's only streamed type.")
+    text_column: str = Field("text", description="Column holding the text.")
+    data_files: str | list[str] | None = Field(
+        None, description="Files of a local data set folder to read (relative to path)."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Accepted as Axolotl does; local files run no code."
+    )
+    skip: int | None = Field(None, ge=0, description="Rows to skip at the start of the stream.")
+
+    @field_validator("path")
+    @classmethod
+    def _local_file(cls, value: str) -> str:
+        return local_path(value, "a local data file") or value
+
+
+class StreamKeys(ConfigView):
+    """Streamed data sets (`streaming`, `pretraining_dataset`): read, tokenized and packed on
+    the fly, block by block (`train.streaming`)."""
+
+    streaming: bool | None = Field(
+        None,
+        description="Stream `datasets` instead of tokenizing them whole at start (needs "
+        "max_steps); memory holds one block of streaming_multipack_buffer_size rows.",
+    )
+    pretraining_dataset: list[PretrainingDataset] | None = Field(
+        None,
+        description="A streamed text corpus (a path, or a list of one entry like Axolotl's); "
+        "needs max_steps. Texts longer than sequence_len are cut into overlapping windows.",
+    )
+    pretrain_multipack_attn: bool = Field(
+        True,
+        description="pretraining_dataset with sample_packing: samples packed together attend "
+        "only to themselves (false: across the whole window).",
+    )
+    streaming_multipack_buffer_size: int = Field(
+        10000,
+        gt=0,
+        description="Rows per block of a stream: shuffled (shuffle_merged_datasets) and packed "
+        "together; the memory a stream holds. Alias: pretrain_multipack_buffer_size.",
+    )
+    pretraining_sample_concatenation: bool | None = Field(
+        None,
+        description="pretraining_dataset without sample_packing: true concatenates texts "
+        "(each + EOS + pad) into sequence_len windows; else one text per row, truncated.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _axolotl_stream_spellings(cls, data: object) -> object:
+        """A plain path as pretraining_dataset; the deprecated pretrain_multipack_buffer_size."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if isinstance(data.get("pretraining_dataset"), str):
+            data["pretraining_dataset"] = [{"path": data["pretraining_dataset"]}]
+        old = data.pop("pretrain_multipack_buffer_size", None)
+        if old is not None:
+            if data.get("streaming_multipack_buffer_size") is not None:
+                raise ValueError(
+                    "pretrain_multipack_buffer_size is deprecated, use "
+                    "streaming_multipack_buffer_size; both are set, remove the first"
+                )
+            data["streaming_multipack_buffer_size"] = old
+        return data
+
+    @property
+    def streamed(self) -> bool:
+        """Training data come from a stream."""
+        return bool(self.streaming or self.pretraining_dataset)
+
+
+# keys a stream cannot honour without reading it whole: (key, is it set?)
+STREAM_REFUSED: tuple[tuple[str, str], ...] = (
+    ("val_set_size", "evaluate on test_datasets (loaded whole, as Axolotl does)"),
+    ("dataset_exact_deduplication", "remove duplicates from the files beforehand"),
+    ("dataset_shard_num", "cut the files beforehand"),
+    ("shuffle_before_merging_datasets", "use shuffle_merged_datasets (the block shuffle)"),
+    ("fix_untrained_tokens", "it needs every training token up front"),
+    ("dataset_prepared_path", "a stream is tokenized on the fly; remove it"),
+)
+
+
+def stream_conflicts(cfg: Any) -> str | None:
+    """Why a config's streamed data cannot run (None: they can)."""
+    if not cfg.streamed:
+        return None
+    key = "pretraining_dataset" if cfg.pretraining_dataset else "streaming"
+    if not cfg.max_steps:
+        return f"{key} needs max_steps (a stream has no length to count steps from)"
+    if cfg.pretraining_dataset and len(cfg.pretraining_dataset) > 1:
+        return "pretraining_dataset: one entry (as Axolotl reads only the first); merge the files"
+    for name, instead in STREAM_REFUSED:
+        if getattr(cfg, name):
+            return f"{name} cannot be used with {key} (a stream is never held whole); {instead}"
+    for i, ds in enumerate(cfg.pretraining_dataset or cfg.datasets):
+        where = f"{'pretraining_dataset' if cfg.pretraining_dataset else 'datasets'}[{i}]"
+        if getattr(ds, "shards", None) or getattr(ds, "weight", None) not in (None, 1):
+            return f"{where}: shards and weight cannot be used with {key}; cut the files instead"
+        if ds.split != "train":
+            return f"{where}.split: a stream is read whole ({ds.split!r}); cut the files instead"
+    return None
+
+
 class DataKeys(ConfigView):
     """Training data and batch shape."""
 

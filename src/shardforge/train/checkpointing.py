@@ -67,6 +67,8 @@ class TrainerState:
     base_dtype: str | None = None
     # false: written with save_only_model, no optimizer/ folder (a resume starts it afresh)
     optimizer: bool = True
+    # streamed data: the block of the stream the data position lies in (`train.streaming`)
+    stream: dict[str, int] | None = None
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     torch_version: str = ""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -240,6 +240,20 @@ def pack(samples: list[Sample], seq_len: int, pad_id: int) -> Sequences:
         out.attention_mask,
         torch.tensor(positions, dtype=torch.long).reshape(len(windows), seq_len),
     )
+
+
+class SequenceSource(Protocol):
+    """Training sequences by position: `Sequences` in memory, or a `streaming.Stream`."""
+
+    def __len__(self) -> int: ...
+
+    def select(self, index: list[int]) -> Sequences: ...
+
+
+class Order(Protocol):
+    """Global position -> sequence index: `GlobalOrder`, or a stream's own order."""
+
+    def indices(self, start: int, count: int) -> list[int]: ...
 
 
 class GlobalOrder:

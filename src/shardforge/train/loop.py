@@ -36,7 +36,7 @@ from shardforge.train import checkpointing as ckpt
 from shardforge.train.attention import use_packed_attention
 from shardforge.train.best import BestModel
 from shardforge.train.compile import CompileWatch
-from shardforge.train.data import GlobalOrder, load_tokenizer
+from shardforge.train.data import GlobalOrder, Order, SequenceSource, load_tokenizer
 from shardforge.train.diagnostics import StepMemory, report_sharding
 from shardforge.train.eval import Evaluator
 from shardforge.train.full_save import save_full_model
@@ -86,6 +86,7 @@ from shardforge.train.schedules import (
     scheduler_state,
 )
 from shardforge.train.step import micro_batches, train_step
+from shardforge.train.streaming import Stream, StreamOrder, streamed_datasets
 from shardforge.train.tracking import Trackers, open_trackers
 from shardforge.train.vocab import grow_vocab_size
 
@@ -309,10 +310,15 @@ class Trainer:
         self.base_dtype = config_dtype_name(self.model_config)
         self.base_rows = int(self.model_config.get_text_config().vocab_size)
         grow_vocab_size(self.model_config, self.tokenizer, cfg)  # before the model is built
-        # training (and held-out / test) ones; through dataset_prepared_path when it is set
-        self.data = prepared_datasets(cfg, self.tokenizer, rt)
-        self.seqs = self.data.train
         self.global_batch = cfg.micro_batch_size * rt.world_size * cfg.gradient_accumulation_steps
+        self.stream: Stream | None = None  # streaming / pretraining_dataset (`train.streaming`)
+        self.seqs: SequenceSource
+        if cfg.streamed:
+            self.data, self.stream = streamed_datasets(cfg, self.tokenizer, self.global_batch)
+            self.seqs = self.stream
+        else:  # training (and held-out / test) ones; through dataset_prepared_path when set
+            self.data = prepared_datasets(cfg, self.tokenizer, rt)
+            self.seqs = self.data.train
         if len(self.seqs) < self.global_batch:
             raise ShardforgeError(
                 f"datasets: {len(self.seqs)} sequences of sequence_len {cfg.sequence_len}, fewer "
@@ -324,7 +330,11 @@ class Trainer:
         used = per_epoch if cfg.dataloader_drop_last else len(self.seqs)
         self.total_steps = cfg.max_steps or math.ceil(cfg.num_epochs * used / self.global_batch)
         self.every = save_interval(cfg, len(self.seqs), self.global_batch)
-        self.order = GlobalOrder(len(self.seqs), cfg.seed, used)
+        self.order: Order = (
+            StreamOrder()
+            if self.stream is not None
+            else GlobalOrder(len(self.seqs), cfg.seed, used)
+        )
 
     def _setup_model(self) -> None:
         """The sharded model with its weights (and LoRA); rank 0 writes the run's config and
@@ -354,7 +364,7 @@ class Trainer:
 
     def _ids(self) -> set[int]:
         """The token ids of the training sequences (fix_untrained_tokens: true)."""
-        return set(self.seqs.input_ids.unique().tolist())
+        return set(self.data.train.input_ids.unique().tolist())
 
     def _setup_optimizer(self, saved: ckpt.TrainerState | None) -> None:
         """Optimizer and lr schedule; resuming: their states, the RNGs and the data position."""
@@ -366,6 +376,8 @@ class Trainer:
             self.global_step, self.consumed = _resume(
                 self.resume, self.model, self.optimizer, self.scheduler, cfg, rt, self.global_batch
             )
+            if self.stream is not None:  # continue the stream from the checkpoint's block
+                self.stream.resume(saved.stream if saved else None, self.consumed)
         elif cfg.resume_from_checkpoint == "auto" and rt.is_main:
             log.info(
                 "resume_from_checkpoint: auto found no checkpoint in %s; starting fresh",
@@ -478,6 +490,7 @@ class Trainer:
             mesh_shape=list(self.mesh),
             base_dtype=self.base_dtype,
             optimizer=not self.cfg.save_only_model,
+            stream=self.stream.state() if self.stream is not None else None,
         )
 
 

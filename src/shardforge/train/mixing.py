@@ -40,7 +40,7 @@ def weighted(items: list[T], weight: float | None, seed: int) -> list[T]:
     return items * int(whole) + shuffled(items, seed)[:extra]
 
 
-def _lengths(samples: list[Sample], cfg: ShardforgeConfig, key: str) -> list[Sample]:
+def by_length(samples: list[Sample], cfg: ShardforgeConfig, key: str) -> list[Sample]:
     """min_sample_len (null: 2) drops short samples; excess_length_strategy the long ones."""
     shortest = MIN_SAMPLE_LEN if cfg.min_sample_len is None else cfg.min_sample_len
     out = [s for s in samples if len(s.input_ids) >= shortest]
@@ -93,7 +93,7 @@ def merge(parts: list[list[Sample]], cfg: ShardforgeConfig, key: str) -> list[Sa
     samples = [s for part in parts for s in part]
     if cfg.shuffle_merged_datasets:
         samples = shuffled(samples, cfg.seed)
-    samples = _lengths(samples, cfg, key)
+    samples = by_length(samples, cfg, key)
     if cfg.dataset_exact_deduplication:
         samples = _deduplicated(samples)
     return _sharded(samples, cfg)

@@ -49,12 +49,14 @@ def _problems_of(exc: ShardforgeError) -> list[Problem]:
 
 
 def check_datasets(cfg: ShardforgeConfig) -> list[Problem]:
-    if not cfg.datasets:
+    entries = cfg.pretraining_dataset or cfg.datasets
+    name = "pretraining_dataset" if cfg.pretraining_dataset else "datasets"
+    if not entries:
         return [("datasets", "no training data; add at least one entry with a local `path`")]
     out: list[Problem] = []
-    for i, ds in enumerate(cfg.datasets):
+    for i, ds in enumerate(entries):
         try:
-            data_files(ds, f"datasets[{i}]")
+            data_files(ds, f"{name}[{i}]")
         except ConfigError as exc:
             out += _problems_of(exc)
     return out

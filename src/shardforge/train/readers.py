@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shardforge.config.schema import DatasetConfig
+from shardforge.config.schema_data import PretrainingDataset
 from shardforge.errors import ConfigError, ShardforgeError, shown
 
 # file extension -> ds_type
@@ -31,30 +32,45 @@ EXTENSIONS: dict[str, str] = {
 Row = dict[str, Any]
 
 
+def _first_char(path: Path) -> str:
+    """The first character of a text file that is not white space ("" if none)."""
+    with path.open(encoding="utf-8") as f:
+        while chunk := f.read(4096):
+            if stripped := chunk.lstrip():
+                return stripped[0]
+    return ""
+
+
 def _read_json(path: Path) -> Iterator[Row]:
-    text = path.read_text(encoding="utf-8")
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        yield from json.loads(text)
+    """A JSON array (read whole) or JSON lines (read one line at a time)."""
+    if _first_char(path) == "[":
+        yield from json.loads(path.read_text(encoding="utf-8"))
         return
-    for number, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ShardforgeError(f"{path}:{number}: invalid JSON line ({exc.msg})") from None
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ShardforgeError(
+                        f"{path}:{number}: invalid JSON line ({exc.msg})"
+                    ) from None
 
 
 def _read_parquet(path: Path) -> Iterator[Row]:
+    """One record batch at a time."""
     import pyarrow.parquet as pq
 
-    yield from pq.read_table(path).to_pylist()
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        yield from batch.to_pylist()
 
 
 def _read_text(path: Path) -> Iterator[Row]:
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            yield {"text": line}
+    with path.open(encoding="utf-8") as f:
+        for chunk in f:
+            for line in chunk.splitlines():
+                if line.strip():
+                    yield {"text": line}
 
 
 READERS: dict[str, Callable[[Path], Iterator[Row]]] = {
@@ -130,7 +146,7 @@ def _paths(entry: dict[str, Any]) -> list[str]:
     return _as_list(value) if isinstance(value, str | list) else []
 
 
-def _entry_files(ds: DatasetConfig, key: str) -> list[Path]:
+def _entry_files(ds: DatasetConfig | PretrainingDataset, key: str) -> list[Path]:
     path = Path(ds.path)
     if not path.exists():
         if ds.name or _HUB_ID.fullmatch(ds.path):
@@ -155,12 +171,12 @@ def _entry_files(ds: DatasetConfig, key: str) -> list[Path]:
     return files
 
 
-def data_files(ds: DatasetConfig, key: str) -> list[tuple[Path, str]]:
+def data_files(ds: DatasetConfig | PretrainingDataset, key: str) -> list[tuple[Path, str]]:
     """(file, ds_type) of a data set entry; a missing path or unknown format names `key`."""
     files = _entry_files(ds, key)
     out = []
     for file in files:
-        ds_type = ds.ds_type or EXTENSIONS.get(file.suffix)
+        ds_type = getattr(ds, "ds_type", None) or EXTENSIONS.get(file.suffix)
         if ds_type is None:
             raise ConfigError(
                 f"{key}.ds_type",

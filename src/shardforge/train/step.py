@@ -16,13 +16,20 @@ import torch
 import torch.distributed as dist
 
 from shardforge.config.schema import ShardforgeConfig
-from shardforge.train.data import IGNORE_INDEX, GlobalOrder, Sequences, model_inputs, rank_slice
+from shardforge.train.data import (
+    IGNORE_INDEX,
+    Order,
+    Sequences,
+    SequenceSource,
+    model_inputs,
+    rank_slice,
+)
 from shardforge.train.loss import loss_chunks, token_loss_sum
 from shardforge.train.runtime import Runtime
 
 
 def micro_batches(
-    seqs: Sequences, order: GlobalOrder, consumed: int, cfg: ShardforgeConfig, rt: Runtime
+    seqs: SequenceSource, order: Order, consumed: int, cfg: ShardforgeConfig, rt: Runtime
 ) -> list[Sequences]:
     """This rank's micro-batches of the global batch that starts `consumed` sequences in."""
     out = []
