@@ -184,7 +184,7 @@ def test_stream_config_checks(base_cfg: dict[str, Any]) -> None:
     assert cfg.pretraining_dataset[0].text_column == "text"
     for changes, words in (
         ({"max_steps": None}, "needs max_steps"),
-        ({"max_steps": 2, "val_set_size": 0.1}, "val_set_size cannot be used"),
+        ({"max_steps": 2, "val_set_size": 0.1}, "val_set_size: cannot be used"),
     ):
         with pytest.raises(ConfigError, match=words):
             _cfg(base_cfg, **changes)

@@ -264,16 +264,16 @@ def stream_conflicts(cfg: Any) -> str | None:
         return None
     key = "pretraining_dataset" if cfg.pretraining_dataset else "streaming"
     if not cfg.max_steps:
-        return f"{key} needs max_steps (a stream has no length to count steps from)"
+        return f"{key}: needs max_steps (a stream has no length to count steps from)"
     if cfg.pretraining_dataset and len(cfg.pretraining_dataset) > 1:
         return "pretraining_dataset: one entry (as Axolotl reads only the first); merge the files"
     for name, instead in STREAM_REFUSED:
         if getattr(cfg, name):
-            return f"{name} cannot be used with {key} (a stream is never held whole); {instead}"
+            return f"{name}: cannot be used with {key} (a stream is never held whole); {instead}"
     for i, ds in enumerate(cfg.pretraining_dataset or cfg.datasets):
         where = f"{'pretraining_dataset' if cfg.pretraining_dataset else 'datasets'}[{i}]"
         if getattr(ds, "shards", None) or getattr(ds, "weight", None) not in (None, 1):
-            return f"{where}: shards and weight cannot be used with {key}; cut the files instead"
+            return f"{where}: shards / weight cannot be used with {key}; cut the files instead"
         if ds.split != "train":
             return f"{where}.split: a stream is read whole ({ds.split!r}); cut the files instead"
     return None
