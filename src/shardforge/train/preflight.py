@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shardforge.config.schema import ShardforgeConfig
+from shardforge.config.schema_data import DatasetConfig, PretrainingDataset
 from shardforge.errors import ConfigError, ShardforgeError, StorageError
 from shardforge.io.remote import is_remote
 from shardforge.train import checkpointing as ckpt
@@ -49,7 +50,9 @@ def _problems_of(exc: ShardforgeError) -> list[Problem]:
 
 
 def check_datasets(cfg: ShardforgeConfig) -> list[Problem]:
-    entries = cfg.pretraining_dataset or cfg.datasets
+    entries: list[DatasetConfig] | list[PretrainingDataset] = (
+        cfg.pretraining_dataset or cfg.datasets
+    )
     name = "pretraining_dataset" if cfg.pretraining_dataset else "datasets"
     if not entries:
         return [("datasets", "no training data; add at least one entry with a local `path`")]
