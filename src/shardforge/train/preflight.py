@@ -50,9 +50,7 @@ def _problems_of(exc: ShardforgeError) -> list[Problem]:
 
 
 def check_datasets(cfg: ShardforgeConfig) -> list[Problem]:
-    entries: list[DatasetConfig] | list[PretrainingDataset] = (
-        cfg.pretraining_dataset or cfg.datasets
-    )
+    entries: list[DatasetConfig | PretrainingDataset] = [*(cfg.pretraining_dataset or cfg.datasets)]
     name = "pretraining_dataset" if cfg.pretraining_dataset else "datasets"
     if not entries:
         return [("datasets", "no training data; add at least one entry with a local `path`")]
