@@ -231,7 +231,9 @@ def param_lora_delta(
         (first, count), box = box[0], box[1:]
         a3 = a.reshape(experts, -1, a.shape[-1])[first : first + count]
         b3 = b.reshape(b.shape[0], -1, experts)[:, :, first : first + count]
-        delta = torch.einsum("o r e, e r i -> e o i" if swapped else "o r e, e r i -> e i o", b3, a3)
+        delta = torch.einsum(
+            "o r e, e r i -> e o i" if swapped else "o r e, e r i -> e i o", b3, a3
+        )
     dims = len(delta.shape) - len(box)
     for dim, (first, count) in enumerate(box, start=dims):
         delta = delta.narrow(dim, first, count)

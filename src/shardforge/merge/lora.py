@@ -124,9 +124,7 @@ def read_adapter(directory: str | Path) -> Adapter:
     tensors: dict[str, TensorSource] = dict(open_safetensors_file(weights, root))
     names = split_adapter_names(tensors, str(weights))
     base = data.get("base_model_name_or_path") if isinstance(data, dict) else None
-    return Adapter(
-        root, settings, names, tensors, base if isinstance(base, str) else None, data
-    )
+    return Adapter(root, settings, names, tensors, base if isinstance(base, str) else None, data)
 
 
 # ------------------------------------------------------------------------------ the merge
@@ -286,7 +284,13 @@ def prepare_lora(
     config = load_model_config(config_source, cfg.trust_remote_code)
     expected = build_expected(config, cfg.trust_remote_code)
     expected, untied = _untie(adapter, config, expected, cfg.trust_remote_code)
-    settings = peft_settings(adapter.settings, adapter.config_data, config, cfg.trust_remote_code)
+    settings = peft_settings(
+        adapter.settings,
+        adapter.config_data,
+        config,
+        cfg.trust_remote_code,
+        str(adapter_dir / ADAPTER_CONFIG),
+    )
     # LoRAs on parameters (peft's ParamWrapper: fused MoE experts), checked in memory
     names, params = split_param_pairs(
         adapter.names, settings, expected, adapter.tensors, str(adapter_dir)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from shardforge.errors import MergeError
+from shardforge.errors import CheckpointError, MergeError
 from shardforge.formats.sources import FusedParamLoraSource, ParamLoraSpec, TensorSource
 from shardforge.keymap.lora import BASE_LAYER, LoraNames, LoraPair
 from shardforge.keymap.lora_settings import LoraSettings
@@ -45,7 +45,11 @@ class ParamLora:
 
 
 def peft_settings(
-    settings: LoraSettings, data: Mapping[str, Any], config: Any, trust_remote_code: bool
+    settings: LoraSettings,
+    data: Mapping[str, Any],
+    config: Any,
+    trust_remote_code: bool,
+    source: str = "adapter_config.json",
 ) -> LoraSettings:
     """The settings as peft applies them to this architecture: peft's own
     `convert_peft_config_for_transformers` (transformers 5's fused MoE experts: per-expert
@@ -58,16 +62,19 @@ def peft_settings(
     except ImportError:  # transformers 4, or a peft without it: peft rewrites nothing either
         return settings
     targets = data.get("target_modules")
-    peft_config = LoraConfig(
-        r=settings.r,
-        lora_alpha=settings.lora_alpha,  # type: ignore[arg-type]
-        target_modules=targets,
-        target_parameters=list(settings.target_parameters) or None,
-        rank_pattern=dict(settings.rank_pattern),
-        alpha_pattern=dict(settings.alpha_pattern),
-    )
+    try:
+        peft_config = LoraConfig(
+            r=settings.r,
+            lora_alpha=settings.lora_alpha,  # type: ignore[arg-type]
+            target_modules=targets,
+            target_parameters=list(settings.target_parameters) or None,
+            rank_pattern=dict(settings.rank_pattern),
+            alpha_pattern=dict(settings.alpha_pattern),
+        )
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{source}: peft refuses its settings ({exc})"[:300]) from None
     model: Any = SimpleNamespace(config=config)  # a list of names needs the model type only
-    if isinstance(targets, str):  # a regular expression is resolved against the model
+    if isinstance(targets, str) and _rewritten(config):  # a regex is resolved on the model
         model = _meta_model(config, trust_remote_code)
     convert_peft_config_for_transformers(peft_config, model, None)
     modules = peft_config.target_modules
@@ -75,9 +82,17 @@ def peft_settings(
         settings,
         target_modules=modules if isinstance(modules, str) or modules is None else tuple(modules),
         target_parameters=tuple(sorted(peft_config.target_parameters or ())),
-        rank_pattern=tuple((k, int(v)) for k, v in peft_config.rank_pattern.items()),
-        alpha_pattern=tuple((k, float(v)) for k, v in peft_config.alpha_pattern.items()),
+        rank_pattern=tuple((k, int(v)) for k, v in (peft_config.rank_pattern or {}).items()),
+        alpha_pattern=tuple((k, float(v)) for k, v in (peft_config.alpha_pattern or {}).items()),
     )
+
+
+def _rewritten(config: Any) -> bool:
+    """Whether transformers converts this model type's weights at load (peft's rewrite may
+    then apply)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    return get_checkpoint_conversion_mapping(getattr(config, "model_type", None)) is not None
 
 
 def _meta_model(config: Any, trust_remote_code: bool) -> Any:
@@ -108,7 +123,11 @@ def _param_of(name: str, settings: LoraSettings, expected: ExpectedModel) -> str
 
 
 def _problems(
-    param: str, pair: LoraPair, spec: ParamLoraSpec, r: int, expected: ExpectedModel,
+    param: str,
+    pair: LoraPair,
+    spec: ParamLoraSpec,
+    r: int,
+    expected: ExpectedModel,
     tensors: Mapping[str, TensorSource],
 ) -> list[str]:
     """What is wrong with the factors of a LoRA on `param` (A (E * r, in), B (out, E * r))."""
@@ -127,8 +146,11 @@ def _problems(
 
 
 def split_param_pairs(
-    names: LoraNames, settings: LoraSettings, expected: ExpectedModel,
-    tensors: Mapping[str, TensorSource], source: str,
+    names: LoraNames,
+    settings: LoraSettings,
+    expected: ExpectedModel,
+    tensors: Mapping[str, TensorSource],
+    source: str,
 ) -> tuple[LoraNames, list[ParamLora]]:
     """The adapter's names without its LoRAs on parameters, and those (checked: one
     MergeError lists every problem). `expected`: the architecture in memory."""
