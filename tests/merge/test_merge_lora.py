@@ -552,3 +552,8 @@ def test_a_lora_on_fused_experts_is_fused_as_peft_merges_it(
         got = _written(out)
         assert set(got) == set(stored)
         assert [k for k in want if not torch.equal(got[k], want[k])] == [], adapter
+    # factors that do not fit the stack (another r): one error before anything is written
+    _edit_config(as_trained, r=2)
+    with pytest.raises(MergeError, match=r"experts\.(gate_up_proj|down_proj): LoRA A is"):
+        merge_lora(cfg, tmp_path / "refused", as_trained, dtype="float32")
+    assert not (tmp_path / "refused").exists()
