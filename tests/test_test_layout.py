@@ -93,6 +93,7 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "merge/locate.py": "tests/merge/test_merge_sources.py: what each layout's merge reads",
     "merge/lora.py": "tests/merge/test_merge_lora.py: test_lora.py is tests/train/'s name",
     "merge/lora_fuse.py": "tests/merge/test_merge_lora.py: every fuse problem through merge_lora",
+    "merge/lora_params.py": "tests/merge/test_merge_lora.py: LoRAs on fused experts vs peft",
     "merge/on_ranks.py": "tests/merge/test_distributed.py: the merge on gloo ranks",
     "merge/options.py": "tests/merge/test_request.py: the option metadata of the request",
     "merge/plan_report.py": "tests/merge/test_merge_sources.py: --dry_run's report",

@@ -214,13 +214,16 @@ def test_settings_values() -> None:
     assert s.scale("x") == 32 / 4.0
     assert s.saves("lm_head") and s.saves("model.lm_head") and not s.saves("lm_head2")
     assert LoraSettings.from_adapter_config({"r": 8, "lora_alpha": 16}).scale("x") == 2.0
+    # peft's ParamWrapper targets (fused MoE experts): a name or its last segments
+    s = LoraSettings.from_adapter_config({"r": 8, "lora_alpha": 16, "target_parameters": ["up"]})
+    assert s.targets_parameter("model.layers.0.mlp.experts.up")
+    assert not s.targets_parameter("model.layers.0.mlp.experts.gate_up")
 
 
 REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "dora": ({"use_dora": True}, "DoRA"),
     "lora bias": ({"lora_bias": True}, "lora_bias"),
     "bias all": ({"bias": "all"}, "bias"),
-    "target parameters": ({"target_parameters": ["experts.w"]}, "target_parameters"),
     "trainable tokens": ({"trainable_token_indices": [1, 2]}, "trainable tokens"),
     "unknown setting": ({"use_new_thing": True}, "does not know"),
     "other peft type": ({"peft_type": "LOHA"}, "LOHA"),

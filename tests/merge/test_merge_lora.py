@@ -504,8 +504,7 @@ def test_object_storage_adapter_or_output_is_refused_before_reading(tmp_path: Pa
 def test_a_moe_base_is_fused_under_the_names_it_is_saved_with(tmp_path: Path) -> None:
     """Mixtral's experts are fused in memory and saved per expert: an adapter on the linear
     layers (what lora_target_linear adapts there) is fused into the base files' tensors, the
-    output has the base model's names, loads, and gives peft's merged logits; an adapter on
-    the fused experts is refused in one line (not fused yet)."""
+    output has the base model's names, loads, and gives peft's merged logits."""
     base = make_model(tmp_path / "base", "mixtral")
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj"]}
     pm = make_adapter(base, tmp_path / "adapter", lora).eval()
@@ -516,11 +515,45 @@ def test_a_moe_base_is_fused_under_the_names_it_is_saved_with(tmp_path: Path) ->
     assert set(_written(out)) == set(load_file(str(base / "model.safetensors")))
     with torch.no_grad():
         torch.testing.assert_close(_load(out)(IDS).logits, want, rtol=1e-5, atol=1e-6)
-    experts = {"r": 2, "lora_alpha": 4, "target_modules": [], "target_parameters": ["down_proj"]}
-    make_adapter(base, tmp_path / "experts", experts)
-    # as training saves it: the experts' factors, the parameter targets left to peft's own
-    # conversion of the linear names (see tests/train/test_axolotl_examples.py)
-    _edit_config(tmp_path / "experts", target_parameters=None)
-    with pytest.raises(MergeError, match=r"changes model\.layers\.0\.mlp\.experts.*not fuse"):
-        merge_lora(cfg, tmp_path / "out2", tmp_path / "experts", dtype="float32")
-    assert not (tmp_path / "out2").exists()
+
+
+# a LoRA on fused MoE experts (peft's ParamWrapper): the per-expert names peft rewrites to
+# target_parameters on transformers 5 (gate_up_proj with twice the rank and alpha), rsLoRA
+MOE_LORA: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {"target_modules": ["q_proj", "gate_proj", "up_proj", "down_proj"]},
+    "mixtral": {"target_modules": ["o_proj", "w1", "w2", "w3", "gate"]},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(MOE_LORA))
+def test_a_lora_on_fused_experts_is_fused_as_peft_merges_it(
+    tmp_path: Path, model_type: str
+) -> None:
+    """A LoRA on the fused experts (and Mixtral's router) is fused into the per-expert
+    tensors the base model is saved as: bit for bit `merge_and_unload` then `save_pretrained`,
+    the base model's names, --verify; the same from the adapter config as peft writes it
+    (target_parameters, rank and alpha patterns) and as training writes it (the per-expert
+    names peft rewrites when it loads the adapter)."""
+    base = make_model(tmp_path / "base", model_type)
+    lora = {"r": 4, "lora_alpha": 8, "use_rslora": True, **MOE_LORA[model_type]}
+    pm = make_adapter(base, tmp_path / "adapter", lora).eval()
+    pm.merge_and_unload().save_pretrained(tmp_path / "peft")
+    want = _written(tmp_path / "peft")
+    stored = load_file(str(base / "model.safetensors"))
+    changed = {k for k in want if not torch.equal(want[k], stored[k])}
+    assert any(".experts.3." in k for k in changed)  # the experts changed, not only attention
+    cfg = {"base_model": str(base), "output_dir": str(tmp_path / "run")}
+    as_trained = shutil.copytree(tmp_path / "adapter", tmp_path / "as-trained")
+    peft_written = json.loads((as_trained / "adapter_config.json").read_text())
+    assert peft_written["target_parameters"]  # peft's rewrite, saved
+    _edit_config(as_trained, target_parameters=None, rank_pattern={}, alpha_pattern={}, **lora)
+    for i, adapter in enumerate((tmp_path / "adapter", as_trained)):
+        out = merge_lora(cfg, tmp_path / f"out{i}", adapter, dtype="float32", verify=True)
+        got = _written(out)
+        assert set(got) == set(stored)
+        assert [k for k in want if not torch.equal(got[k], want[k])] == [], adapter
+    # factors that do not fit the stack (another r): one error before anything is written
+    _edit_config(as_trained, r=2)
+    with pytest.raises(MergeError, match=r"experts\.(gate_up_proj|down_proj): LoRA A is"):
+        merge_lora(cfg, tmp_path / "refused", as_trained, dtype="float32")
+    assert not (tmp_path / "refused").exists()

@@ -36,11 +36,7 @@ REWRITTEN = {"base_model", "output_dir", "dataset_prepared_path", "datasets"}
 PENDING: dict[str, tuple[str, ...]] = {}  # every example's keys are implemented now
 # examples that train and whose adapter loads in PEFT, but that merge-lora does not fuse yet:
 # name -> the start of its error line
-MERGE_PENDING = {
-    # peft wraps the fused experts' down_proj / gate_up_proj parameters for the gate_proj,
-    # up_proj and down_proj names of lora_target_linear (the dense and shared-expert MLPs)
-    "deepseek-v2--qlora-fsdp-2_5": "the adapter changes model.layers.1.mlp.experts.",
-}
+MERGE_PENDING: dict[str, str] = {}  # merge-lora fuses a LoRA on fused MoE experts now
 NAMES = [p.stem for p in ex.examples()]
 
 
@@ -218,10 +214,7 @@ def _keys(model_dir: Path) -> set[str]:
 
 
 # examples that stop at a known fault, by the words of their error (issue 34, open)
-FAULTS = {
-    # qat fake-quantizes the tied embedding and output layer apart: the final save refuses them
-    "qwen3--8b-qat-fsdp2": "stores the tied weights lm_head.weight and model.embed_tokens.weight",
-}
+FAULTS: dict[str, str] = {}  # qat keeps tied embeddings tied now
 
 
 class KnownFaultError(Exception):

@@ -120,6 +120,38 @@ def test_qat_fake_quantizes_the_forward_and_keeps_plain_names(
     assert _loss(delayed) == pytest.approx(_loss(qat), rel=1e-6)
 
 
+@pytest.mark.usefixtures("group")
+def test_qat_keeps_tied_embeddings_tied_and_the_final_save_loads(
+    base_cfg: dict[str, Any], tmp_path: Path
+) -> None:
+    """qat on a model that ties its input embedding and output layer (Qwen3's
+    tie_word_embeddings, as the qwen3 8b-qat example): the fake-quantized output layer keeps
+    the embedding's parameter (torchao's swap on the meta device made it one of its own, which
+    trained them apart and made the final save refuse them), with quantize_embedding too; a
+    step trains the one matrix, the final FULL_STATE_DICT save stores it once and loads."""
+    from transformers import AutoModelForCausalLM
+
+    base = make_model(tmp_path / "tied", "qwen3", tie_word_embeddings=True)
+    fsdp = {"transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"]}
+    fsdp["state_dict_type"] = "FULL_STATE_DICT"  # type: ignore[assignment]
+    for quantize_embedding in (False, True):
+        out = tmp_path / f"run-{quantize_embedding}"
+        qat = {**QAT, "quantize_embedding": quantize_embedding}
+        trainer = _trainer(
+            {**base_cfg, "base_model": str(base), "fsdp": fsdp}, out, qat=qat, max_steps=1
+        )
+        model = trainer.model
+        assert hasattr(model.lm_head, "weight_fake_quantizer")
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        trainer.step()
+        assert trainer.final
+        trainer.save()
+        saved = AutoModelForCausalLM.from_pretrained(out / "out")
+        assert saved.lm_head.weight is saved.model.embed_tokens.weight
+        trained = model.model.embed_tokens.weight.full_tensor().detach()
+        assert torch.equal(saved.model.embed_tokens.weight.detach(), trained)
+
+
 def test_qat_refuses_what_axolotl_refuses() -> None:
     with pytest.raises(ValueError, match="weight_dtype int8 with activation_dtype None"):
         validate_cfg({"base_model": "m", "qat": {"weight_dtype": "int8"}})

@@ -211,6 +211,94 @@ class FusedLoraSource(WholeTensor):
         return fuse_lora(base, a, b, self.scale, self.transpose)
 
 
+def param_lora_delta(
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    experts: int | None,
+    swapped: bool,
+    box: tuple[tuple[int, int], ...],
+) -> torch.Tensor:
+    """The float32 ``B @ A`` of a LoRA on a parameter (peft's `ParamWrapper.get_delta_weight`
+    before its scale), for the box (first, size per dimension) of the parameter. A matrix
+    (`experts` None) is a linear layer's ``B @ A``; a stack of `experts` matrices takes A as
+    (E * r, in) and B as (out, r * E) with the expert fastest, peft's einsum per expert of the
+    box: ``e o i`` when peft swapped the parameter's in and out (`swapped`: it is (E, out,
+    in)), else ``e i o``."""
+    a, b = lora_a.to(torch.float32), lora_b.to(torch.float32)
+    if experts is None:
+        delta = b @ a
+    else:
+        (first, count), box = box[0], box[1:]
+        a3 = a.reshape(experts, -1, a.shape[-1])[first : first + count]
+        b3 = b.reshape(b.shape[0], -1, experts)[:, :, first : first + count]
+        delta = torch.einsum(
+            "o r e, e r i -> e o i" if swapped else "o r e, e r i -> e i o", b3, a3
+        )
+    dims = len(delta.shape) - len(box)
+    for dim, (first, count) in enumerate(box, start=dims):
+        delta = delta.narrow(dim, first, count)
+    return delta
+
+
+def fuse_param_lora(
+    base: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    spec: ParamLoraSpec,
+) -> torch.Tensor:
+    """``W + scale * delta`` in float32 for a box of a parameter LoRA adapts
+    (`param_lora_delta`), peft's operations in peft's order (``delta * scaling``, then
+    ``param += delta``): a float32 model fuses bit for bit alike."""
+    delta = param_lora_delta(lora_a, lora_b, spec.experts, spec.swapped, spec.box) * spec.scale
+    return delta.reshape(base.shape).add_(base.to(torch.float32)).contiguous()
+
+
+@dataclass(frozen=True)
+class ParamLoraSpec:
+    """How a LoRA on a parameter changes one saved tensor: `scale`, the parameter's `experts`
+    (None: a matrix), whether peft swapped its in and out (`swapped`), and the box (first,
+    size per dimension of the parameter) the saved tensor is of it."""
+
+    scale: float
+    experts: int | None
+    swapped: bool
+    box: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class FusedParamLoraSource(WholeTensor):
+    """A saved tensor of a parameter with a LoRA on it (peft's ParamWrapper: fused MoE
+    experts, saved one expert per tensor): ``base + scale * delta`` over its box
+    (`fuse_param_lora`), in float32. Memory: the saved tensor, its delta, A and B."""
+
+    base: TensorSource
+    lora_a: TensorSource
+    lora_b: TensorSource
+    spec: ParamLoraSpec
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def slabs(self, reader: ReadCache) -> list[FileSlab] | None:
+        return None
+
+    def read(self, reader: ReadCache) -> torch.Tensor:
+        a, b = self.lora_a.read(reader), self.lora_b.read(reader)
+        return fuse_param_lora(self.base.read(reader), a, b, self.spec)
+
+    def stored(self) -> tuple[StoredTensor, ...]:
+        return (*self.base.stored(), *self.lora_a.stored(), *self.lora_b.stored())
+
+    def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        base, a, b = combine_each((self.base, self.lora_a, self.lora_b), tensors)
+        return fuse_param_lora(base, a, b, self.spec)
+
+
 def average(
     per_input: Sequence[Mapping[str, TensorSource]], labels: Sequence[str]
 ) -> dict[str, TensorSource]:

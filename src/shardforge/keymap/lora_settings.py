@@ -47,6 +47,7 @@ READ_KEYS: frozenset[str] = frozenset(
         "lora_alpha",
         "use_rslora",
         "target_modules",
+        "target_parameters",
         "exclude_modules",
         "modules_to_save",
         "fan_in_fan_out",
@@ -62,7 +63,6 @@ UNSUPPORTED_KEYS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "use_dora": ("DoRA (weight-decomposed LoRA)", (False, None)),
     "lora_bias": ("LoRA bias terms (lora_bias)", (False, None)),
     "bias": ("trained bias terms (bias other than 'none')", ("none", None)),
-    "target_parameters": ("LoRA on parameters (target_parameters)", (None, [])),
     "trainable_token_indices": ("trainable tokens (trainable_token_indices)", (None, [], {})),
     "layer_replication": ("layer replication", (None, [])),
     "megatron_config": ("Megatron parallel layers", (None, {})),
@@ -107,6 +107,8 @@ class LoraSettings:
     lora_alpha: float
     use_rslora: bool = False
     target_modules: tuple[str, ...] | str | None = None
+    # parameters adapted in place (peft's ParamWrapper: fused MoE experts), by name or suffix
+    target_parameters: tuple[str, ...] = ()
     modules_to_save: tuple[str, ...] = ()
     fan_in_fan_out: bool = False
     use_dora: bool = False
@@ -157,6 +159,7 @@ class LoraSettings:
             lora_alpha=alpha,
             use_rslora=_flag(data, "use_rslora", source),
             target_modules=_names(data.get("target_modules"), "target_modules", source),
+            target_parameters=_list(data.get("target_parameters"), "target_parameters", source),
             modules_to_save=_list(data.get("modules_to_save"), "modules_to_save", source),
             fan_in_fan_out=_flag(data, "fan_in_fan_out", source),
             use_dora=False,
@@ -199,6 +202,11 @@ class LoraSettings:
             if m is not None:
                 return int(m.group(1)) in self.layers_to_transform
         return False
+
+    def targets_parameter(self, name: str) -> bool:
+        """Whether peft wraps the parameter `name` (``target_parameters``: the full name or
+        its last segments, as peft's `_inject_parameters` matches them)."""
+        return any(_match_module(name, entry) for entry in self.target_parameters)
 
     def saves(self, module: str) -> bool:
         """Whether `module` is in ``modules_to_save`` (peft matches name suffixes)."""

@@ -48,6 +48,9 @@ class ExpectedModel:
     # the last name segment of every linear layer but the output one (lora_target_linear)
     linear_names: tuple[str, ...] = ()
     keep: tuple[KeepPattern, ...] = ()  # what the model class keeps in float32 (sinks.cast)
+    # modules whose stacked expert weights are (experts, in, out) (`is_transposed`); the
+    # others' are (experts, out, in)
+    transposed: frozenset[str] = frozenset()
 
     @property
     def renamed_on_save(self) -> bool:
@@ -156,6 +159,7 @@ def build_expected(config: Any, trust_remote_code: bool) -> ExpectedModel:
         _saved_layout(model, kept),
         tuple(linear_layer_names(model)),
         model_keep_patterns(model),
+        frozenset(n for n, m in model.named_modules() if getattr(m, "is_transposed", None) is True),
     )
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ from shardforge.merge.check import ExpectedModel, build_expected, check_against
 from shardforge.merge.check import load_config as load_model_config
 from shardforge.merge.dtypes import main_dtype, output_rules, planned_specs
 from shardforge.merge.lora_fuse import fuse_sources, unties
+from shardforge.merge.lora_params import fuse_params, peft_settings, split_param_pairs
 from shardforge.sinks.base import Companions, Output, WriteOptions
 from shardforge.sinks.companions import has_tokenizer
 from shardforge.sinks.hf_dir import HfDirectorySink
@@ -91,6 +92,7 @@ class Adapter:
     names: LoraNames
     tensors: dict[str, TensorSource]
     base_model_name: str | None
+    config_data: Mapping[str, Any] = field(default_factory=dict)  # adapter_config.json
 
 
 def read_adapter(directory: str | Path) -> Adapter:
@@ -122,7 +124,7 @@ def read_adapter(directory: str | Path) -> Adapter:
     tensors: dict[str, TensorSource] = dict(open_safetensors_file(weights, root))
     names = split_adapter_names(tensors, str(weights))
     base = data.get("base_model_name_or_path") if isinstance(data, dict) else None
-    return Adapter(root, settings, names, tensors, base if isinstance(base, str) else None)
+    return Adapter(root, settings, names, tensors, base if isinstance(base, str) else None, data)
 
 
 # ------------------------------------------------------------------------------ the merge
@@ -245,15 +247,16 @@ def _untie(
     return expected, untied
 
 
-def _as_saved(expected: ExpectedModel, adapter: Adapter, source: str) -> ExpectedModel:
+def _as_saved(expected: ExpectedModel, names: LoraNames, source: str) -> ExpectedModel:
     """An architecture saved under other names than it has in memory (transformers' weight
     conversion: MoE experts fused in memory, saved per expert): the adapter is fused into the
     base files' tensors as they are saved, which holds while it changes none of the renamed
-    ones (LoRA on the attention and linear layers, as lora_target_linear adapts them)."""
+    ones (LoRA on the attention and linear layers, as lora_target_linear adapts them; a LoRA
+    on the fused experts themselves is `merge.lora_params`')."""
     if not expected.renamed_on_save:
         return expected
     view = expected.as_saved()
-    changed = [*adapter.names.fused_names(), *adapter.names.replacements]
+    changed = [*names.fused_names(), *names.replacements]
     renamed = sorted(n for n in changed if n not in view.shapes)
     if renamed:
         raise MergeError(
@@ -281,11 +284,21 @@ def prepare_lora(
     config = load_model_config(config_source, cfg.trust_remote_code)
     expected = build_expected(config, cfg.trust_remote_code)
     expected, untied = _untie(adapter, config, expected, cfg.trust_remote_code)
-    expected = _as_saved(expected, adapter, config_source)
-    base = base_sources(base_dir, expected, config_source, untied)
-    by_name = fuse_sources(
-        base, adapter.names, adapter.tensors, adapter.settings, expected, str(adapter_dir)
+    settings = peft_settings(
+        adapter.settings,
+        adapter.config_data,
+        config,
+        cfg.trust_remote_code,
+        str(adapter_dir / ADAPTER_CONFIG),
     )
+    # LoRAs on parameters (peft's ParamWrapper: fused MoE experts), checked in memory
+    names, params = split_param_pairs(
+        adapter.names, settings, expected, adapter.tensors, str(adapter_dir)
+    )
+    in_memory, expected = expected, _as_saved(expected, names, config_source)
+    base = base_sources(base_dir, expected, config_source, untied)
+    by_name = fuse_sources(base, names, adapter.tensors, settings, expected, str(adapter_dir))
+    by_name.update(fuse_params(by_name, params, adapter.tensors, in_memory))
     rules = output_rules(dtype, config, keep_dtype, expected.keep)
     specs, _ = planned_specs(
         ((n, base[n].dtype, by_name[n].shape) for n in expected.saved_names), rules

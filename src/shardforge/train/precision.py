@@ -170,6 +170,7 @@ def apply_qat(model: nn.Module, cfg: ShardforgeConfig, announce: bool = True) ->
         return
     from torchao.quantization import quantize_
 
+    shared = _shared_parameters(model)
     quantize_(model, _qat_configs(cfg))
     if cfg.qat.quantize_embedding:
         quantize_(
@@ -177,9 +178,31 @@ def apply_qat(model: nn.Module, cfg: ShardforgeConfig, announce: bool = True) ->
             _qat_configs(cfg, embedding=True),
             filter_fn=lambda m, _: isinstance(m, nn.Embedding),
         )
+    _share_again(model, shared)
     if announce:
         faked = len(fake_quantizers(model))
         log.info("qat: %d fake quantizer(s) (%s weights)", faked, cfg.qat.weight_dtype)
+
+
+def _shared_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that several modules hold (tied weights: the input
+    embedding and the output layer of tie_word_embeddings), the first one registered first."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _share_again(model: nn.Module, shared: list[list[str]]) -> None:
+    """Each group of `_shared_parameters` one parameter again, the first name's: a module
+    swapped on the meta device holds a new parameter of its own (torchao's from_linear copies
+    its weight only off the meta device), which would train the tied weights apart; tied
+    again as accelerate's FSDP2 preparation ties Axolotl's (`tie_weights`)."""
+    for first, *others in shared:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, param)
 
 
 def fake_quantizers(model: nn.Module) -> list[Any]:
