@@ -26,13 +26,27 @@ class ConfigReadOnlyError(ShardforgeError, AttributeError):
 
 
 class ConfigView(BaseModel):
-    """A block of the config: strict (an unknown key is an error), frozen, readable as a mapping."""
+    """A block of the config: strict (an unknown key is an error), frozen, readable as a mapping.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    A key's description is the docstring under it (pydantic's `use_attribute_docstrings`),
+    wrapped as the source needs; the JSON schema and the docs get it as one line.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     # where this block sits in a config ("fsdp."), for the advice a write gets; None: an entry
     # of a list (`datasets:`), which an override replaces whole
     override_prefix: ClassVar[str | None] = ""
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        """Each wrapped description as one line (pydantic keeps a docstring's line breaks)."""
+        super().__pydantic_init_subclass__(**kwargs)
+        wrapped = [f for f in cls.model_fields.values() if "\n" in (f.description or "")]
+        for field in wrapped:
+            field.description = " ".join((field.description or "").split())
+        if wrapped:  # the JSON schema took the descriptions as they were
+            cls.model_rebuild(force=True)
 
     def get(self, key: str, default: Any = None) -> Any:
         """The value of `key`, or `default` when the block has no such key (as ``dict.get``)."""
