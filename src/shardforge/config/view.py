@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import ItemsView, KeysView
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, GetJsonSchemaHandler
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from shardforge.config.errors import did_you_mean
 from shardforge.errors import ShardforgeError, shorten, shown
@@ -40,13 +42,22 @@ class ConfigView(BaseModel):
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
-        """Each wrapped description as one line (pydantic keeps a docstring's line breaks)."""
+        """Each description as one line (pydantic keeps a docstring's line breaks)."""
         super().__pydantic_init_subclass__(**kwargs)
-        wrapped = [f for f in cls.model_fields.values() if "\n" in (f.description or "")]
-        for field in wrapped:
-            field.description = " ".join((field.description or "").split())
-        if wrapped:  # the JSON schema took the descriptions as they were
-            cls.model_rebuild(force=True)
+        for field in cls.__pydantic_fields__.values():
+            field.description = _one_line(field.description)
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        """The JSON schema with each key's description as one line too (the schema was built
+        from the docstrings as they are, before `__pydantic_init_subclass__`)."""
+        schema = handler(core_schema)
+        for key in handler.resolve_ref_schema(schema).get("properties", {}).values():
+            if "description" in key:
+                key["description"] = _one_line(key["description"])
+        return schema
 
     def get(self, key: str, default: Any = None) -> Any:
         """The value of `key`, or `default` when the block has no such key (as ``dict.get``)."""
@@ -89,6 +100,10 @@ class ConfigView(BaseModel):
 
     def __delattr__(self, name: str) -> None:
         raise ConfigReadOnlyError(_read_only(type(self).override_prefix, name, _DELETED))
+
+
+def _one_line(text: str | None) -> str | None:
+    return None if text is None else " ".join(text.split())
 
 
 _DELETED = object()  # `del cfg.key`: no value to show
