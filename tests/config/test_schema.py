@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import json
+
 from pydantic import BaseModel
 
+from shardforge.cli.config_schema import do_config_schema
 from shardforge.config.schema import ShardforgeConfig
 
 
@@ -45,3 +48,16 @@ def test_json_schema_lists_keys() -> None:
     assert schema["required"] == ["base_model"]
     assert "fsdp" in schema["properties"]
     assert schema["additionalProperties"] is False
+
+
+def test_descriptions_are_one_line_in_the_json_schema() -> None:
+    """The keys' docstrings are wrapped in the source; the schema (and so the docs and editors)
+    get each key's description as one line, with single spaces."""
+    schema = json.loads(do_config_schema())
+    blocks = [schema, *schema["$defs"].values()]
+    keys = [key for block in blocks for key in block.get("properties", {}).values()]
+    assert len(keys) > 200
+    wrapped = [
+        k["description"] for k in keys if k["description"] != " ".join(k["description"].split())
+    ]
+    assert wrapped == []

@@ -121,3 +121,24 @@ def test_coerce_cfg_hands_a_loaded_config_on_as_it_is(path: Path) -> None:
     cfg = load_cfg(path)
     assert coerce_cfg(cfg) is cfg
     assert coerce_cfg(cfg, command="merge") is cfg
+
+
+def test_a_keys_docstring_is_its_one_line_description() -> None:
+    """A key documented by the docstring under it (wrapped over lines, as the source needs)
+    gets it as its description, in one line, in the JSON schema too."""
+    from pydantic import Field
+
+    from shardforge.config.view import ConfigView
+
+    class Block(ConfigView):
+        size: int | None = Field(None, gt=0)
+        """How many, wrapped
+        over two lines."""
+        name: str = Field("x", description="Given as before.")
+
+    info = Block.model_fields["size"]
+    assert info.description == "How many, wrapped over two lines."
+    assert Block.model_json_schema()["properties"]["size"]["description"] == info.description
+    assert Block.model_json_schema()["properties"]["name"]["description"] == "Given as before."
+    with pytest.raises(ValueError, match="greater than 0"):
+        Block(size=0)

@@ -15,7 +15,7 @@ from shardforge.errors import ConfigError
 from shardforge.train.chat import chat_sample
 from shardforge.train.data import load_samples, load_tokenizer, tokenizer_kwargs
 from shardforge.train.readers import read_rows
-from shardforge.train.rows import IGNORE_INDEX, Sample, TokenizeOptions
+from shardforge.train.rows import IGNORE_INDEX, RowError, Sample, TokenizeOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "examples" / "tiny-llama" / "base"
@@ -141,6 +141,32 @@ def test_chat_entry_keys_change_the_rendering(tok: Any) -> None:
     assert _text(
         tok, _chat(tok, with_tools, opts, chat_template_jinja=tools, field_tools="fns")
     ) == ("T2Be brief.KW")
+
+
+def test_tool_json_text_is_parsed_for_the_template(tok: Any) -> None:
+    """Tool-call arguments and tool parameters given as JSON text reach the template as
+    mappings; bad JSON is the row's error, naming the entry's key at fault."""
+    show = (
+        "{% for t in tools %}{{ t.function.parameters.type }}{% endfor %}"
+        "{% for m in messages %}{% for c in m.get('tool_calls', []) %}"
+        "{{ c.function.arguments.x }}{% endfor %}{{ m['content'] }}{% endfor %}"
+    )
+
+    def row(arguments: str, parameters: str) -> dict[str, Any]:
+        call = {"type": "function", "function": {"name": "f", "arguments": arguments}}
+        tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+        answer = {"role": "assistant", "content": "A", "tool_calls": [call]}
+        return {"messages": [{"role": "user", "content": "Q"}, answer], "tools": [tool]}
+
+    good = _chat(tok, row('{"x": "ARG"}', '{"type": "object"}'), chat_template_jinja=show)
+    assert _text(tok, good).startswith("objectQARGA")
+    for bad, field, what in (
+        (row("{x", "{}"), "field_messages", "tool call arguments"),
+        (row("{}", "{x"), "field_tools", "tool parameters"),
+    ):
+        with pytest.raises(RowError, match=what) as caught:
+            _chat(tok, bad, chat_template_jinja=show)
+        assert caught.value.field == field
 
 
 def test_per_message_training_flags_and_details(tok: Any) -> None:

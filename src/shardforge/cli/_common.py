@@ -56,6 +56,25 @@ def overrides_name(override_args: Sequence[str] | None, key: str) -> bool:
     return key in parse_override_args(list(override_args or []))
 
 
+def run_on_model(
+    use: Callable[..., T],
+    config: str | Path,
+    override_args: Sequence[str] | None,
+    options: Mapping[str, Any],
+    quiet: bool = True,
+) -> T:
+    """What the commands that use the model a run trained (`inference`, `evaluate`, `lm-eval`,
+    `quantize`) share: `config` loaded with the override arguments after it, and
+    `use(cfg, named_base=..., **options)` called with the options given (a None: not given),
+    transformers' bars and the libraries' warnings off (`quiet`). `named_base`: the overrides
+    name `base_model`, as Axolotl's `--base-model DIR` (that folder is the model)."""
+    cfg = load_config(config, override_args, "all")
+    named_base = overrides_name(override_args, "base_model")
+    given = {k: v for k, v in options.items() if v is not None}
+    with quiet_libraries(quiet):
+        return use(cfg, named_base=named_base, **given)
+
+
 # what transformers and huggingface_hub read when they are imported: no progress bars, errors only
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 # the libraries whose warnings a quiet command keeps off stderr (shardforge's own lines stay)

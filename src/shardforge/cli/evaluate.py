@@ -9,14 +9,7 @@ from typing import Any
 
 import click
 
-from shardforge.cli._common import (
-    config_argument,
-    fire_entry,
-    load_config,
-    overrides_name,
-    quiet_libraries,
-    shardforge_command,
-)
+from shardforge.cli._common import config_argument, fire_entry, run_on_model, shardforge_command
 from shardforge.use.request import ModelRequest
 
 EPILOG = """\b
@@ -39,10 +32,7 @@ def do_evaluate(config: str | Path, override_args: list[str] | None = None, **op
     """Load `config` (plus overrides) and evaluate (`options`: the fields of `ModelRequest`)."""
     from shardforge.use.evaluate import evaluate_model
 
-    cfg = load_config(config, override_args, "all")
-    named_base = overrides_name(override_args, "base_model")  # Axolotl's --base-model
-    with quiet_libraries():  # the metrics and shardforge's lines, not transformers' bars
-        return evaluate_model(cfg, named_base=named_base, **options)
+    return run_on_model(evaluate_model, config, override_args, options)
 
 
 @shardforge_command(
@@ -59,8 +49,7 @@ def command(config: str, as_json: bool, overrides: list[str], **options: Any) ->
     --step, --base_model DIR as Axolotl's --base-model, or by default the run's own) on the config's evaluation data (val_set_size or
     test_datasets) with training's own data pipeline and loss: eval_loss, eval_perplexity and
     eval_tokens, as `train` logs them."""
-    given = {k: v for k, v in options.items() if v is not None}
-    result = do_evaluate(config, overrides, **given)
+    result = do_evaluate(config, overrides, **options)
     metrics = {
         "eval_loss": result.loss,
         "eval_perplexity": result.perplexity,

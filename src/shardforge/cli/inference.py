@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,8 @@ import click
 from shardforge.cli._common import (
     config_argument,
     fire_entry,
-    load_config,
-    overrides_name,
     quiet_libraries,
+    run_on_model,
     shardforge_command,
 )
 from shardforge.use.request import InferenceRequest
@@ -58,12 +58,10 @@ def do_inference(config: str | Path, override_args: list[str] | None = None, **o
     terminal, with `gradio` the chat page, until the user leaves."""
     from shardforge.use.inference import inference
 
-    cfg = load_config(config, override_args, "all")
-    named_base = overrides_name(override_args, "base_model")  # Axolotl's --base-model
     if options.get("chat") or options.get("gradio"):
-        return do_chat(cfg, named_base, **options)
-    with quiet_libraries():  # the answer and shardforge's lines, not transformers' bars
-        return inference(cfg, read_prompt=read_stdin, stream=True, named_base=named_base, **options)
+        return run_on_model(do_chat, config, override_args, options, quiet=False)
+    generate = functools.partial(inference, read_prompt=read_stdin, stream=True)
+    return run_on_model(generate, config, override_args, options)
 
 
 def do_chat(cfg: Any, named_base: bool, **options: Any) -> None:
@@ -102,8 +100,7 @@ def command(config: str, overrides: list[str], **options: Any) -> None:
     the config's chat_template when it sets one. Greedy unless --do_sample; the new text is
     streamed to stdout, what was loaded to stderr. --chat: a multi-turn chat in the terminal;
     --gradio: a chat page in the browser (127.0.0.1 unless gradio_server_name says otherwise)."""
-    given = {k: v for k, v in options.items() if v is not None}
-    do_inference(config, overrides, **given)
+    do_inference(config, overrides, **options)
 
 
 do_cli = fire_entry(command)

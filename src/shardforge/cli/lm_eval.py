@@ -7,14 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shardforge.cli._common import (
-    config_argument,
-    fire_entry,
-    load_config,
-    overrides_name,
-    quiet_libraries,
-    shardforge_command,
-)
+from shardforge.cli._common import config_argument, fire_entry, run_on_model, shardforge_command
 from shardforge.use.request import ModelRequest
 
 EPILOG = """\b
@@ -33,10 +26,7 @@ def do_lm_eval(config: str | Path, override_args: list[str] | None = None, **opt
     """Load `config` (plus overrides) and run lm-eval (`options`: the fields of `ModelRequest`)."""
     from shardforge.use.lm_evaluation import lm_evaluate
 
-    cfg = load_config(config, override_args, "all")
-    named_base = overrides_name(override_args, "base_model")  # Axolotl's --base-model
-    with quiet_libraries():
-        return lm_evaluate(cfg, named_base=named_base, **options)
+    return run_on_model(lm_evaluate, config, override_args, options)
 
 
 @shardforge_command("lm-eval", epilog=EPILOG, params=[config_argument()], request=ModelRequest)
@@ -47,8 +37,7 @@ def command(config: str, overrides: list[str], **options: Any) -> str:
     or name:num_fewshot), lm_eval_batch_size, apply_chat_template, fewshot_as_multiturn,
     lm_eval_include_path (local task YAML files). Prints lm_eval's summary table; the results
     JSON goes to output_dir/lm_eval_results/."""
-    given = {k: v for k, v in options.items() if v is not None}
-    result = do_lm_eval(config, overrides, **given)
+    result = do_lm_eval(config, overrides, **options)
     return str(result.table)
 
 

@@ -7,14 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shardforge.cli._common import (
-    config_argument,
-    fire_entry,
-    load_config,
-    overrides_name,
-    quiet_libraries,
-    shardforge_command,
-)
+from shardforge.cli._common import config_argument, fire_entry, run_on_model, shardforge_command
 from shardforge.use.request import QuantizeRequest
 
 EPILOG = """\b
@@ -38,10 +31,7 @@ def do_quantize(config: str | Path, override_args: list[str] | None = None, **op
     """Load `config` (plus overrides) and quantize (`options`: the fields of QuantizeRequest)."""
     from shardforge.use.quantize import quantize_model
 
-    cfg = load_config(config, override_args, "all")
-    named_base = overrides_name(override_args, "base_model")
-    with quiet_libraries():
-        return quantize_model(cfg, named_base=named_base, **options)
+    return run_on_model(quantize_model, config, override_args, options)
 
 
 @shardforge_command("quantize", epilog=EPILOG, params=[config_argument()], request=QuantizeRequest)
@@ -52,8 +42,7 @@ def command(config: str, overrides: list[str], **options: Any) -> str:
     channel (--weight_dtype int8, the default) or int4 in groups (a CUDA GPU),
     --activation_dtype int8 for dynamic activations, --quantize_embedding for the input
     embedding. transformers loads the folder as it is (TorchAoConfig in config.json)."""
-    given = {k: v for k, v in options.items() if v is not None}
-    out = do_quantize(config, overrides, **given)
+    out = do_quantize(config, overrides, **options)
     ratio = out.size_after / out.size_before if out.size_before else float("nan")
     return (
         f"quantized: {out.path}\n"

@@ -10,7 +10,7 @@ schema): `schema_model` (model, tokenizer, output), `schema_data` (data sets, ba
 `schema_optim` (optimizer, schedule), `schema_train` (precision, speed, saves, evaluation,
 tracking), `schema_lora` (adapters), `schema_fsdp` (sharding), `schema_use` (using the trained model:
 `inference --gradio`, `lm-eval`). A new key goes into its stage's
-mixin; checks across stages stay here.
+mixin, its description the docstring under it (`config.view`); checks across stages stay here.
 """
 
 from __future__ import annotations

@@ -18,127 +18,81 @@ class DatasetConfig(ConfigView):
 
     override_prefix: ClassVar[str | None] = None
 
-    path: str = Field(
-        description="Path to a local .json, .jsonl, .parquet or .txt file (or a directory of them)."
-    )
-    type: DatasetType = Field(
-        "completion",
-        description="completion: train on the raw text of `field`; alpaca: instruction/input/"
-        "output rows in the Alpaca prompt; input_output: `segments` of text, each with a `label` "
-        "(train on it or not); chat_template: render the conversation in `field_messages` with "
-        "the chat template.",
-    )
-    ds_type: Literal["json", "parquet", "text"] | None = Field(
-        None, description="File format; inferred from the file extension when absent."
-    )
-    field: str = Field("text", description="Column holding the text, for type completion.")
-    field_messages: str = Field(
-        "messages",
-        description="Column holding the list of messages, for type chat_template.",
-    )
+    path: str
+    """Path to a local .json, .jsonl, .parquet or .txt file (or a directory of them)."""
+    type: DatasetType = "completion"
+    """completion: train on the raw text of `field`; alpaca: instruction/input/output rows in the
+    Alpaca prompt; input_output: `segments` of text, each with a `label` (train on it or not);
+    chat_template: render the conversation in `field_messages` with the chat template."""
+    ds_type: Literal["json", "parquet", "text"] | None = None
+    """File format; inferred from the file extension when absent."""
+    field: str = "text"
+    """Column holding the text, for type completion."""
+    field_messages: str = "messages"
+    """Column holding the list of messages, for type chat_template."""
     message_property_mappings: dict[str, str] = Field(
-        default_factory=lambda: {"role": "role", "content": "content"},
-        description="For chat_template: which key of each message holds the role and the "
-        "content, e.g. {role: from, content: value} for ShareGPT-style rows.",
+        default_factory=lambda: {"role": "role", "content": "content"}
     )
-    roles: dict[str, list[str]] | None = Field(
-        None,
-        description="For chat_template: the role names of the data mapped to template roles, "
-        "e.g. {user: [human], assistant: [gpt]}. Unmapped roles are kept as they are.",
-    )
-    roles_to_train: list[str] = Field(
-        default_factory=lambda: ["assistant"],
-        description="For chat_template: the (mapped) roles whose turns are trained on, unless "
-        "train_on_inputs is set.",
-    )
-    split: str = Field(
-        "train",
-        description="Split to read, with an optional slice as in `datasets`: train, "
-        "train[:20%], train[10:200], train[50%:]. A local file is the split `train`.",
-    )
+    """For chat_template: which key of each message holds the role and the content, e.g. {role:
+    from, content: value} for ShareGPT-style rows."""
+    roles: dict[str, list[str]] | None = None
+    """For chat_template: the role names of the data mapped to template roles, e.g. {user: [human],
+    assistant: [gpt]}. Unmapped roles are kept as they are."""
+    roles_to_train: list[str] = Field(default_factory=lambda: ["assistant"])
+    """For chat_template: the (mapped) roles whose turns are trained on, unless train_on_inputs is
+    set."""
+    split: str = "train"
+    """Split to read, with an optional slice as in `datasets`: train, train[:20%], train[10:200],
+    train[50%:]. A local file is the split `train`."""
 
-    data_files: str | list[str] | None = Field(
-        None,
-        description="Only these files of the folder `path` (names relative to it, or absolute "
-        "paths), in the order given; the format from ds_type or each file's extension.",
-    )
-    name: str | None = Field(
-        None,
-        description="The configuration of a local data set folder to read: a `configs:` entry "
-        "(config_name, data_files) of the YAML header of its README.md, as the Hub lays them "
-        "out. A folder without one is an error (nothing is downloaded).",
-    )
-    revision: str | None = Field(
-        None,
-        description="A Hub revision; a local path has none, so (as in Axolotl) it changes "
-        "nothing there; nothing is downloaded.",
-    )
-    shards: int | None = Field(
-        None,
-        gt=0,
-        description="Cut the rows (shuffled with `seed`) into this many contiguous shards and "
-        "keep shard `shards_idx`, as Axolotl's dataset.shuffle(seed).shard(shards, idx).",
-    )
-    shards_idx: int | None = Field(
-        None, ge=0, description="Which shard to keep (0 when unset), with `shards`."
-    )
-    weight: float | None = Field(
-        None,
-        gt=0,
-        description="Mixing weight of this entry: its rows are taken round(weight x rows) "
-        "times (2: every row twice; 0.5: half of them, drawn with `seed`). null: once.",
-    )
-    chat_template: str | None = Field(
-        None,
-        description="This entry's own chat template (a name, tokenizer_default, jinja with "
-        "chat_template_jinja, or Jinja text); null: the top-level one.",
-    )
-    chat_template_jinja: str | None = Field(
-        None, description="Jinja text (or a file) of this entry's chat template."
-    )
-    field_tools: str = Field(
-        "tools",
-        description="For chat_template: the column holding the tool definitions (a list of "
-        "dicts) passed to the template as `tools`; rows without it render without tools.",
-    )
-    field_thinking: str = Field(
-        "reasoning_content",
-        description="For chat_template: the key of a message holding its reasoning trace.",
-    )
-    template_thinking_key: str = Field(
-        "reasoning_content",
-        description="For chat_template: the message key the template reads the reasoning "
-        "trace from (field_thinking is copied to it).",
-    )
-    split_thinking: bool = Field(
-        False,
-        description="For chat_template: move a <think>...</think> (or <reasoning>, "
-        "<|begin_of_thought|>) block of an assistant's content to template_thinking_key.",
-    )
-    train_on_eos: EosPolicy | None = Field(
-        None,
-        description="For chat_template: which EOS tokens are targets: turn (null: the EOS "
-        "after each trained turn), all, last (only the conversation's last), none.",
-    )
-    train_on_eot: EosPolicy | None = Field(
-        None,
-        description="For chat_template: which end-of-turn tokens (eot_tokens, else EOS) are "
-        "targets, as train_on_eos; null: as train_on_eos.",
-    )
-    drop_system_message: bool = Field(
-        False, description="For chat_template: drop a conversation's leading system message."
-    )
-    message_field_training: str | None = Field(
-        None,
-        description="For chat_template: a message key whose true/false says whether that turn "
-        "is trained (over roles_to_train).",
-    )
-    message_field_training_detail: str | None = Field(
-        None,
-        description="For chat_template: a message key holding [{begin_offset, end_offset, "
-        "train}] character ranges of its content; only tokens inside a trained range are "
-        "targets.",
-    )
+    data_files: str | list[str] | None = None
+    """Only these files of the folder `path` (names relative to it, or absolute paths), in the order
+    given; the format from ds_type or each file's extension."""
+    name: str | None = None
+    """The configuration of a local data set folder to read: a `configs:` entry (config_name,
+    data_files) of the YAML header of its README.md, as the Hub lays them out. A folder without one
+    is an error (nothing is downloaded)."""
+    revision: str | None = None
+    """A Hub revision; a local path has none, so (as in Axolotl) it changes nothing there; nothing
+    is downloaded."""
+    shards: int | None = Field(None, gt=0)
+    """Cut the rows (shuffled with `seed`) into this many contiguous shards and keep shard
+    `shards_idx`, as Axolotl's dataset.shuffle(seed).shard(shards, idx)."""
+    shards_idx: int | None = Field(None, ge=0)
+    """Which shard to keep (0 when unset), with `shards`."""
+    weight: float | None = Field(None, gt=0)
+    """Mixing weight of this entry: its rows are taken round(weight x rows) times (2: every row
+    twice; 0.5: half of them, drawn with `seed`). null: once."""
+    chat_template: str | None = None
+    """This entry's own chat template (a name, tokenizer_default, jinja with chat_template_jinja, or
+    Jinja text); null: the top-level one."""
+    chat_template_jinja: str | None = None
+    """Jinja text (or a file) of this entry's chat template."""
+    field_tools: str = "tools"
+    """For chat_template: the column holding the tool definitions (a list of dicts) passed to the
+    template as `tools`; rows without it render without tools."""
+    field_thinking: str = "reasoning_content"
+    """For chat_template: the key of a message holding its reasoning trace."""
+    template_thinking_key: str = "reasoning_content"
+    """For chat_template: the message key the template reads the reasoning trace from
+    (field_thinking is copied to it)."""
+    split_thinking: bool = False
+    """For chat_template: move a <think>...</think> (or <reasoning>, <|begin_of_thought|>) block of
+    an assistant's content to template_thinking_key."""
+    train_on_eos: EosPolicy | None = None
+    """For chat_template: which EOS tokens are targets: turn (null: the EOS after each trained
+    turn), all, last (only the conversation's last), none."""
+    train_on_eot: EosPolicy | None = None
+    """For chat_template: which end-of-turn tokens (eot_tokens, else EOS) are targets, as
+    train_on_eos; null: as train_on_eos."""
+    drop_system_message: bool = False
+    """For chat_template: drop a conversation's leading system message."""
+    message_field_training: str | None = None
+    """For chat_template: a message key whose true/false says whether that turn is trained (over
+    roles_to_train)."""
+    message_field_training_detail: str | None = None
+    """For chat_template: a message key holding [{begin_offset, end_offset, train}] character ranges
+    of its content; only tokens inside a trained range are targets."""
 
     @field_validator("path")
     @classmethod
@@ -283,80 +237,54 @@ class DataKeys(ConfigView):
     """Training data and batch shape."""
 
     # -- data ------------------------------------------------------------------------------------
-    datasets: list[DatasetConfig] = Field(
-        default_factory=list, description="Training data sets (local files)."
-    )
-    train_on_inputs: bool = Field(
-        False,
-        description="Also train on prompt tokens (alpaca instruction/input, unlabelled "
-        "input_output segments, chat turns of roles not in roles_to_train).",
-    )
-    sequence_len: int = Field(2048, gt=0, description="Maximum tokens per training sequence.")
-    sample_packing: bool = Field(
-        False,
-        description="Pack several whole samples into each sequence_len window instead of "
-        "padding each; each sample attends only to itself (position ids restart per sample; "
-        "needs an attn_implementation that honours them: eager, sdpa, flex_attention, "
-        "flash_attention_2/3, varlen_attention).",
-    )
-    dataset_prepared_path: str | None = Field(
-        None,
-        description="Folder of prepared data sets (tokenized, templated, masked, packed), one "
-        "sub-folder per hash of the data files, the tokenizer and the keys that change "
-        "tokens: `shardforge preprocess` writes it, `train` reuses a matching one (else "
-        "prepares and writes it, saying why). null: train prepares the data in memory.",
-    )
-    micro_batch_size: int = Field(1, gt=0, description="Sequences per rank per forward pass.")
-    gradient_accumulation_steps: int = Field(
-        1, gt=0, description="Micro-batches accumulated per optimizer step."
-    )
-    num_epochs: float = Field(1, gt=0, description="Passes over the data set (if max_steps unset).")
-    max_steps: int | None = Field(
-        None, gt=0, description="Stop after this many optimizer steps (overrides num_epochs)."
-    )
-    default_system_message: str | None = Field(
-        None,
-        description="Replaces the default system message of the chat template (its text "
-        "'You are a helpful assistant.', e.g. qwen2_vl's), as Axolotl does; a template "
-        "without it is unchanged.",
-    )
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        None,
-        description="Extra variables passed to the chat template (e.g. {enable_thinking: false}).",
-    )
-    min_sample_len: int | None = Field(
-        None,
-        ge=0,
-        description="Drop samples with fewer tokens (null: 2, as Axolotl: a shorter one has "
-        "nothing to predict).",
-    )
-    excess_length_strategy: Literal["drop", "truncate", "raise"] | None = Field(
-        None,
-        description="A sample longer than sequence_len: drop it, truncate it, or raise an "
-        "error naming it. null: truncate (packed: cut into sequence_len pieces), shardforge's "
-        "behaviour before this key.",
-    )
-    dataset_exact_deduplication: bool = Field(
-        False, description="Drop samples whose tokens and labels repeat an earlier sample's."
-    )
-    shuffle_before_merging_datasets: bool = Field(
-        False, description="Shuffle each data set's samples (with seed) before they are merged."
-    )
-    shuffle_merged_datasets: bool = Field(
-        True,
-        description="Shuffle the merged samples (with seed) before packing; false keeps the "
-        "file order for packing (batches are drawn in a shuffled order either way).",
-    )
-    dataset_shard_num: int | None = Field(
-        None, gt=0, description="Keep one contiguous shard of the merged samples: how many."
-    )
-    dataset_shard_idx: int | None = Field(
-        None, ge=0, description="Which shard, with dataset_shard_num."
-    )
-    dataloader_drop_last: bool = Field(
-        False,
-        description="Each epoch uses only whole global batches: the samples left over after "
-        "the last whole batch of an epoch are not trained on in that epoch (its steps: "
-        "floor(sequences / global batch)). false: the last batch of an epoch is completed "
-        "with the first samples of the next epoch's order.",
-    )
+    datasets: list[DatasetConfig] = Field(default_factory=list)
+    """Training data sets (local files)."""
+    train_on_inputs: bool = False
+    """Also train on prompt tokens (alpaca instruction/input, unlabelled input_output segments, chat
+    turns of roles not in roles_to_train)."""
+    sequence_len: int = Field(2048, gt=0)
+    """Maximum tokens per training sequence."""
+    sample_packing: bool = False
+    """Pack several whole samples into each sequence_len window instead of padding each; each sample
+    attends only to itself (position ids restart per sample; needs an attn_implementation that
+    honours them: eager, sdpa, flex_attention, flash_attention_2/3, varlen_attention)."""
+    dataset_prepared_path: str | None = None
+    """Folder of prepared data sets (tokenized, templated, masked, packed), one sub-folder per hash
+    of the data files, the tokenizer and the keys that change tokens: `shardforge preprocess` writes
+    it, `train` reuses a matching one (else prepares and writes it, saying why). null: train
+    prepares the data in memory."""
+    micro_batch_size: int = Field(1, gt=0)
+    """Sequences per rank per forward pass."""
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    """Micro-batches accumulated per optimizer step."""
+    num_epochs: float = Field(1, gt=0)
+    """Passes over the data set (if max_steps unset)."""
+    max_steps: int | None = Field(None, gt=0)
+    """Stop after this many optimizer steps (overrides num_epochs)."""
+    default_system_message: str | None = None
+    """Replaces the default system message of the chat template (its text 'You are a helpful
+    assistant.', e.g. qwen2_vl's), as Axolotl does; a template without it is unchanged."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables passed to the chat template (e.g. {enable_thinking: false})."""
+    min_sample_len: int | None = Field(None, ge=0)
+    """Drop samples with fewer tokens (null: 2, as Axolotl: a shorter one has nothing to
+    predict)."""
+    excess_length_strategy: Literal["drop", "truncate", "raise"] | None = None
+    """A sample longer than sequence_len: drop it, truncate it, or raise an error naming it. null:
+    truncate (packed: cut into sequence_len pieces), shardforge's behaviour before this key."""
+    dataset_exact_deduplication: bool = False
+    """Drop samples whose tokens and labels repeat an earlier sample's."""
+    shuffle_before_merging_datasets: bool = False
+    """Shuffle each data set's samples (with seed) before they are merged."""
+    shuffle_merged_datasets: bool = True
+    """Shuffle the merged samples (with seed) before packing; false keeps the file order for packing
+    (batches are drawn in a shuffled order either way)."""
+    dataset_shard_num: int | None = Field(None, gt=0)
+    """Keep one contiguous shard of the merged samples: how many."""
+    dataset_shard_idx: int | None = Field(None, ge=0)
+    """Which shard, with dataset_shard_num."""
+    dataloader_drop_last: bool = False
+    """Each epoch uses only whole global batches: the samples left over after the last whole batch
+    of an epoch are not trained on in that epoch (its steps: floor(sequences / global batch)).
+    false: the last batch of an epoch is completed with the first samples of the next epoch's
+    order."""

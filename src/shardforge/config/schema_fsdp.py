@@ -16,16 +16,12 @@ class MixedPrecisionConfig(ConfigView):
 
     override_prefix: ClassVar[str | None] = "fsdp.mixed_precision."
 
-    param_dtype: DType | None = Field(
-        None,
-        description="dtype parameters are cast to for forward/backward compute; null keeps the "
-        "stored dtype. Defaults to bfloat16/float16 when `bf16`/`fp16` is set.",
-    )
-    reduce_dtype: DType | None = Field(
-        None,
-        description="dtype gradients are reduce-scattered in; null uses param_dtype. float32 "
-        "is the safe choice for bf16 training.",
-    )
+    param_dtype: DType | None = None
+    """dtype parameters are cast to for forward/backward compute; null keeps the stored dtype.
+    Defaults to bfloat16/float16 when `bf16`/`fp16` is set."""
+    reduce_dtype: DType | None = None
+    """dtype gradients are reduce-scattered in; null uses param_dtype. float32 is the safe choice
+    for bf16 training."""
 
 
 class FsdpConfig(ConfigView):
@@ -33,41 +29,27 @@ class FsdpConfig(ConfigView):
 
     override_prefix: ClassVar[str | None] = "fsdp."
 
-    fsdp_version: Literal[2] = Field(
-        2, description="FSDP implementation. Only FSDP2 (`fully_shard`) is supported."
-    )
-    reshard_after_forward: bool = Field(
-        True,
-        description="Free the gathered parameters after forward (ZeRO-3 style, less memory). "
-        "false keeps them until backward (ZeRO-2 style, less communication).",
-    )
-    offload_params: bool = Field(
-        False, description="Keep sharded parameters and gradients on CPU (CPUOffloadPolicy)."
-    )
-    transformer_layer_cls_to_wrap: list[str] | None = Field(
-        None,
-        description="Class name(s) of the transformer block each wrapped in its own FSDP unit, "
-        "e.g. LlamaDecoderLayer. Auto-detected from the model's `_no_split_modules` when absent.",
-    )
-    activation_checkpointing: bool = Field(
-        False, description="Recompute each transformer block's activations in backward."
-    )
-    state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] = Field(
-        "SHARDED_STATE_DICT",
-        description="SHARDED_STATE_DICT writes DCP checkpoints (merge them with "
-        "`merge-sharded-fsdp-weights`); FULL_STATE_DICT makes the final save a regular "
-        "Hugging Face model directory.",
-    )
-    mixed_precision: MixedPrecisionConfig = Field(
-        default_factory=MixedPrecisionConfig,
-        description="Parameter and gradient-reduction dtypes for FSDP2 mixed precision.",
-    )
-    hybrid_shard: bool = Field(
-        False,
-        description="HSDP: a 2-D (replicate, shard) device mesh; parameters are sharded within "
-        "groups of `dp_shard_size` ranks (default: the ranks of one machine) and replicated "
-        "across groups. Axolotl's HYBRID_SHARD / hybrid_shard.",
-    )
+    fsdp_version: Literal[2] = 2
+    """FSDP implementation. Only FSDP2 (`fully_shard`) is supported."""
+    reshard_after_forward: bool = True
+    """Free the gathered parameters after forward (ZeRO-3 style, less memory). false keeps them
+    until backward (ZeRO-2 style, less communication)."""
+    offload_params: bool = False
+    """Keep sharded parameters and gradients on CPU (CPUOffloadPolicy)."""
+    transformer_layer_cls_to_wrap: list[str] | None = None
+    """Class name(s) of the transformer block each wrapped in its own FSDP unit, e.g.
+    LlamaDecoderLayer. Auto-detected from the model's `_no_split_modules` when absent."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward."""
+    state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] = "SHARDED_STATE_DICT"
+    """SHARDED_STATE_DICT writes DCP checkpoints (merge them with `merge-sharded-fsdp-weights`);
+    FULL_STATE_DICT makes the final save a regular Hugging Face model directory."""
+    mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig)
+    """Parameter and gradient-reduction dtypes for FSDP2 mixed precision."""
+    hybrid_shard: bool = False
+    """HSDP: a 2-D (replicate, shard) device mesh; parameters are sharded within groups of
+    `dp_shard_size` ranks (default: the ranks of one machine) and replicated across groups.
+    Axolotl's HYBRID_SHARD / hybrid_shard."""
 
     @model_validator(mode="before")
     @classmethod
@@ -82,18 +64,10 @@ class ShardingKeys(ConfigView):
     """How the ranks shard the model."""
 
     # -- sharding --------------------------------------------------------------------------------
-    fsdp: FsdpConfig = Field(
-        default_factory=FsdpConfig, description="FSDP2 sharding settings (see FsdpConfig)."
-    )
-    dp_shard_size: int | None = Field(
-        None,
-        gt=0,
-        description="Ranks that shard the parameters among themselves; with fewer than all "
-        "ranks the rest replicate (HSDP, a 2-D mesh). Must divide the world size.",
-    )
-    dp_replicate_size: int | None = Field(
-        None,
-        gt=0,
-        description="Replica groups of the HSDP mesh (world size = dp_replicate_size x "
-        "dp_shard_size).",
-    )
+    fsdp: FsdpConfig = Field(default_factory=FsdpConfig)
+    """FSDP2 sharding settings (see FsdpConfig)."""
+    dp_shard_size: int | None = Field(None, gt=0)
+    """Ranks that shard the parameters among themselves; with fewer than all ranks the rest
+    replicate (HSDP, a 2-D mesh). Must divide the world size."""
+    dp_replicate_size: int | None = Field(None, gt=0)
+    """Replica groups of the HSDP mesh (world size = dp_replicate_size x dp_shard_size)."""

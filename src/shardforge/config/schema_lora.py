@@ -13,99 +13,64 @@ class LoraKeys(ConfigView):
     """LoRA adapters."""
 
     # -- LoRA adapters ---------------------------------------------------------------------------
-    adapter: Literal["lora", "qlora"] | None = Field(
-        None,
-        description="`lora`: train a LoRA adapter on the frozen base model (peft), sharded with "
-        "FSDP2 like the model; checkpoints hold only the adapter and its optimizer state. "
-        "`qlora`: the same over 4-bit (NF4) base weights (with `load_in_4bit: true`, as "
-        "Axolotl requires); the quantized weights are sharded by FSDP2.",
-    )
-    lora_r: int = Field(8, gt=0, description="LoRA rank r (the inner dimension of B @ A).")
-    lora_alpha: int = Field(
-        16, gt=0, description="LoRA alpha: the update is scaled by lora_alpha / lora_r."
-    )
-    lora_dropout: float = Field(
-        0.0, ge=0, lt=1, description="Dropout on the LoRA input during training."
-    )
-    lora_target_modules: list[str] | str | None = Field(
-        None,
-        description="Module names (or name suffixes, as peft matches them) that get a LoRA "
-        "adapter, e.g. [q_proj, v_proj]; a string is a regular expression peft matches "
-        "against the whole module name.",
-    )
-    lora_target_linear: bool = Field(
-        False,
-        description="Adapt every linear layer except the output layer (peft's `all-linear`), "
-        "plus lora_target_modules.",
-    )
-    lora_modules_to_save: list[str] | None = Field(
-        None,
-        description="Modules trained in full and saved with the adapter, e.g. [embed_tokens, "
-        "lm_head] after adding tokens; tied embeddings stay tied.",
-    )
-    lora_fan_in_fan_out: bool = Field(
-        False,
-        description="peft's fan_in_fan_out: the adapted layers store their weight as "
-        "(in, out), as GPT-2's Conv1D does; written to adapter_config.json.",
-    )
-    lora_rank_pattern: dict[str, int] | None = Field(
-        None,
-        description="peft's rank_pattern: a rank per module name pattern (a regular "
-        "expression matched against the end of the module's name), e.g. {q_proj: 16}.",
-    )
-    lora_alpha_pattern: dict[str, int] | None = Field(
-        None,
-        description="peft's alpha_pattern: a lora_alpha per module name pattern, as "
-        "lora_rank_pattern.",
-    )
-    peft_layers_to_transform: list[int] | None = Field(
-        None,
-        description="peft's layers_to_transform: adapt only the transformer blocks of these "
-        "indices.",
-    )
-    peft_layers_pattern: list[str] | None = Field(
-        None,
-        description="peft's layers_pattern: the name of the module list that "
-        "peft_layers_to_transform indexes (e.g. [layers]); peft finds it when unset.",
-    )
-    peft_use_rslora: bool = Field(
-        False, description="Rank-stabilised LoRA: scale by lora_alpha / sqrt(lora_r)."
-    )
-    peft_use_dora: bool = Field(
-        False, description="DoRA adapters: not supported by train (must be false or unset)."
-    )
-    lora_model_dir: str | None = Field(
-        None,
-        description="A PEFT adapter directory to start training from (train) or to fuse "
-        "(merge-lora).",
-    )
+    adapter: Literal["lora", "qlora"] | None = None
+    """`lora`: train a LoRA adapter on the frozen base model (peft), sharded with FSDP2 like the
+    model; checkpoints hold only the adapter and its optimizer state. `qlora`: the same over 4-bit
+    (NF4) base weights (with `load_in_4bit: true`, as Axolotl requires); the quantized weights are
+    sharded by FSDP2."""
+    lora_r: int = Field(8, gt=0)
+    """LoRA rank r (the inner dimension of B @ A)."""
+    lora_alpha: int = Field(16, gt=0)
+    """LoRA alpha: the update is scaled by lora_alpha / lora_r."""
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the LoRA input during training."""
+    lora_target_modules: list[str] | str | None = None
+    """Module names (or name suffixes, as peft matches them) that get a LoRA adapter, e.g. [q_proj,
+    v_proj]; a string is a regular expression peft matches against the whole module name."""
+    lora_target_linear: bool = False
+    """Adapt every linear layer except the output layer (peft's `all-linear`), plus
+    lora_target_modules."""
+    lora_modules_to_save: list[str] | None = None
+    """Modules trained in full and saved with the adapter, e.g. [embed_tokens, lm_head] after adding
+    tokens; tied embeddings stay tied."""
+    lora_fan_in_fan_out: bool = False
+    """peft's fan_in_fan_out: the adapted layers store their weight as (in, out), as GPT-2's Conv1D
+    does; written to adapter_config.json."""
+    lora_rank_pattern: dict[str, int] | None = None
+    """peft's rank_pattern: a rank per module name pattern (a regular expression matched against the
+    end of the module's name), e.g. {q_proj: 16}."""
+    lora_alpha_pattern: dict[str, int] | None = None
+    """peft's alpha_pattern: a lora_alpha per module name pattern, as lora_rank_pattern."""
+    peft_layers_to_transform: list[int] | None = None
+    """peft's layers_to_transform: adapt only the transformer blocks of these indices."""
+    peft_layers_pattern: list[str] | None = None
+    """peft's layers_pattern: the name of the module list that peft_layers_to_transform indexes
+    (e.g. [layers]); peft finds it when unset."""
+    peft_use_rslora: bool = False
+    """Rank-stabilised LoRA: scale by lora_alpha / sqrt(lora_r)."""
+    peft_use_dora: bool = False
+    """DoRA adapters: not supported by train (must be false or unset)."""
+    lora_model_dir: str | None = None
+    """A PEFT adapter directory to start training from (train) or to fuse (merge-lora)."""
 
 
 class QuantKeys(ConfigView):
     """Quantized base weights under a LoRA adapter (QLoRA, 8-bit LoRA)."""
 
     # -- quantized base weights ------------------------------------------------------------------
-    load_in_4bit: bool = Field(
-        False,
-        description="The frozen base weights of the adapted linear layers in 4 bits (NF4, "
-        "torchao's NF4Tensor: about half a byte per parameter plus block scales), sharded by "
-        "FSDP2; needs `adapter: qlora` and the `quant` extra.",
-    )
-    load_in_8bit: bool = Field(
-        False,
-        description="The frozen base weights of the adapted linear layers in 8 bits (int8 "
-        "with one scale per row, torchao), sharded by FSDP2; needs `adapter: lora` and the "
-        "`quant` extra.",
-    )
-    bnb_config_kwargs: dict[str, Any] | None = Field(
-        None,
-        description="Axolotl's bitsandbytes settings, read as the quantization of "
-        "load_in_4bit / load_in_8bit: bnb_4bit_quant_type (nf4), bnb_4bit_use_double_quant "
-        "(true: the block scales are quantized too), bnb_4bit_compute_dtype (the dtype the "
-        "dequantized weight is multiplied in: the run's compute dtype), "
-        "bnb_4bit_quant_storage (accepted: the packed data is stored as uint8), "
-        "llm_int8_skip_modules (module names left unquantized).",
-    )
+    load_in_4bit: bool = False
+    """The frozen base weights of the adapted linear layers in 4 bits (NF4, torchao's NF4Tensor:
+    about half a byte per parameter plus block scales), sharded by FSDP2; needs `adapter: qlora` and
+    the `quant` extra."""
+    load_in_8bit: bool = False
+    """The frozen base weights of the adapted linear layers in 8 bits (int8 with one scale per row,
+    torchao), sharded by FSDP2; needs `adapter: lora` and the `quant` extra."""
+    bnb_config_kwargs: dict[str, Any] | None = None
+    """Axolotl's bitsandbytes settings, read as the quantization of load_in_4bit / load_in_8bit:
+    bnb_4bit_quant_type (nf4), bnb_4bit_use_double_quant (true: the block scales are quantized too),
+    bnb_4bit_compute_dtype (the dtype the dequantized weight is multiplied in: the run's compute
+    dtype), bnb_4bit_quant_storage (accepted: the packed data is stored as uint8),
+    llm_int8_skip_modules (module names left unquantized)."""
 
     @model_validator(mode="after")
     def _quantization(self) -> QuantKeys:

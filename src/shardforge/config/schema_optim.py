@@ -52,67 +52,48 @@ class OptimKeys(ConfigView):
     """Optimizer and schedule."""
 
     # -- optimization ----------------------------------------------------------------------------
-    learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
-    lr_scheduler: Scheduler = Field(
-        "cosine",
-        description="Schedule after warmup: transformers' scheduler names, Axolotl's one_cycle, rex.",
-    )
-    lr_scheduler_kwargs: dict[str, Any] | None = Field(
-        None, description="Keyword arguments of the schedule (e.g. num_cycles, min_lr_rate)."
-    )
-    cosine_min_lr_ratio: float | None = Field(
-        None, ge=0, le=1, description="cosine/rex: decay to this fraction of the peak lr."
-    )
-    cosine_constant_lr_ratio: float | None = Field(
-        None,
-        ge=0,
-        le=1,
-        description="cosine with cosine_min_lr_ratio: reach the floor at this fraction of steps.",
-    )
-    lr_quadratic_warmup: bool | None = Field(
-        None, description="cosine: quadratic instead of linear warmup."
-    )
-    lr_div_factor: float | None = Field(
-        None, gt=0, description="one_cycle: the first lr is learning_rate / lr_div_factor."
-    )
-    warmup_steps: int | float | None = Field(
-        None,
-        ge=0,
-        description="Warmup length in optimizer steps (a number below 1: a fraction of all steps).",
-    )
-    warmup_ratio: float | None = Field(
-        None, ge=0, lt=1, description="Warmup length as a fraction of all steps."
-    )
-    optimizer: Optimizer = Field(
-        "adamw_torch",
-        description="adamw_torch(_fused), sgd, torchao 8/4-bit AdamW, bitsandbytes 8-bit AdamW, muon.",
-    )
-    optim_args: dict[str, Any] | str | None = Field(
-        None, description="Extra optimizer arguments: a mapping or 'key=value,key=value'."
-    )
-    lr_groups: list[LrGroup] | None = Field(
-        None, description="Per-module learning rates: [{name, modules, lr}]."
-    )
-    embedding_lr: float | None = Field(
-        None, gt=0, description="The learning rate of embed_tokens and lm_head."
-    )
-    embedding_lr_scale: float | None = Field(
-        None, gt=0, description="embed_tokens and lm_head train at learning_rate x this."
-    )
-    loraplus_lr_ratio: float | None = Field(
-        None, gt=0, description="LoRA+: lora_B trains at learning_rate x this."
-    )
-    loraplus_lr_embedding: float | None = Field(
-        1e-6, gt=0, description="LoRA+: the learning rate of LoRA embedding layers."
-    )
-    adam_beta1: float = Field(0.9, description="AdamW beta1.")
-    adam_beta2: float = Field(0.999, description="AdamW beta2.")
-    adam_epsilon: float = Field(1e-8, description="AdamW epsilon.")
-    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
-    max_grad_norm: float | None = Field(
-        1.0,
-        description="Clip gradients to this global L2 norm over all shards (null or 0: no clip).",
-    )
+    learning_rate: float = Field(2e-5, gt=0)
+    """Peak learning rate."""
+    lr_scheduler: Scheduler = "cosine"
+    """Schedule after warmup: transformers' scheduler names, Axolotl's one_cycle, rex."""
+    lr_scheduler_kwargs: dict[str, Any] | None = None
+    """Keyword arguments of the schedule (e.g. num_cycles, min_lr_rate)."""
+    cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1)
+    """cosine/rex: decay to this fraction of the peak lr."""
+    cosine_constant_lr_ratio: float | None = Field(None, ge=0, le=1)
+    """cosine with cosine_min_lr_ratio: reach the floor at this fraction of steps."""
+    lr_quadratic_warmup: bool | None = None
+    """cosine: quadratic instead of linear warmup."""
+    lr_div_factor: float | None = Field(None, gt=0)
+    """one_cycle: the first lr is learning_rate / lr_div_factor."""
+    warmup_steps: int | float | None = Field(None, ge=0)
+    """Warmup length in optimizer steps (a number below 1: a fraction of all steps)."""
+    warmup_ratio: float | None = Field(None, ge=0, lt=1)
+    """Warmup length as a fraction of all steps."""
+    optimizer: Optimizer = "adamw_torch"
+    """adamw_torch(_fused), sgd, torchao 8/4-bit AdamW, bitsandbytes 8-bit AdamW, muon."""
+    optim_args: dict[str, Any] | str | None = None
+    """Extra optimizer arguments: a mapping or 'key=value,key=value'."""
+    lr_groups: list[LrGroup] | None = None
+    """Per-module learning rates: [{name, modules, lr}]."""
+    embedding_lr: float | None = Field(None, gt=0)
+    """The learning rate of embed_tokens and lm_head."""
+    embedding_lr_scale: float | None = Field(None, gt=0)
+    """embed_tokens and lm_head train at learning_rate x this."""
+    loraplus_lr_ratio: float | None = Field(None, gt=0)
+    """LoRA+: lora_B trains at learning_rate x this."""
+    loraplus_lr_embedding: float | None = Field(1e-6, gt=0)
+    """LoRA+: the learning rate of LoRA embedding layers."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay."""
+    max_grad_norm: float | None = 1.0
+    """Clip gradients to this global L2 norm over all shards (null or 0: no clip)."""
 
     @field_validator("warmup_steps")
     @classmethod

@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import ItemsView, KeysView
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, GetJsonSchemaHandler
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from shardforge.config.errors import did_you_mean
 from shardforge.errors import ShardforgeError, shorten, shown
@@ -26,13 +28,36 @@ class ConfigReadOnlyError(ShardforgeError, AttributeError):
 
 
 class ConfigView(BaseModel):
-    """A block of the config: strict (an unknown key is an error), frozen, readable as a mapping."""
+    """A block of the config: strict (an unknown key is an error), frozen, readable as a mapping.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    A key's description is the docstring under it (pydantic's `use_attribute_docstrings`),
+    wrapped as the source needs; the JSON schema and the docs get it as one line.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     # where this block sits in a config ("fsdp."), for the advice a write gets; None: an entry
     # of a list (`datasets:`), which an override replaces whole
     override_prefix: ClassVar[str | None] = ""
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        """Each description as one line (pydantic keeps a docstring's line breaks)."""
+        super().__pydantic_init_subclass__(**kwargs)
+        for field in cls.__pydantic_fields__.values():
+            field.description = _one_line(field.description)
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        """The JSON schema with each key's description as one line too (the schema was built
+        from the docstrings as they are, before `__pydantic_init_subclass__`)."""
+        schema = handler(core_schema)
+        for key in handler.resolve_ref_schema(schema).get("properties", {}).values():
+            if "description" in key:
+                key["description"] = _one_line(key["description"])
+        return schema
 
     def get(self, key: str, default: Any = None) -> Any:
         """The value of `key`, or `default` when the block has no such key (as ``dict.get``)."""
@@ -75,6 +100,10 @@ class ConfigView(BaseModel):
 
     def __delattr__(self, name: str) -> None:
         raise ConfigReadOnlyError(_read_only(type(self).override_prefix, name, _DELETED))
+
+
+def _one_line(text: str | None) -> str | None:
+    return None if text is None else " ".join(text.split())
 
 
 _DELETED = object()  # `del cfg.key`: no value to show

@@ -53,16 +53,21 @@ def _split_thinking(content: str) -> tuple[str, str] | None:
 
 def _tool_calls(value: Any) -> Any:
     """Tool-call arguments given as JSON text are parsed, as the templates expect a mapping."""
-    if not isinstance(value, list):
-        return value
-    for call in value:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            try:
-                function["arguments"] = json.loads(function["arguments"])
-            except json.JSONDecodeError as exc:
-                raise RowError("field_messages", f"tool call arguments: {exc.msg}") from None
+    if isinstance(value, list):
+        _parse_function_json(value, "arguments", "field_messages", "tool call arguments")
     return value
+
+
+def _parse_function_json(items: list[Any], key: str, field: str, what: str) -> None:
+    """Each item's `function.<key>` given as JSON text (tool-call arguments, tool parameters)
+    parsed in place, as the templates expect a mapping; bad JSON is the row's error."""
+    for item in items:
+        function = item.get("function") if isinstance(item, dict) else None
+        if isinstance(function, dict) and isinstance(function.get(key), str):
+            try:
+                function[key] = json.loads(function[key])
+            except json.JSONDecodeError as exc:
+                raise RowError(field, f"{what}: {exc.msg}") from None
 
 
 def _message(message: Any, j: int, ds: DatasetConfig, role_of: dict[str, str]) -> dict[str, Any]:
@@ -118,13 +123,7 @@ def _tools(row: Row, ds: DatasetConfig) -> list[Any] | None:
         return None
     if not isinstance(tools, list):
         raise RowError("field_tools", f"{ds.field_tools!r} must be a list of tool definitions")
-    for tool in tools:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("parameters"), str):
-            try:
-                function["parameters"] = json.loads(function["parameters"])
-            except json.JSONDecodeError as exc:
-                raise RowError("field_tools", f"tool parameters: {exc.msg}") from None
+    _parse_function_json(tools, "parameters", "field_tools", "tool parameters")
     return tools
 
 
