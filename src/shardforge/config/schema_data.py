@@ -124,20 +124,22 @@ class PretrainingDataset(ConfigView):
     """One entry of `pretraining_dataset:`: a local text corpus streamed, tokenized in windows
     of sequence_len and packed on the fly (Axolotl's `type: pretrain`)."""
 
-    path: str = Field(description="A local data file or folder (json/jsonl/parquet/text).")
-    name: str | None = Field(
-        None, description="A configuration of a local data set folder (its README's `configs:`)."
-    )
-    split: str = Field("train", description="Only `train`: a stream is not sliced.")
-    type: Literal["pretrain"] = Field("pretrain", description="Axolotl's only streamed type.")
-    text_column: str = Field("text", description="Column holding the text.")
-    data_files: str | list[str] | None = Field(
-        None, description="Files of a local data set folder to read (relative to path)."
-    )
-    trust_remote_code: bool = Field(
-        False, description="Accepted as Axolotl does; local files run no code."
-    )
-    skip: int | None = Field(None, ge=0, description="Rows to skip at the start of the stream.")
+    path: str
+    """A local data file or folder (json/jsonl/parquet/text)."""
+    name: str | None = None
+    """A configuration of a local data set folder (its README's `configs:`)."""
+    split: str = "train"
+    """Only `train`: a stream is not sliced."""
+    type: Literal["pretrain"] = "pretrain"
+    """Axolotl's only streamed type."""
+    text_column: str = "text"
+    """Column holding the text."""
+    data_files: str | list[str] | None = None
+    """Files of a local data set folder to read (relative to path)."""
+    trust_remote_code: bool = False
+    """Accepted as Axolotl does; local files run no code."""
+    skip: int | None = Field(None, ge=0)
+    """Rows to skip at the start of the stream."""
 
     @field_validator("path")
     @classmethod
@@ -149,32 +151,21 @@ class StreamKeys(ConfigView):
     """Streamed data sets (`streaming`, `pretraining_dataset`): read, tokenized and packed on
     the fly, block by block (`train.streaming`)."""
 
-    streaming: bool | None = Field(
-        None,
-        description="Stream `datasets` instead of tokenizing them whole at start (needs "
-        "max_steps); memory holds one block of streaming_multipack_buffer_size rows.",
-    )
-    pretraining_dataset: list[PretrainingDataset] | None = Field(
-        None,
-        description="A streamed text corpus (a path, or a list of one entry like Axolotl's); "
-        "needs max_steps. Texts longer than sequence_len are cut into overlapping windows.",
-    )
-    pretrain_multipack_attn: bool = Field(
-        True,
-        description="pretraining_dataset with sample_packing: samples packed together attend "
-        "only to themselves (false: across the whole window).",
-    )
-    streaming_multipack_buffer_size: int = Field(
-        10000,
-        gt=0,
-        description="Rows per block of a stream: shuffled (shuffle_merged_datasets) and packed "
-        "together; the memory a stream holds. Alias: pretrain_multipack_buffer_size.",
-    )
-    pretraining_sample_concatenation: bool | None = Field(
-        None,
-        description="pretraining_dataset without sample_packing: true concatenates texts "
-        "(each + EOS + pad) into sequence_len windows; else one text per row, truncated.",
-    )
+    streaming: bool | None = None
+    """Stream `datasets` instead of tokenizing them whole at start (needs max_steps); memory holds
+    one block of streaming_multipack_buffer_size rows."""
+    pretraining_dataset: list[PretrainingDataset] | None = None
+    """A streamed text corpus (a path, or a list of one entry like Axolotl's); needs max_steps.
+    Texts longer than sequence_len are cut into overlapping windows."""
+    pretrain_multipack_attn: bool = True
+    """pretraining_dataset with sample_packing: samples packed together attend only to themselves
+    (false: across the whole window)."""
+    streaming_multipack_buffer_size: int = Field(10000, gt=0)
+    """Rows per block of a stream: shuffled (shuffle_merged_datasets) and packed together; the
+    memory a stream holds. Alias: pretrain_multipack_buffer_size."""
+    pretraining_sample_concatenation: bool | None = None
+    """pretraining_dataset without sample_packing: true concatenates texts (each + EOS + pad) into
+    sequence_len windows; else one text per row, truncated."""
 
     @model_validator(mode="before")
     @classmethod

@@ -172,20 +172,16 @@ def fuse_lora(
 
 
 @dataclass(frozen=True)
-class FusedLoraSource(WholeTensor):
-    """A base weight with a LoRA adapter fused in: ``base + scale * lora_b @ lora_a``
-    (`fuse_lora`), returned in float32 (the writer casts to the output dtype).
-
-    `lora_a` is (r, in) and `lora_b` (out, r) for a linear layer; for an embedding
-    (`transpose`) peft stores A as (r, num_embeddings) and B as (dim, r) and the delta is
-    ``(B @ A).T``. Memory: the base tensor, the float32 delta it is added to, A and B.
-    """
+class LoraFusedSource(WholeTensor):
+    """A base weight with a LoRA adapter's factors fused in (`fuse`), returned in float32 (the
+    writer casts to the base's dtype). Memory: the base tensor, its float32 delta, A and B."""
 
     base: TensorSource
     lora_a: TensorSource
     lora_b: TensorSource
-    scale: float
-    transpose: bool = False
+
+    def fuse(self, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -200,7 +196,7 @@ class FusedLoraSource(WholeTensor):
 
     def read(self, reader: ReadCache) -> torch.Tensor:
         a, b = self.lora_a.read(reader), self.lora_b.read(reader)
-        return fuse_lora(self.base.read(reader), a, b, self.scale, self.transpose)
+        return self.fuse(self.base.read(reader), a, b)
 
     def stored(self) -> tuple[StoredTensor, ...]:
         return (*self.base.stored(), *self.lora_a.stored(), *self.lora_b.stored())
@@ -208,6 +204,23 @@ class FusedLoraSource(WholeTensor):
     def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """As `read`, from the stored tensors of base, A and B (in `stored()` order)."""
         base, a, b = combine_each((self.base, self.lora_a, self.lora_b), tensors)
+        return self.fuse(base, a, b)
+
+
+@dataclass(frozen=True)
+class FusedLoraSource(LoraFusedSource):
+    """A linear layer's or embedding's weight with a LoRA on it: ``base + scale * lora_b @
+    lora_a`` (`fuse_lora`).
+
+    `lora_a` is (r, in) and `lora_b` (out, r) for a linear layer; for an embedding
+    (`transpose`) peft stores A as (r, num_embeddings) and B as (dim, r) and the delta is
+    ``(B @ A).T``.
+    """
+
+    scale: float
+    transpose: bool = False
+
+    def fuse(self, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return fuse_lora(base, a, b, self.scale, self.transpose)
 
 
@@ -266,36 +279,14 @@ class ParamLoraSpec:
 
 
 @dataclass(frozen=True)
-class FusedParamLoraSource(WholeTensor):
+class FusedParamLoraSource(LoraFusedSource):
     """A saved tensor of a parameter with a LoRA on it (peft's ParamWrapper: fused MoE
     experts, saved one expert per tensor): ``base + scale * delta`` over its box
-    (`fuse_param_lora`), in float32. Memory: the saved tensor, its delta, A and B."""
+    (`fuse_param_lora`). Memory: the saved tensor, its delta, A and B."""
 
-    base: TensorSource
-    lora_a: TensorSource
-    lora_b: TensorSource
     spec: ParamLoraSpec
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.base.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32
-
-    def slabs(self, reader: ReadCache) -> list[FileSlab] | None:
-        return None
-
-    def read(self, reader: ReadCache) -> torch.Tensor:
-        a, b = self.lora_a.read(reader), self.lora_b.read(reader)
-        return fuse_param_lora(self.base.read(reader), a, b, self.spec)
-
-    def stored(self) -> tuple[StoredTensor, ...]:
-        return (*self.base.stored(), *self.lora_a.stored(), *self.lora_b.stored())
-
-    def combine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        base, a, b = combine_each((self.base, self.lora_a, self.lora_b), tensors)
+    def fuse(self, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return fuse_param_lora(base, a, b, self.spec)
 
 

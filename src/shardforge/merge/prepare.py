@@ -26,7 +26,7 @@ from shardforge.errors import MergeError
 from shardforge.formats.base import NamedSource
 from shardforge.formats.dcp.source import DcpSource
 from shardforge.formats.registry import DCP, open_checkpoint
-from shardforge.formats.sources import FusedLoraSource, TensorSource, average
+from shardforge.formats.sources import LoraFusedSource, TensorSource, average
 from shardforge.io.copy import ReadCache
 from shardforge.io.mirror import remote_target
 from shardforge.keymap.keys import KeyMap, check_tied_copies, is_optimizer_key, map_keys
@@ -217,7 +217,7 @@ def prepare_lora(
 
 def _stored_dtype(source: TensorSource) -> torch.dtype:
     """The dtype a fused weight's base is stored in (the fuse itself computes in float32)."""
-    return source.base.dtype if isinstance(source, FusedLoraSource) else source.dtype
+    return source.base.dtype if isinstance(source, LoraFusedSource) else source.dtype
 
 
 def deliverable(
