@@ -26,6 +26,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from helpers.dcp_metadata import CRAFTED
 from helpers.hostile import check_refusal, class_snapshot, hostile_corpus, refuses_the_corpus
 from shardforge.errors import CheckpointError
 from shardforge.io.unpickler import (
@@ -143,30 +144,9 @@ def test_the_objects_built_are_bounded_by_the_input_size() -> None:
     assert len(unpickle(lists, "lists.pkl", ROOMY)) == 100_000
 
 
-# crafted .metadata files, by the number of units: what each byte of them makes (memoized and
-# dropped, kept in lists, in tuples, in dicts, or nothing at all)
-CRAFTED: dict[str, Callable[[int], bytes]] = {
-    "memoized lists": lambda n: b"\x80\x04" + b"]\x940" * n + b"N.",
-    "memoized sets": lambda n: b"\x80\x04" + b"\x8f\x940" * n + b"N.",
-    "memoized strings": lambda n: (
-        b"\x80\x04" + b"".join(b"\x8c\x03%03d\x940" % (i % 1000) for i in range(n)) + b"N."
-    ),
-    "strings in lists": lambda n: (
-        b"\x80\x04]"
-        + b"".join(b"(" + b"\x8c\x02%02d" % (i % 100) * 1000 + b"e" for i in range(n // 1000))
-        + b"."
-    ),
-    "numbers in lists": lambda n: (
-        b"\x80\x04]" + b"".join(b"(" + b"M\x01\x02" * 1000 + b"e" for _ in range(n // 1000)) + b"."
-    ),
-    "tuples in lists": lambda n: (
-        b"\x80\x04]" + b"".join(b"(" + b"N\x85" * 1000 + b"e" for _ in range(n // 1000)) + b"."
-    ),
-    "dicts in lists": lambda n: (
-        b"\x80\x04]" + b"".join(b"(" + b"}" * 1000 + b"e" for _ in range(n // 1000)) + b"."
-    ),
-    "nothing kept": lambda n: b"\x80\x04" + b"N0" * n + b"N.",
-}
+# crafted .metadata files by their size in bytes (`helpers.dcp_metadata.CRAFTED`: memoized, kept
+# in containers, nested, or nothing kept; benchmarks/metadata_bound.py runs them at the cap)
+CASES: dict[str, Callable[[int], bytes]] = CRAFTED
 
 
 def _cost(data: bytes, profile: Profile, traced: bool) -> float:
@@ -187,7 +167,7 @@ def _cost(data: bytes, profile: Profile, traced: bool) -> float:
     return peak
 
 
-@pytest.mark.parametrize("name", sorted(CRAFTED))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_a_crafted_metadata_costs_a_small_bounded_memory_and_time_per_byte(name: str) -> None:
     """Measured at a size that runs in a fraction of a second: memory per byte of the file is
     the budget's (plus the memo's 8 bytes an entry), and time grows linearly (a quadratic one,
@@ -195,7 +175,7 @@ def test_a_crafted_metadata_costs_a_small_bounded_memory_and_time_per_byte(name:
     file doubles), small enough that a file at the cap is read or refused in seconds."""
     from shardforge.formats.dcp.pickles import METADATA
 
-    small, large = CRAFTED[name](100_000), CRAFTED[name](200_000)
+    small, large = CASES[name](300_000), CASES[name](600_000)
     per_byte = _cost(large, METADATA, traced=True) / len(large)
     assert per_byte <= 1.3 * MEMORY_PER_BYTE + 8 / BYTES_PER_MEMO, (name, per_byte)
     times = [min(_cost(d, METADATA, False) for _ in range(3)) / len(d) for d in (small, large)]
@@ -210,7 +190,7 @@ def test_a_crafted_metadata_at_the_cap_stays_under_1_gb() -> None:
     1 GB with the file itself."""
     from shardforge.formats.dcp.pickles import METADATA
 
-    data = CRAFTED["memoized sets"](1_000_000)  # 232 bytes kept per 3 bytes of file
+    data = CRAFTED["memoized sets"](3_000_000)  # 232 bytes kept per 3 bytes of file
     small = Profile("tests", {}, max_bytes=1 << 30, max_memo=1 << 26)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("shardforge.io.unpickler.MAX_MEMORY", 4 << 20)

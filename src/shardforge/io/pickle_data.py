@@ -81,10 +81,9 @@ class Record:
                 continue
             if not isinstance(part, dict):
                 raise Problem(f"gives a {sanitize(part)} as the state of {type(self).__name__}")
-            for key, value in part.items():
-                if not isinstance(key, str):
-                    raise Problem(f"gives {type(self).__name__} an attribute named by a non-string")
-                self._state[key] = value
+            if not set(map(type, part)) <= {str}:
+                raise Problem(f"gives {type(self).__name__} an attribute named by a non-string")
+            self._state.update(part)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(sorted(self._state)[:8])})"
@@ -136,6 +135,10 @@ def check_nesting(root: Any) -> None:
             kids = _children(child)
             if kids is None or id(child) in on_path:
                 continue  # not a container; or a cycle, no deeper than the path already is
+            if type(child) is tuple and set(map(type, child)) <= leaves:
+                if best[0] < 1:  # a shape or offset: one level, nothing to walk
+                    best[0] = 1
+                continue
             if len(path) >= MAX_NESTING:
                 raise refused(f"nests containers more than {MAX_NESTING} deep")
             on_path.add(id(child))

@@ -181,7 +181,8 @@ class SafeUnpickler(pickle._Unpickler):
         self._callables = {id(v) for v in profile.globals.values() if callable(v)}
 
     def _spend(self, n: int) -> None:
-        """Charge `n` bytes of built containers; refused beyond the budget."""
+        """Charge `n` bytes of built containers; refused beyond the budget. (The opcodes a
+        real pickle runs most charge inline: ``self._spent += n`` then this with 0.)"""
         self._spent += n
         if self._spent > self._budget:
             raise refused(
@@ -355,8 +356,12 @@ class SafeUnpickler(pickle._Unpickler):
     def load_long_binput(self) -> None:
         self._memo_put(int.from_bytes(self.read(4), "little"))
 
-    def load_memoize(self) -> None:
-        self._memo_put(len(self.memo))
+    def load_memoize(self) -> None:  # what protocol 4 writes for every object it memoizes
+        memo = self.memo
+        if len(memo) < self._memo_limit:
+            memo.append(self.stack[-1])
+        else:
+            self._memo_put(len(memo))
 
     def _memo_get(self, index: int) -> None:
         value = self.memo[index] if 0 <= index < len(self.memo) else _GAP
@@ -370,8 +375,13 @@ class SafeUnpickler(pickle._Unpickler):
     def load_binget(self) -> None:
         self._memo_get(self.read(1)[0])
 
-    def load_long_binget(self) -> None:
-        self._memo_get(int.from_bytes(self.read(4), "little"))
+    def load_long_binget(self) -> None:  # inline `_memo_get`: a real .metadata's most common
+        index = int.from_bytes(self.read(4), "little")
+        memo = self.memo
+        value = memo[index] if index < len(memo) else _GAP
+        if value is _GAP:
+            raise Problem(f"reads memo entry {index}, which it never stored (damaged)")
+        self.append(value)
 
     # containers: charged as they are made (`_COST`), and for each item put in them (`_ITEM`)
     def load_empty_list(self) -> None:

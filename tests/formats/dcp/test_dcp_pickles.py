@@ -55,6 +55,24 @@ def test_real_metadata_plain_and_as_torch(tmp_path: Path) -> None:
     assert load_metadata_pickle(path, as_torch=True) == expected
 
 
+def test_a_many_rank_metadata_reads_as_torch_writes_it(tmp_path: Path) -> None:
+    """A `.metadata` of 64 FSDP2 ranks with Adam states, pickled as `dcp.save` does (torch's
+    own Metadata, no tensor behind it): read as torch reads it, every chunk tiling its tensor,
+    within the unpickler's budget by the file's size."""
+    from helpers.dcp_metadata import fsdp_metadata
+    from shardforge.formats.dcp.metadata import read_entries
+
+    meta = fsdp_metadata(layers=1, ranks=64, hidden=256)
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(meta))
+    assert load_metadata_pickle(path, as_torch=True) == meta
+    entries = read_entries(tmp_path, path, tile=True)
+    assert len(entries.tensors) == 3 * 12 and len(entries.non_tensor_keys) == 12
+    q = entries.tensors["model.model.layers.0.self_attn.q_proj.weight"]
+    assert len(q.chunks) == 64 and q.chunks[1].file == tmp_path / "__1_0.distcp"
+    assert q.path == ("model", "model.layers.0.self_attn.q_proj.weight")
+
+
 def test_paths_and_old_pickles(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
