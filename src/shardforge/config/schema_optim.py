@@ -34,7 +34,19 @@ Optimizer = Literal[
     "adamw_8bit",
     "paged_adamw_8bit",
     "muon",
+    "galore_adamw",
+    "galore_adamw_8bit",
+    "galore_adafactor",
+    "galore_adamw_layerwise",
+    "galore_adamw_8bit_layerwise",
+    "galore_adafactor_layerwise",
+    "apollo_adamw",
+    "apollo_adamw_layerwise",
 ]
+# the optimizers of low-rank projected gradients (GaLore, APOLLO): they read optim_target_modules
+PROJECTED = tuple(
+    name for name in Optimizer.__args__ if name.startswith(("galore_", "apollo_"))  # type: ignore[attr-defined]
+)
 
 
 class LrGroup(BaseModel):
@@ -89,6 +101,11 @@ class OptimKeys(ConfigView):
     )
     optim_args: dict[str, Any] | str | None = Field(
         None, description="Extra optimizer arguments: a mapping or 'key=value,key=value'."
+    )
+    optim_target_modules: list[str] | str | None = Field(
+        None,
+        description="GaLore/APOLLO: the linear layers whose gradients are projected (names, "
+        "substrings or a regex; all_linear).",
     )
     lr_groups: list[LrGroup] | None = Field(
         None, description="Per-module learning rates: [{name, modules, lr}]."
@@ -145,4 +162,32 @@ class OptimKeys(ConfigView):
             raise ValueError("lr_quadratic_warmup: has no floor; remove cosine_min_lr_ratio")
         if self.embedding_lr is not None and self.embedding_lr_scale is not None:
             raise ValueError("embedding_lr and embedding_lr_scale are both set; choose one")
+        self._projection()
         return self
+
+    def _projection(self) -> None:
+        """optim_target_modules is read by GaLore/APOLLO only, which need it; their groups are
+        transformers' (target / other), so other grouping keys and weight_decay do nothing."""
+        if self.optimizer not in PROJECTED:
+            if self.optim_target_modules is not None:
+                raise ValueError(
+                    "optim_target_modules: read only by the galore_* and apollo_* optimizers; "
+                    "remove it or change optimizer"
+                )
+            return
+        if not self.optim_target_modules:
+            raise ValueError(
+                f"optim_target_modules: {self.optimizer} needs the linear layers to project "
+                "(e.g. [attn, mlp] or all_linear)"
+            )
+        for key in ("lr_groups", "embedding_lr", "embedding_lr_scale", "loraplus_lr_ratio"):
+            if getattr(self, key) is not None:
+                raise ValueError(
+                    f"{key}: not applied with optimizer {self.optimizer} (its parameter groups "
+                    "are GaLore's target/other split, as in transformers); remove it"
+                )
+        if self.weight_decay:
+            raise ValueError(
+                f"weight_decay: not applied with optimizer {self.optimizer} (transformers gives "
+                "its groups the optimizer's own default, 0); remove it or set it to 0"
+            )

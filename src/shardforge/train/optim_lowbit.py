@@ -11,7 +11,8 @@ in DCP checkpoints.
   again on load), and the rank's raw quantized tensors (`raw.<key>.<part>.rank<R>`), loaded
   when the world and mesh are the same, so such a resume continues bit for bit.
 
-`optimizer_state` / `load_optimizer` are what checkpointing saves and loads for any optimizer.
+`optimizer_state` / `load_optimizer` are what checkpointing saves and loads for any optimizer
+(GaLore/APOLLO: `optim_projected`).
 """
 
 from __future__ import annotations
@@ -220,8 +221,12 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     """The optimizer's sharded state dict as DCP saves it (a low-bit one: `saved_state`)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    from shardforge.train import optim_projected
+
     if is_low_bit(optimizer):
         return saved_state(model, optimizer)
+    if optim_projected.is_projected(optimizer):
+        return optim_projected.saved_state(model, optimizer)
     return get_optimizer_state_dict(model, optimizer)
 
 
@@ -248,9 +253,13 @@ def load_optimizer(
     )
 
     from shardforge.formats.dcp.reader import load_checked
+    from shardforge.train import optim_projected
 
     if is_low_bit(optimizer):
         load_state(model, optimizer, folder, _same_layout(model, world_size, mesh_shape))
+        return
+    if optim_projected.is_projected(optimizer):
+        optim_projected.load_state(model, optimizer, folder)
         return
     optim_sd = get_optimizer_state_dict(model, optimizer)
     load_checked(optim_sd, folder)
