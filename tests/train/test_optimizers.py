@@ -20,13 +20,28 @@ from shardforge.train import checkpointing as ckpt
 
 pytestmark = pytest.mark.slow
 
-OPTIMIZERS = ["adamw_torch_8bit", "adamw_torch_4bit", "adamw_bnb_8bit", "muon"]
+OPTIMIZERS = [
+    "adamw_torch_8bit",
+    "adamw_torch_4bit",
+    "adamw_bnb_8bit",
+    "muon",
+    "galore_adamw",
+    "galore_adafactor",
+    "apollo_adamw",
+]
+# GaLore/APOLLO: a projection of rank 4, renewed every 2 steps (at steps 1 and 3: a resume from
+# checkpoint-2 renews it from the restored state)
+_PROJECTED = {
+    "optim_target_modules": ["self_attn", "mlp"],
+    "optim_args": {"rank": 4, "update_proj_gap": 2},
+}
 
 
 def _configs(base: dict[str, Any], root: Path, name: str) -> dict[str, dict[str, Any]]:
     a = {
         **base,
         "optimizer": name,
+        **(_PROJECTED if name.startswith(("galore", "apollo")) else {}),
         "max_steps": 4,
         "save_steps": 2,
         "warmup_steps": 1,
