@@ -66,8 +66,9 @@ def _compare(name: str) -> None:
     if name == "galore_adamw":
         kwargs["no_deprecation_warning"] = True
     _train(plain, base([{**g} for g in groups], **kwargs), 4)
-    for (key, mine), theirs in zip(sharded.state_dict().items(), plain.state_dict().values()):
-        torch.testing.assert_close(mine.full_tensor(), theirs, rtol=1e-5, atol=1e-7, msg=key)
+    theirs = plain.state_dict()
+    for key, mine in sharded.state_dict().items():
+        torch.testing.assert_close(mine.full_tensor(), theirs[key], rtol=1e-5, atol=1e-7, msg=key)
 
 
 @pytest.mark.slow
@@ -96,8 +97,11 @@ def test_refusals() -> None:
         assert problem is not None and problem[0] == "optimizer", name
     assert "layerwise" not in str(optimizer_problem(_cfg("galore_adamw")))
     bad = optimizer_problem(_cfg("galore_adamw", optim_args={"rank": 2, "betas": 1}))
-    assert bad == ("optim_args", "galore_adamw reads only rank, update_proj_gap, scale, "
-                   "proj_type from optim_args (as transformers); not 'betas'")
+    assert bad == (
+        "optim_args",
+        "galore_adamw reads only rank, update_proj_gap, scale, "
+        "proj_type from optim_args (as transformers); not 'betas'",
+    )
     with pytest.raises(ValueError, match="optim_target_modules: galore_adamw needs"):
         _cfg("galore_adamw", optim_target_modules=None)
     with pytest.raises(ValueError, match="optim_target_modules: read only by"):

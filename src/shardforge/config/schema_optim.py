@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shardforge.config.view import ConfigView
 
-# transformers' SchedulerType names (reduce_lr_on_plateau aside: it steps on an eval metric) and
-# Axolotl's own one_cycle and rex
+# transformers' SchedulerType names (reduce_lr_on_plateau: stepped on each evaluation's metric)
+# and Axolotl's own one_cycle and rex
 Scheduler = Literal[
     "cosine",
     "linear",
@@ -21,6 +21,7 @@ Scheduler = Literal[
     "cosine_with_min_lr",
     "cosine_warmup_with_min_lr",
     "warmup_stable_decay",
+    "reduce_lr_on_plateau",
     "one_cycle",
     "rex",
 ]
@@ -44,9 +45,7 @@ Optimizer = Literal[
     "apollo_adamw_layerwise",
 ]
 # the optimizers of low-rank projected gradients (GaLore, APOLLO): they read optim_target_modules
-PROJECTED = tuple(
-    name for name in Optimizer.__args__ if name.startswith(("galore_", "apollo_"))  # type: ignore[attr-defined]
-)
+PROJECTED = tuple(n for n in get_args(Optimizer) if n.startswith(("galore_", "apollo_")))
 
 
 class LrGroup(BaseModel):
