@@ -23,19 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardforge.train.dtensors import _dtensor_type, _like, _local
+
 RAW = "raw"
 _BNB = {"exp_avg": ("state1", "absmax1", "qmap1"), "exp_avg_sq": ("state2", "absmax2", "qmap2")}
 _BNB_BLOCK = 256
-
-
-def _dtensor_type() -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
-def _local(t: Any) -> torch.Tensor:
-    return t.to_local() if isinstance(t, _dtensor_type()) else t
 
 
 class LocalShards:
@@ -81,18 +73,6 @@ class EagerOnCpu:
 
 def is_low_bit(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, LocalShards | EagerOnCpu)
-
-
-def _like(p: Any, local: torch.Tensor) -> torch.Tensor:
-    """`local` (this rank's shard of `p`, any shape of as many elements) as a tensor like `p`."""
-    if not isinstance(p, _dtensor_type()):
-        return local.reshape(p.shape)
-    from torch.distributed.tensor import DTensor
-
-    local = local.reshape(p.to_local().shape)
-    return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
 
 
 def _parts(value: torch.Tensor) -> dict[str, torch.Tensor]:

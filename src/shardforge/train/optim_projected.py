@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from shardforge.train.optim_lowbit import _dtensor_type, _like, _local
+from shardforge.train.dtensors import _dtensor_type, _like, _local
 
 PROJECTOR = "projector"
 
