@@ -105,6 +105,7 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "sinks/progress.py": "tests/cli/test_merge_cli.py: the merge command, bar on or --quiet",
     "sinks/registry.py": "tests/merge/test_request.py: --format values name its sinks",
     "sinks/safetensors_files.py": "tests/formats/dcp/test_metadata.py: files filled from chunks",
+    "train/dtensors.py": "tests/train/test_optimizers.py: low-bit and GaLore states resharded",
     "train/optim_groups.py": "tests/train/test_optim.py: the groups through build_optimizer",
     "train/optim_lowbit.py": "tests/train/test_optimizers.py: resumes of every low-bit optimizer",
     "train/saving.py": "tests/train/test_checkpointing.py: saves, async saves and rotation",
