@@ -108,6 +108,7 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "train/dtensors.py": "tests/train/test_optimizers.py: low-bit and GaLore states resharded",
     "train/optim_groups.py": "tests/train/test_optim.py: the groups through build_optimizer",
     "train/optim_lowbit.py": "tests/train/test_optimizers.py: resumes of every low-bit optimizer",
+    "train/optim_state.py": "tests/train/test_optimizers.py: every optimizer's checkpoint",
     "train/saving.py": "tests/train/test_checkpointing.py: saves, async saves and rotation",
     "train/schedules.py": "tests/train/test_optim.py: schedules and optimizers, one table test",
     "train/torchrun.py": "tests/train/test_launch.py: the torchrun command line",

@@ -11,8 +11,7 @@ in DCP checkpoints.
   again on load), and the rank's raw quantized tensors (`raw.<key>.<part>.rank<R>`), loaded
   when the world and mesh are the same, so such a resume continues bit for bit.
 
-`optimizer_state` / `load_optimizer` are what checkpointing saves and loads for any optimizer
-(GaLore/APOLLO: `optim_projected`).
+`optim_state` dispatches to `saved_state` / `load_state` here.
 """
 
 from __future__ import annotations
@@ -197,19 +196,6 @@ def load_state(
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 
-def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's sharded state dict as DCP saves it (a low-bit one: `saved_state`)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    from shardforge.train import optim_projected
-
-    if is_low_bit(optimizer):
-        return saved_state(model, optimizer)
-    if optim_projected.is_projected(optimizer):
-        return optim_projected.saved_state(model, optimizer)
-    return get_optimizer_state_dict(model, optimizer)
-
-
 def _same_layout(model: torch.nn.Module, world_size: int, mesh_shape: list[int]) -> bool:
     """A checkpoint of `world_size` ranks in a `mesh_shape` mesh was sharded as this run is."""
     dtensor = _dtensor_type()
@@ -217,30 +203,3 @@ def _same_layout(model: torch.nn.Module, world_size: int, mesh_shape: list[int])
     shape = list(mesh.mesh.shape) if mesh is not None else []
     world = dist.get_world_size() if dist.is_initialized() else 1
     return world_size == world and (not mesh_shape or mesh_shape == shape)
-
-
-def load_optimizer(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    folder: Any,
-    world_size: int,
-    mesh_shape: list[int],
-) -> None:
-    """Load a checkpoint's optimizer/ folder (resharded by DCP) into `optimizer`."""
-    from torch.distributed.checkpoint.state_dict import (
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    from shardforge.formats.dcp.reader import load_checked
-    from shardforge.train import optim_projected
-
-    if is_low_bit(optimizer):
-        load_state(model, optimizer, folder, _same_layout(model, world_size, mesh_shape))
-        return
-    if optim_projected.is_projected(optimizer):
-        optim_projected.load_state(model, optimizer, folder)
-        return
-    optim_sd = get_optimizer_state_dict(model, optimizer)
-    load_checked(optim_sd, folder)
-    set_optimizer_state_dict(model, optimizer, optim_sd)
