@@ -27,6 +27,7 @@ OPTIMIZERS = [
     "adamw_bnb_8bit",
     "muon",
     "galore_adamw",
+    "galore_adamw_8bit",
     "galore_adafactor",
     "apollo_adamw",
 ]

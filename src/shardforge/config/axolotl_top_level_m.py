@@ -91,8 +91,8 @@ M_TO_Z: dict[str, AxolotlKey] = {
         "projection's rank, update_proj_gap, scale, proj_type (APOLLO: proj, scale_type)"
     ),
     "optim_target_modules": _i(
-        "galore_adamw, galore_adafactor, apollo_adamw: the projected linear layers (full "
-        "matrices under FSDP2); their layerwise and 8-bit forms are refused"
+        "galore_adamw(_8bit), galore_adafactor, apollo_adamw: the projected linear layers (full "
+        "matrices under FSDP2); their layerwise forms are refused"
     ),
     "optimizer": _i(),
     "orpo_alpha": _only("rl", "reinforcement learning"),

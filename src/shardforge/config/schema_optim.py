@@ -188,5 +188,5 @@ class OptimKeys(ConfigView):
         if self.weight_decay:
             raise ValueError(
                 f"weight_decay: not applied with optimizer {self.optimizer} (transformers gives "
-                "its groups the optimizer's own default, 0); remove it or set it to 0"
+                "its groups the optimizer's own default); remove it or set it to 0"
             )

@@ -126,10 +126,13 @@ def _projected_class(name: str) -> type:
         from apollo_torch import APOLLOAdamW as base
     elif name.startswith("galore_adafactor"):
         from galore_torch import GaLoreAdafactor as base
+    elif name.startswith("galore_adamw_8bit"):
+        from galore_torch import GaLoreAdamW8bit as base
     else:
         from galore_torch import GaLoreAdamW as base
     label = ("APOLLO" if name.startswith("apollo") else "GaLore") + base.__name__
-    return type(label, (FullMatrices, base), {"full_all": "adafactor" in name})
+    extra = {"full_all": "adafactor" in name, "syncs_cuda": "8bit" in name}
+    return type(label, (FullMatrices, base), extra)
 
 
 def _projected(name: str) -> Build:
@@ -142,7 +145,7 @@ def _projected(name: str) -> Build:
             kwargs |= {"scale_parameter": False, "relative_step": False}
         elif name == "galore_adamw":
             kwargs["no_deprecation_warning"] = True
-        else:
+        elif name == "apollo_adamw":
             groups[1] |= {"betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_epsilon}
         return _projected_class(name)(groups, **kwargs)
 
@@ -162,6 +165,7 @@ OPTIMIZERS: dict[str, tuple[Build, str | None, Callable[[], Any]]] = {
     "muon": (_muon, None, lambda: _muon_class()),
     "galore_adamw": (_projected("galore_adamw"), "galore_torch", lambda: None),
     "galore_adafactor": (_projected("galore_adafactor"), "galore_torch", lambda: None),
+    "galore_adamw_8bit": (_projected("galore_adamw_8bit"), "galore_torch", lambda: None),
     "apollo_adamw": (_projected("apollo_adamw"), "apollo_torch", lambda: None),
 }
 # refused, and why (one line each)
@@ -170,16 +174,9 @@ _LAYERWISE = (
     "gradient over the ranks (transformers refuses it with DDP/FSDP too); use {base}"
 )
 REFUSED = {
-    **{
-        name: _LAYERWISE.format(base=name.removesuffix("_layerwise"))
-        for name in PROJECTED
-        if name.endswith("_layerwise")
-    },
-    "galore_adamw_8bit": (
-        "galore-torch 1.0's 8-bit step calls torch.cuda.synchronize() for every parameter (no "
-        "CPU run) and keeps bitsandbytes block states that a resharded resume cannot rebuild; "
-        "use galore_adamw"
-    ),
+    name: _LAYERWISE.format(base=name.removesuffix("_layerwise"))
+    for name in PROJECTED
+    if name.endswith("_layerwise")
 }
 
 

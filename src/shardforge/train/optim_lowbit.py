@@ -196,7 +196,7 @@ def load_state(
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 
-def _same_layout(model: torch.nn.Module, world_size: int, mesh_shape: list[int]) -> bool:
+def same_layout(model: torch.nn.Module, world_size: int, mesh_shape: list[int]) -> bool:
     """A checkpoint of `world_size` ranks in a `mesh_shape` mesh was sharded as this run is."""
     dtensor = _dtensor_type()
     mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, dtensor)), None)

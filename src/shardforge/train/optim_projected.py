@@ -21,12 +21,14 @@ every other parameter in a plain group of the same optimizer class.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from shardforge.train.dtensors import _dtensor_type, _like, _local
+from shardforge.train.optim_lowbit import plain_entry, write_entry
 
 PROJECTOR = "projector"
 
@@ -38,6 +40,7 @@ class FullMatrices:
     param_groups: list[dict[str, Any]]
     state: Any
     full_all = False
+    syncs_cuda = False  # galore-torch's 8-bit step calls torch.cuda.synchronize()
 
     def whole(self, group: dict[str, Any]) -> bool:
         return self.full_all or "rank" in group
@@ -58,7 +61,8 @@ class FullMatrices:
     def _step_one(self, group: dict[str, Any], p: torch.Tensor) -> None:
         for t in self._swap(p, self.whole(group)):
             self.param_groups = [{**group, "params": [t]}]
-            super().step()  # type: ignore[misc]
+            with _no_cuda_sync(self.syncs_cuda and not torch.cuda.is_available()):
+                super().step()  # type: ignore[misc]
 
     def _swap(self, p: Any, whole: bool) -> Iterator[torch.Tensor]:
         """`p` as the plain tensor its update runs on (its state moved to it meanwhile)."""
@@ -79,6 +83,21 @@ class FullMatrices:
 
             mine = distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None)
             p.to_local().copy_(mine.to_local())
+
+
+@contextlib.contextmanager
+def _no_cuda_sync(active: bool) -> Iterator[None]:
+    """Without CUDA (a CPU run) torch.cuda.synchronize() has nothing to wait for but raises:
+    a no-op while `active`."""
+    if not active:
+        yield
+        return
+    saved = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = saved
 
 
 def is_projected(optimizer: torch.optim.Optimizer) -> bool:
@@ -103,7 +122,9 @@ def _projector_entry(projector: Any) -> dict[str, Any]:
     return out
 
 
-def _entry(state: dict[str, Any], p: torch.Tensor, whole: bool) -> dict[str, Any]:
+def _entry(state: dict[str, Any], p: torch.Tensor, whole: bool, raw: bool) -> dict[str, Any]:
+    if "state1" in state and not whole:  # bitsandbytes' block states of a shard: optim_lowbit's
+        return plain_entry(state, p, raw)
     out: dict[str, Any] = {}
     for key, value in state.items():
         if key == PROJECTOR:
@@ -116,6 +137,9 @@ def _entry(state: dict[str, Any], p: torch.Tensor, whole: bool) -> dict[str, Any
 
 
 def _write(state: dict[str, Any], entry: dict[str, Any]) -> None:
+    if "state1" in state and "exp_avg" in entry:  # `plain_entry`'s of bitsandbytes' states
+        write_entry(state, entry)
+        return
     for key, value in entry.items():
         if key.startswith(PROJECTOR + "."):
             _, attr, *index = key.split(".")
@@ -130,15 +154,17 @@ def _write(state: dict[str, Any], entry: dict[str, Any]) -> None:
             state[key] = value
 
 
-def saved_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """What DCP saves of a GaLore/APOLLO optimizer: each parameter's entry, the groups."""
+def saved_state(model: torch.nn.Module, optimizer: Any, raw: bool = True) -> dict[str, Any]:
+    """What DCP saves of a GaLore/APOLLO optimizer: each parameter's entry, the groups (`raw`:
+    with each rank's raw 8-bit block states of a shard, as `optim_lowbit` saves them)."""
     names = _fqns(model)
     state: dict[str, Any] = {}
     groups = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             if optimizer.state.get(p):
-                state[names[id(p)]] = _entry(optimizer.state[p], p, optimizer.whole(group))
+                whole = optimizer.whole(group)
+                state[names[id(p)]] = _entry(optimizer.state[p], p, whole, raw)
         groups.append({**group, "params": [names[id(p)] for p in group["params"]]})
     return {"state": state, "param_groups": groups}
 
@@ -159,13 +185,14 @@ def _first_state(optimizer: Any) -> None:
         group["lr"] = lr
 
 
-def load_state(model: torch.nn.Module, optimizer: Any, folder: Any) -> None:
-    """Load a GaLore/APOLLO optimizer's DCP folder (any world size: see the module docstring)."""
+def load_state(model: torch.nn.Module, optimizer: Any, folder: Any, same_layout: bool) -> None:
+    """Load a GaLore/APOLLO optimizer's DCP folder (any world size: see the module docstring;
+    8-bit block states of a shard: the raw ones when the checkpoint has this rank's)."""
     from shardforge.formats.dcp.reader import load_checked
 
     if not any("step" in state for state in optimizer.state.values()):
         _first_state(optimizer)
-    template = saved_state(model, optimizer)
+    template = saved_state(model, optimizer, raw=same_layout)
     load_checked(template, folder)
     names = _fqns(model)
     by_name = {names[id(p)]: p for p in model.parameters()}

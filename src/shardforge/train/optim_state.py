@@ -36,12 +36,12 @@ def load_optimizer(
 
     from shardforge.formats.dcp.reader import load_checked
 
+    same = optim_lowbit.same_layout(model, world_size, mesh_shape)
     if optim_lowbit.is_low_bit(optimizer):
-        same = optim_lowbit._same_layout(model, world_size, mesh_shape)
         optim_lowbit.load_state(model, optimizer, folder, same)
         return
     if optim_projected.is_projected(optimizer):
-        optim_projected.load_state(model, optimizer, folder)
+        optim_projected.load_state(model, optimizer, folder, same)
         return
     optim_sd = get_optimizer_state_dict(model, optimizer)
     load_checked(optim_sd, folder)
