@@ -177,7 +177,7 @@ def test_scoped_commands_read_only_their_keys(
             "base_model": "m",
             "output_dir": "o",
             "rl": "dpo",  # a feature train does not have: not read here
-            "lr_scheduler": "reduce_lr_on_plateau",  # a value train refuses: not read here
+            "lr_scheduler": "greedy",  # a value train refuses: not read here
             "fsdp_config": {"fsdp_sharding_strategy": "NO_SHARD"},
             "something_new_in_axolotl": 3,
         },

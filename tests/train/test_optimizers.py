@@ -1,5 +1,6 @@
-"""The low-bit and Muon optimizers on 2 gloo ranks: each trains, resumes exactly at the same
-world size, and resumes at another (1 rank: the float32 states resharded, quantized again).
+"""The low-bit, Muon, GaLore and APOLLO optimizers on 2 gloo ranks: each trains, resumes exactly
+at the same world size, and resumes at another (1 rank: the float32 states resharded, quantized
+again; GaLore's / APOLLO's whole projected states loaded as they are).
 
 One launch of 2 ranks trains every optimizer in turn (`train_configs`): run `a` 4 steps with a
 checkpoint at 2, run `b` resumed from a's checkpoint-2; the 1-rank resumes run in this process.
@@ -20,13 +21,29 @@ from shardforge.train import checkpointing as ckpt
 
 pytestmark = pytest.mark.slow
 
-OPTIMIZERS = ["adamw_torch_8bit", "adamw_torch_4bit", "adamw_bnb_8bit", "muon"]
+OPTIMIZERS = [
+    "adamw_torch_8bit",
+    "adamw_torch_4bit",
+    "adamw_bnb_8bit",
+    "muon",
+    "galore_adamw",
+    "galore_adamw_8bit",
+    "galore_adafactor",
+    "apollo_adamw",
+]
+# GaLore/APOLLO: a projection of rank 4, renewed every 2 steps (at steps 1 and 3: a resume from
+# checkpoint-2 renews it from the restored state)
+_PROJECTED = {
+    "optim_target_modules": ["self_attn", "mlp"],
+    "optim_args": {"rank": 4, "update_proj_gap": 2},
+}
 
 
 def _configs(base: dict[str, Any], root: Path, name: str) -> dict[str, dict[str, Any]]:
     a = {
         **base,
         "optimizer": name,
+        **(_PROJECTED if name.startswith(("galore", "apollo")) else {}),
         "max_steps": 4,
         "save_steps": 2,
         "warmup_steps": 1,
@@ -88,3 +105,19 @@ def test_a_low_bit_checkpoint_holds_float32_states_and_each_ranks_raw_ones(train
     assert full.properties.dtype == torch.float32 and len(full.size) == 2  # type: ignore[union-attr]
     raw = [k for k in meta.state_dict_metadata if k.startswith(f"{key}.raw.exp_avg.codes")]
     assert sorted(raw) == [f"{key}.raw.exp_avg.codes.rank0", f"{key}.raw.exp_avg.codes.rank1"]
+
+
+def test_a_galore_checkpoint_holds_the_projection_and_the_low_rank_states(trained: Path) -> None:
+    """galore_adamw's checkpoint: a projected weight's projection (its orthogonal matrix, rank 4)
+    and its AdamW states of the projected gradient's shape; an unprojected weight's states of
+    its own shape."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(
+        str(trained / "galore_adamw" / "a" / "checkpoint-2" / "optimizer")
+    ).read_metadata()
+    sizes = {k: list(v.size) for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
+    key = "state.model.layers.0.mlp.gate_proj.weight"  # [128, 64]: projected from the right
+    assert sizes[f"{key}.projector.ortho_matrix"] == [4, 64]
+    assert sizes[f"{key}.exp_avg"] == sizes[f"{key}.exp_avg_sq"] == [128, 4]
+    assert sizes["state.model.embed_tokens.weight.exp_avg"] == [320, 64]  # not projected

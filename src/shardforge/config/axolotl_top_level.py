@@ -332,8 +332,10 @@ A_TO_L: dict[str, AxolotlKey] = {
     "lr_groups": _i("per-module learning rates (Axolotl's groups)"),
     "lr_quadratic_warmup": _i("cosine with quadratic warmup"),
     "lr_scheduler": _i(
-        "transformers' scheduler names and Axolotl's one_cycle, rex; reduce_lr_on_plateau "
-        "(stepped by an eval metric) is refused"
+        "transformers' scheduler names and Axolotl's one_cycle, rex; reduce_lr_on_plateau is "
+        "stepped by each evaluation's metric (needs evaluation data)"
     ),
-    "lr_scheduler_kwargs": _i("passed to the schedule (transformers' get_scheduler, OneCycleLR)"),
+    "lr_scheduler_kwargs": _i(
+        "passed to the schedule (transformers' get_scheduler, OneCycleLR, ReduceLROnPlateau)"
+    ),
 }

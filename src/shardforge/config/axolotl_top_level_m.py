@@ -86,8 +86,14 @@ M_TO_Z: dict[str, AxolotlKey] = {
     "num_labels": _only("reward_model / process_reward_model", "reward model training"),
     "nvfp4_merge_aware": _only("use_sonicmoe", "SonicMoE expert kernels"),
     "nvfp4_merge_aware_start_step": _only("use_sonicmoe", "SonicMoE expert kernels"),
-    "optim_args": _i("keyword arguments of the optimizer (a mapping or 'k=v,k=v')"),
-    "optim_target_modules": _u("optimizer extra arguments"),
+    "optim_args": _i(
+        "keyword arguments of the optimizer (a mapping or 'k=v,k=v'); GaLore/APOLLO: the "
+        "projection's rank, update_proj_gap, scale, proj_type (APOLLO: proj, scale_type)"
+    ),
+    "optim_target_modules": _i(
+        "galore_adamw(_8bit), galore_adafactor, apollo_adamw: the projected linear layers (full "
+        "matrices under FSDP2); their layerwise forms are refused"
+    ),
     "optimizer": _i(),
     "orpo_alpha": _only("rl", "reinforcement learning"),
     "otel_metrics_host": _g(_TRACKING),

@@ -110,6 +110,13 @@ class ShardforgeConfig(
         for key in ("load_best_model_at_end", "early_stopping_patience"):
             if getattr(self, key) and not (self.val_set_size or self.test_datasets):
                 raise ValueError(f"{key} needs evaluation data; set val_set_size or test_datasets")
+        if self.lr_scheduler == "reduce_lr_on_plateau" and not (
+            self.val_set_size or self.test_datasets
+        ):
+            raise ValueError(
+                "lr_scheduler: reduce_lr_on_plateau steps on each evaluation's metric; set "
+                "val_set_size or test_datasets"
+            )
 
     def _consistent_saves(self) -> None:
         """save_strategy against the keys that say when to save."""

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shardforge.config.view import ConfigView
 
-# transformers' SchedulerType names (reduce_lr_on_plateau aside: it steps on an eval metric) and
-# Axolotl's own one_cycle and rex
+# transformers' SchedulerType names (reduce_lr_on_plateau: stepped on each evaluation's metric)
+# and Axolotl's own one_cycle and rex
 Scheduler = Literal[
     "cosine",
     "linear",
@@ -21,6 +21,7 @@ Scheduler = Literal[
     "cosine_with_min_lr",
     "cosine_warmup_with_min_lr",
     "warmup_stable_decay",
+    "reduce_lr_on_plateau",
     "one_cycle",
     "rex",
 ]
@@ -34,7 +35,17 @@ Optimizer = Literal[
     "adamw_8bit",
     "paged_adamw_8bit",
     "muon",
+    "galore_adamw",
+    "galore_adamw_8bit",
+    "galore_adafactor",
+    "galore_adamw_layerwise",
+    "galore_adamw_8bit_layerwise",
+    "galore_adafactor_layerwise",
+    "apollo_adamw",
+    "apollo_adamw_layerwise",
 ]
+# the optimizers of low-rank projected gradients (GaLore, APOLLO): they read optim_target_modules
+PROJECTED = tuple(n for n in get_args(Optimizer) if n.startswith(("galore_", "apollo_")))
 
 
 class LrGroup(BaseModel):
@@ -74,6 +85,9 @@ class OptimKeys(ConfigView):
     """adamw_torch(_fused), sgd, torchao 8/4-bit AdamW, bitsandbytes 8-bit AdamW, muon."""
     optim_args: dict[str, Any] | str | None = None
     """Extra optimizer arguments: a mapping or 'key=value,key=value'."""
+    optim_target_modules: list[str] | str | None = None
+    """GaLore/APOLLO: the linear layers whose gradients are projected (names, substrings or a regex;
+    all_linear)."""
     lr_groups: list[LrGroup] | None = None
     """Per-module learning rates: [{name, modules, lr}]."""
     embedding_lr: float | None = Field(None, gt=0)
@@ -126,4 +140,32 @@ class OptimKeys(ConfigView):
             raise ValueError("lr_quadratic_warmup: has no floor; remove cosine_min_lr_ratio")
         if self.embedding_lr is not None and self.embedding_lr_scale is not None:
             raise ValueError("embedding_lr and embedding_lr_scale are both set; choose one")
+        self._projection()
         return self
+
+    def _projection(self) -> None:
+        """optim_target_modules is read by GaLore/APOLLO only, which need it; their groups are
+        transformers' (target / other), so other grouping keys and weight_decay do nothing."""
+        if self.optimizer not in PROJECTED:
+            if self.optim_target_modules is not None:
+                raise ValueError(
+                    "optim_target_modules: read only by the galore_* and apollo_* optimizers; "
+                    "remove it or change optimizer"
+                )
+            return
+        if not self.optim_target_modules:
+            raise ValueError(
+                f"optim_target_modules: {self.optimizer} needs the linear layers to project "
+                "(e.g. [attn, mlp] or all_linear)"
+            )
+        for key in ("lr_groups", "embedding_lr", "embedding_lr_scale", "loraplus_lr_ratio"):
+            if getattr(self, key) is not None:
+                raise ValueError(
+                    f"{key}: not applied with optimizer {self.optimizer} (its parameter groups "
+                    "are GaLore's target/other split, as in transformers); remove it"
+                )
+        if self.weight_decay:
+            raise ValueError(
+                f"weight_decay: not applied with optimizer {self.optimizer} (transformers gives "
+                "its groups the optimizer's own default); remove it or set it to 0"
+            )

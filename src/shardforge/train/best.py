@@ -34,23 +34,41 @@ def greater_is_better(cfg: ShardforgeConfig) -> bool:
     return not metric_name(cfg).endswith("loss")
 
 
+def _checked_metric(cfg: ShardforgeConfig) -> str:
+    metric = metric_name(cfg)
+    if metric not in EVAL_METRICS:
+        raise ConfigError(
+            "metric_for_best_model",
+            [f"{metric} is not an evaluation metric ({', '.join(EVAL_METRICS)})"],
+        )
+    return metric
+
+
+class Plateau(Callback):
+    """lr_scheduler reduce_lr_on_plateau: torch's ReduceLROnPlateau stepped with the metric of
+    each evaluation (metric_for_best_model, default eval_loss), as transformers' Trainer steps
+    it; an evaluation before training (step 0) does not step it."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.metric = _checked_metric(trainer.cfg)
+
+    def on_evaluate(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        if record["step"] > 0:
+            trainer.scheduler.step(record[self.metric])
+
+
 class BestModel(Callback):
     """Tracks the best evaluation; stops early; loads the best checkpoint's model at the end."""
 
     def __init__(self, trainer: Trainer) -> None:
         cfg = trainer.cfg
-        self.metric, self.greater = metric_name(cfg), greater_is_better(cfg)
+        self.metric, self.greater = _checked_metric(cfg), greater_is_better(cfg)
         self.patience = cfg.early_stopping_patience
         self.load_at_end = cfg.load_best_model_at_end
         self.best: float | None = None  # of every evaluation (early stopping)
         self.best_saved: float | None = None  # of the saved steps (the best checkpoint)
         self.best_step: int | None = None
         self.worse = 0  # evaluations in a row without improvement
-        if self.metric not in EVAL_METRICS:
-            raise ConfigError(
-                "metric_for_best_model",
-                [f"{self.metric} is not an evaluation metric ({', '.join(EVAL_METRICS)})"],
-            )
         if self.load_at_end:
             _check_saves(trainer)
 

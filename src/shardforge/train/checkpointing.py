@@ -39,7 +39,7 @@ from shardforge.io.remote import is_remote
 from shardforge.layouts.catalog import scan
 from shardforge.layouts.layout import Candidate, layout_named
 from shardforge.layouts.trainer_state import FORMAT, FORMAT_VERSION, STATE_FILE, read_state
-from shardforge.train.optim_lowbit import load_optimizer, optimizer_state
+from shardforge.train.optim_state import load_optimizer, optimizer_state
 from shardforge.train.remote_run import RemoteOutput
 
 log = logging.getLogger("shardforge")

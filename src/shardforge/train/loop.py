@@ -34,7 +34,7 @@ from shardforge.io.mirror import public_name
 from shardforge.sinks.cast import config_dtype_name
 from shardforge.train import checkpointing as ckpt
 from shardforge.train.attention import use_packed_attention
-from shardforge.train.best import BestModel
+from shardforge.train.best import BestModel, Plateau
 from shardforge.train.compile import CompileWatch
 from shardforge.train.data import GlobalOrder, Order, SequenceSource, load_tokenizer
 from shardforge.train.diagnostics import StepMemory, report_sharding
@@ -83,6 +83,7 @@ from shardforge.train.schedules import (
     build_scheduler,
     continuation,
     continues,
+    load_scheduler,
     scheduler_state,
 )
 from shardforge.train.step import micro_batches, train_step
@@ -401,6 +402,8 @@ class Trainer:
         self.callbacks = [Tracking(trackers), StepLog(self), *self.extra]
         if cfg.load_best_model_at_end or cfg.early_stopping_patience:
             self.callbacks.insert(2, BestModel(self))
+        if cfg.lr_scheduler == "reduce_lr_on_plateau":
+            self.callbacks.insert(2, Plateau(self))
         if cfg.qat is not None and cfg.qat.fake_quant_after_n_steps is not None:
             self.callbacks.insert(2, QatDelay(self))
         if rt.is_main:
@@ -567,7 +570,7 @@ def _resume(
 ) -> tuple[int, int]:
     """Load a checkpoint into model, optimizer, scheduler and RNGs; return (step, consumed)."""
     state = ckpt.load_checkpoint(path, model, optimizer, adapter_only=cfg.adapter is not None)
-    scheduler.load_state_dict({**scheduler.state_dict(), **state.scheduler})
+    load_scheduler(scheduler, state.scheduler)
     if state.global_batch_size != global_batch:
         log.warning(
             "resuming with a global batch of %d sequences (checkpoint: %d); the data order "

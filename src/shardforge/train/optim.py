@@ -14,11 +14,15 @@ import torch
 import yaml
 
 from shardforge.config.schema import ShardforgeConfig
+from shardforge.config.schema_optim import PROJECTED
+from shardforge.errors import ConfigError
 from shardforge.train.optim_groups import Group, muon_split, param_groups
 from shardforge.train.optim_lowbit import EagerOnCpu, LocalShards
+from shardforge.train.optim_projected import FullMatrices, projected_groups, projection_settings
 
 Build = Callable[[list[Group], ShardforgeConfig, dict[str, Any]], torch.optim.Optimizer]
 QUANT_EXTRA = "pip install 'shardforge[quant]'"
+LOWRANK_EXTRA = "pip install 'shardforge[lowrank]'"
 
 
 def _adam_kwargs(cfg: ShardforgeConfig) -> dict[str, Any]:
@@ -115,6 +119,39 @@ def _muon(groups: list[Group], cfg: ShardforgeConfig, extra: dict[str, Any]) -> 
     return MuonWithAdamW(groups, cfg, extra)
 
 
+def _projected_class(name: str) -> type:
+    """galore-torch's / apollo-torch's optimizer of `name`, stepping under FSDP2 as
+    `FullMatrices` does (Adafactor: every parameter on its full matrix)."""
+    if name.startswith("apollo"):
+        from apollo_torch import APOLLOAdamW as base
+    elif name.startswith("galore_adafactor"):
+        from galore_torch import GaLoreAdafactor as base
+    elif name.startswith("galore_adamw_8bit"):
+        from galore_torch import GaLoreAdamW8bit as base
+    else:
+        from galore_torch import GaLoreAdamW as base
+    label = ("APOLLO" if name.startswith("apollo") else "GaLore") + base.__name__
+    extra = {"full_all": "adafactor" in name, "syncs_cuda": "8bit" in name}
+    return type(label, (FullMatrices, base), extra)
+
+
+def _projected(name: str) -> Build:
+    """transformers' kwargs: the lr (Adafactor: without its relative step and parameter scale);
+    APOLLO's target group also takes adam_beta1/2 and adam_epsilon."""
+
+    def build(groups: list[Group], cfg: ShardforgeConfig, extra: dict[str, Any]) -> Any:
+        kwargs: dict[str, Any] = {"lr": cfg.learning_rate}
+        if name == "galore_adafactor":
+            kwargs |= {"scale_parameter": False, "relative_step": False}
+        elif name == "galore_adamw":
+            kwargs["no_deprecation_warning"] = True
+        elif name == "apollo_adamw":
+            groups[1] |= {"betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_epsilon}
+        return _projected_class(name)(groups, **kwargs)
+
+    return build
+
+
 # name -> (build, the package it needs or None, where its keyword arguments are checked)
 OPTIMIZERS: dict[str, tuple[Build, str | None, Callable[[], Any]]] = {
     "adamw_torch": (_adamw(False), None, lambda: torch.optim.AdamW),
@@ -126,6 +163,20 @@ OPTIMIZERS: dict[str, tuple[Build, str | None, Callable[[], Any]]] = {
     "adamw_8bit": (_bnb(False), "bitsandbytes", lambda: _bnb_class(False)),
     "paged_adamw_8bit": (_bnb(True), "bitsandbytes", lambda: _bnb_class(True)),
     "muon": (_muon, None, lambda: _muon_class()),
+    "galore_adamw": (_projected("galore_adamw"), "galore_torch", lambda: None),
+    "galore_adafactor": (_projected("galore_adafactor"), "galore_torch", lambda: None),
+    "galore_adamw_8bit": (_projected("galore_adamw_8bit"), "galore_torch", lambda: None),
+    "apollo_adamw": (_projected("apollo_adamw"), "apollo_torch", lambda: None),
+}
+# refused, and why (one line each)
+_LAYERWISE = (
+    "steps each parameter in a gradient hook during backward, before FSDP2 has reduced its "
+    "gradient over the ranks (transformers refuses it with DDP/FSDP too); use {base}"
+)
+REFUSED = {
+    name: _LAYERWISE.format(base=name.removesuffix("_layerwise"))
+    for name in PROJECTED
+    if name.endswith("_layerwise")
 }
 
 
@@ -145,9 +196,12 @@ def optim_args(cfg: ShardforgeConfig) -> dict[str, Any]:
 def optimizer_problem(cfg: ShardforgeConfig) -> tuple[str, str] | None:
     """(key, why) when the optimizer cannot be built here: its package or torch version is
     missing, or an optim_args key it does not take."""
+    if cfg.optimizer in REFUSED:
+        return "optimizer", f"{cfg.optimizer}: {REFUSED[cfg.optimizer]}"
     _, package, cls = OPTIMIZERS[cfg.optimizer]
     if package is not None and importlib.util.find_spec(package) is None:
-        return "optimizer", f"{cfg.optimizer} needs {package}: {QUANT_EXTRA}"
+        extra_name = LOWRANK_EXTRA if cfg.optimizer in PROJECTED else QUANT_EXTRA
+        return "optimizer", f"{cfg.optimizer} needs {package}: {extra_name}"
     if cfg.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
         return (
             "optimizer",
@@ -155,6 +209,9 @@ def optimizer_problem(cfg: ShardforgeConfig) -> tuple[str, str] | None:
         )
     try:
         extra = optim_args(cfg)
+        if cfg.optimizer in PROJECTED:
+            projection_settings(cfg.optimizer, extra)
+            return None
     except ValueError as exc:
         return "optim_args", str(exc)
     taken = inspect.signature(cls()).parameters
@@ -167,6 +224,14 @@ def optimizer_problem(cfg: ShardforgeConfig) -> tuple[str, str] | None:
 def build_optimizer(model: torch.nn.Module, cfg: ShardforgeConfig) -> torch.optim.Optimizer:
     """The optimizer of `model`'s trainable parameters, grouped as `cfg` asks."""
     build = OPTIMIZERS[cfg.optimizer][0]
+    if cfg.optimizer in PROJECTED:
+        assert cfg.optim_target_modules is not None  # the schema's check
+        settings = projection_settings(cfg.optimizer, optim_args(cfg))
+        try:
+            groups = projected_groups(model, cfg.optim_target_modules, settings)
+        except ValueError as exc:
+            raise ConfigError("optim_target_modules", [str(exc)]) from None
+        return build(groups, cfg, {})
     groups = param_groups(model, cfg)
     if cfg.optimizer == "muon":
         groups = muon_split(model, groups)

@@ -11,7 +11,7 @@ in DCP checkpoints.
   again on load), and the rank's raw quantized tensors (`raw.<key>.<part>.rank<R>`), loaded
   when the world and mesh are the same, so such a resume continues bit for bit.
 
-`optimizer_state` / `load_optimizer` are what checkpointing saves and loads for any optimizer.
+`optim_state` dispatches to `saved_state` / `load_state` here.
 """
 
 from __future__ import annotations
@@ -22,19 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardforge.train.dtensors import _dtensor_type, _like, _local
+
 RAW = "raw"
 _BNB = {"exp_avg": ("state1", "absmax1", "qmap1"), "exp_avg_sq": ("state2", "absmax2", "qmap2")}
 _BNB_BLOCK = 256
-
-
-def _dtensor_type() -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
-def _local(t: Any) -> torch.Tensor:
-    return t.to_local() if isinstance(t, _dtensor_type()) else t
 
 
 class LocalShards:
@@ -80,18 +72,6 @@ class EagerOnCpu:
 
 def is_low_bit(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, LocalShards | EagerOnCpu)
-
-
-def _like(p: Any, local: torch.Tensor) -> torch.Tensor:
-    """`local` (this rank's shard of `p`, any shape of as many elements) as a tensor like `p`."""
-    if not isinstance(p, _dtensor_type()):
-        return local.reshape(p.shape)
-    from torch.distributed.tensor import DTensor
-
-    local = local.reshape(p.to_local().shape)
-    return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
 
 
 def _parts(value: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -216,42 +196,10 @@ def load_state(
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 
-def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's sharded state dict as DCP saves it (a low-bit one: `saved_state`)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    if is_low_bit(optimizer):
-        return saved_state(model, optimizer)
-    return get_optimizer_state_dict(model, optimizer)
-
-
-def _same_layout(model: torch.nn.Module, world_size: int, mesh_shape: list[int]) -> bool:
+def same_layout(model: torch.nn.Module, world_size: int, mesh_shape: list[int]) -> bool:
     """A checkpoint of `world_size` ranks in a `mesh_shape` mesh was sharded as this run is."""
     dtensor = _dtensor_type()
     mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, dtensor)), None)
     shape = list(mesh.mesh.shape) if mesh is not None else []
     world = dist.get_world_size() if dist.is_initialized() else 1
     return world_size == world and (not mesh_shape or mesh_shape == shape)
-
-
-def load_optimizer(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    folder: Any,
-    world_size: int,
-    mesh_shape: list[int],
-) -> None:
-    """Load a checkpoint's optimizer/ folder (resharded by DCP) into `optimizer`."""
-    from torch.distributed.checkpoint.state_dict import (
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    from shardforge.formats.dcp.reader import load_checked
-
-    if is_low_bit(optimizer):
-        load_state(model, optimizer, folder, _same_layout(model, world_size, mesh_shape))
-        return
-    optim_sd = get_optimizer_state_dict(model, optimizer)
-    load_checked(optim_sd, folder)
-    set_optimizer_state_dict(model, optimizer, optim_sd)

@@ -3,7 +3,9 @@
 transformers' schedules (`get_scheduler`: linear, cosine, constant, ...) are used as they are;
 Axolotl's own are the `AXOLOTL` rows: cosine with a floor (`cosine_min_lr_ratio`), with a floor
 reached early (`cosine_constant_lr_ratio`), with quadratic warmup (`lr_quadratic_warmup`), `rex`
-and `one_cycle` (torch's OneCycleLR). Each row maps (optimizer step, warmup, total) to the
+and `one_cycle` (torch's OneCycleLR); `reduce_lr_on_plateau` is transformers' (torch's
+ReduceLROnPlateau with `lr_scheduler_kwargs`, no warmup), stepped by each evaluation
+(`best.Plateau`), not by the optimizer steps. Each row maps (optimizer step, warmup, total) to the
 multiplier of each group's peak lr; a run whose total number of steps changed on resume continues
 a cosine/linear/constant decay from where its checkpoint was (`Continuation`).
 """
@@ -201,6 +203,15 @@ def schedule_problem(cfg: ShardforgeConfig) -> str | None:
     except (TypeError, ValueError) as exc:
         return f"lr_scheduler {cfg.lr_scheduler}: {str(exc).splitlines()[0][:200]}"
     return None
+
+
+def load_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, saved: dict[str, Any]) -> None:
+    """A checkpoint's `scheduler_state` into `scheduler` (reduce_lr_on_plateau: also its lrs
+    into the optimizer's groups, where that scheduler keeps them)."""
+    scheduler.load_state_dict({**scheduler.state_dict(), **saved})
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and "_last_lr" in saved:
+        for group, lr in zip(scheduler.optimizer.param_groups, saved["_last_lr"], strict=True):
+            group["lr"] = lr
 
 
 def scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:

@@ -93,10 +93,13 @@ def train_step(
     if after_backward is not None:
         after_backward()
     grad_norm = grad_norm_and_clip(model, cfg.max_grad_norm)
-    lr = float(scheduler.get_last_lr()[0])  # torchao's optimizers keep it as a tensor
+    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    # torchao's optimizers keep the lr as a tensor; reduce_lr_on_plateau's is the group's
+    lr = float(optimizer.param_groups[0]["lr"] if plateau else scheduler.get_last_lr()[0])
     optimizer.step()
     mark("optimizer")
-    scheduler.step()
+    if not plateau:  # reduce_lr_on_plateau: stepped by each evaluation (`best.Plateau`)
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_total)
     return {
