@@ -34,21 +34,34 @@ import transformers.utils.import_utils as iu
 out = {"modules": [m for m in ("torchao", "scipy") if m in sys.modules], "missing": [],
        "checks": {c: getattr(iu, c)() for c in LAZY}, "built": len(expected.shapes)}
 # every name a transformers module binds under `if <a deferred check>():` at module level
+def statements(body):
+    for st in body:
+        yield st
+        if isinstance(st, (ast.If, ast.Try)):
+            yield from statements(st.body + st.orelse + getattr(st, "finalbody", []))
 for name, module in list(sys.modules.items()):
     path = getattr(module, "__file__", None) or ""
     if not name.startswith("transformers") or not path.endswith(".py"):
         continue
     for node in ast.parse(open(path, encoding="utf-8").read()).body:
         test = node.test if isinstance(node, ast.If) else None
-        check = getattr(test.func, "id", None) if isinstance(test, ast.Call) else None
-        if check not in LAZY:
+        calls = [getattr(c.func, "id", None) for c in ast.walk(test) if isinstance(c, ast.Call)] if test else []
+        check = next((c for c in calls if c in LAZY), None)
+        if check is None:
             continue
+        if node.orelse:  # the lean import took the other branch: not the same module
+            out["missing"].append(f"{name}: an else branch under {check}")
         if vars(module).get(check) is not getattr(iu, check):
             out["missing"].append(f"{name}.{check} (not the real check)")
-        for sub in ast.walk(node):
+        for sub in statements(node.body):
             if isinstance(sub, (ast.Import, ast.ImportFrom)):
                 bound = [a.asname or a.name.split(".")[0] for a in sub.names]
-                out["missing"] += [f"{name}.{b}" for b in bound if b not in vars(module)]
+            elif isinstance(sub, (ast.Assign, ast.FunctionDef, ast.ClassDef)):
+                targets = sub.targets if isinstance(sub, ast.Assign) else [sub]
+                bound = [getattr(t, "id", getattr(t, "name", "")) for t in targets]
+            else:
+                continue
+            out["missing"] += [f"{name}.{b}" for b in bound if b and b not in vars(module)]
 loss = sys.modules.get("transformers.loss.loss_for_object_detection")
 if loss is not None and out["checks"]["is_scipy_available"]:
     cost = np.array([[4.0, 1.0, 3.0], [2.0, 0.0, 5.0], [3.0, 2.0, 2.0]])
