@@ -76,16 +76,19 @@ def do_merge_sharded_fsdp_weights(
 
     The merge's byte copy gets a head start: it begins before torch is imported (torch and
     transformers take seconds to load), and the merge takes it over only when it is exactly
-    what the merge would write (`shardforge.merge.overlap`)."""
+    what the merge would write (`shardforge.merge.overlap`). The start-up runs with a relaxed
+    garbage collector (`shardforge.merge.startup`)."""
     from shardforge.merge.overlap import head_start
+    from shardforge.merge.startup import relaxed_gc
 
-    cfg = load_config(config, override_args, "merge")
-    if output_path is None and options.get("output_format", "hf") == "hf":
-        output_path = default_output(cfg.output_dir)
-    with head_start(cfg, output_path, options):
-        from shardforge.merge.api import merge_fsdp_weights as merge
+    with relaxed_gc():  # no full collections while torch and transformers import
+        cfg = load_config(config, override_args, "merge")
+        if output_path is None and options.get("output_format", "hf") == "hf":
+            output_path = default_output(cfg.output_dir)
+        with head_start(cfg, output_path, options):
+            from shardforge.merge.api import merge_fsdp_weights as merge
 
-        return merge(cfg, output_path, **options)
+            return merge(cfg, output_path, **options)
 
 
 def default_output(output_dir: str) -> str:

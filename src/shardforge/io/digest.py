@@ -40,8 +40,9 @@ ALGORITHMS = (BLAKE3, SHA256)  # the manifest's hash: the first is the default
 DEFAULT = BLAKE3
 # the hash runs once this many contiguous bytes are written and not hashed yet
 CHUNK = 32 << 20
-# bytes of the output mapped at a time (the mapping's pages count in the process's RSS)
-HASH_SLICE = 16 << 20
+# bytes of the output mapped at a time (the mapping's pages count in the process's RSS: 16 MB
+# cost 12 MB more peak RSS than 4 MB and hashed no faster)
+HASH_SLICE = 4 << 20
 # hashes running at once (each BLAKE3 also uses every core for a large slice)
 HASH_THREADS = 2
 
