@@ -40,7 +40,7 @@ TOKEN_KEYS: dict[str, str | None] = {
     "eval_sequence_len": None,
     "eval_sample_packing": None,
     "val_set_size": None,
-    "seed": None,  # draws the held-out samples, the shuffles and shards of the data
+    "seed": None,  # the shuffles (which pick the held-out samples) and shards of the data
     "chat_template": None,
     "chat_template_jinja": None,
     "special_tokens": None,
