@@ -36,7 +36,7 @@ from shardforge.train import checkpointing as ckpt
 from shardforge.train.attention import use_packed_attention
 from shardforge.train.best import BestModel
 from shardforge.train.compile import CompileWatch
-from shardforge.train.data import GlobalOrder, load_tokenizer
+from shardforge.train.data import GlobalOrder, load_tokenizer, short_of_a_batch
 from shardforge.train.diagnostics import StepMemory, report_sharding
 from shardforge.train.eval import Evaluator
 from shardforge.train.full_save import save_full_model
@@ -314,7 +314,7 @@ class Trainer:
         self.seqs = self.data.train
         self.global_batch = cfg.micro_batch_size * rt.world_size * cfg.gradient_accumulation_steps
         if len(self.seqs) < self.global_batch:
-            _short_of_a_batch(len(self.seqs), self.global_batch, cfg, rt.is_main)
+            short_of_a_batch(len(self.seqs), self.global_batch, cfg, rt.is_main)
         # dataloader_drop_last: each epoch only its whole global batches
         per_epoch = len(self.seqs) // self.global_batch * self.global_batch
         used = per_epoch if cfg.dataloader_drop_last else len(self.seqs)
@@ -488,23 +488,6 @@ def write_output_metadata(
     with contextlib.suppress(OSError):
         GenerationConfig.from_pretrained(model_config_source(cfg)).save_pretrained(out)
     tokenizer.save_pretrained(out)
-
-
-def _short_of_a_batch(n: int, global_batch: int, cfg: ShardforgeConfig, announce: bool) -> None:
-    """Data smaller than one global batch: trained as Axolotl trains it (at least one step), the
-    batch filled from the next passes of the data order; with dataloader_drop_last (only whole
-    batches) there is nothing to train on."""
-    what = (
-        f"{n} sequences of sequence_len {cfg.sequence_len}, fewer than one global batch "
-        f"({global_batch} = micro_batch_size x world size x gradient_accumulation_steps)"
-    )
-    if cfg.dataloader_drop_last:
-        raise ShardforgeError(
-            f"datasets: {what}, and dataloader_drop_last keeps only whole batches; add data, "
-            "lower micro_batch_size or unset dataloader_drop_last"
-        )
-    if announce:
-        log.warning("warning: datasets: %s; each step repeats sequences to fill it", what)
 
 
 def save_interval(cfg: ShardforgeConfig, num_sequences: int, global_batch: int) -> int | None:
