@@ -192,8 +192,9 @@ class EvalKeys(ConfigView):
         0.0,
         ge=0,
         description="Hold out part of the training samples for evaluation: a fraction below 1 "
-        "(0.05: 5%, rounded up) or a whole number of samples (200). Chosen by `seed`, before "
-        "packing; the same split at any world size. 0: none. Exclusive with test_datasets.",
+        "(0.05: 5%, rounded up) or a whole number of samples (200): the last of the merged "
+        "samples (shuffled by `seed`), before packing, as Axolotl splits them; the same split "
+        "at any world size. 0: none. Exclusive with test_datasets.",
     )
     test_datasets: list[DatasetConfig] = Field(
         default_factory=list,
