@@ -3,6 +3,7 @@
     python benchmarks/quant_bench.py --preset llama-3.2-1b --nproc 2 --sequence_len 256 \\
         --micro_batch_size 1 --warmup 1 --steps 2
     python benchmarks/quant_bench.py --layers 4 ...     # the preset's shape with fewer blocks
+    python benchmarks/quant_bench.py --set bfloat16=true ...   # a config key for every mode
 
 Each mode is one run of shardforge's own training step (`train_bench.run_variant`: the config
 validated, `Trainer.setup`, `Trainer.step`; eager, sdpa), on `--nproc` ranks started by torchrun,
@@ -13,10 +14,11 @@ are random (no checkpoint is read); the quantized ones go through the product's 
 (`quant.load_quantized`: quantized whole, cut into each rank's rows).
 
 Printed per mode: the parameter bytes one rank holds after sharding (the packed data and
-scales of a quantized weight, not the float size it dequantizes to), the peak memory of the
-setup and of the forward / backward / optimizer phases (the largest over the ranks: CUDA max
-allocated on a GPU, the RSS high-water mark on CPU, which includes the process's libraries),
-tokens/s and the losses.
+scales of a quantized weight, not the float size it dequantizes to), the setup's seconds
+(`Trainer.setup`: for 8-bit and QLoRA mostly the quantization of the base weights), the peak
+memory of the setup and of the forward / backward / optimizer phases (the largest over the
+ranks: CUDA max allocated on a GPU, the RSS high-water mark on CPU, which includes the
+process's libraries), tokens/s and the losses.
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ def child(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     for key in ("preset", "layers", "sequence_len", "micro_batch_size", "warmup", "steps"):
         script.append(f"--{key}={getattr(args, key)}")
     script += [f"--workdir={args.workdir}", f"--data={args.data}"]
+    script += [f"--set={item}" for item in args.set]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     proc = subprocess.run([*launch, f"--nproc_per_node={args.nproc}", *script], check=False)
     if proc.returncode or not result.is_file():
@@ -145,20 +148,21 @@ def child(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]], head: str) -> str:
     lines = [
         head,
-        "| mode | params MiB / rank | peak MiB setup | peak MiB fwd / bwd / opt | tokens/s "
-        "| losses |",
-        "| --- | ---: | ---: | --- | ---: | --- |",
+        "| mode | params MiB / rank | setup s | peak MiB setup | peak MiB fwd / bwd / opt "
+        "| tokens/s | losses |",
+        "| --- | ---: | ---: | ---: | --- | ---: | --- |",
     ]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | {r['status']}: {r['reason']} | | | | |")
+            lines.append(f"| {r['name']} | {r['status']}: {r['reason']} | | | | | |")
             continue
         mem = r["peak_memory_mib"]
         losses = ", ".join(f"{x:.3f}" for x in r["losses"])
         lines.append(
-            f"| {r['name']} | {r['local_param_mib']:,.0f} | {mem['setup']:,.0f} | "
+            f"| {r['name']} | {r['local_param_mib']:,.0f} | {r['setup_s']:,.0f} | "
+            f"{mem['setup']:,.0f} | "
             f"{mem['forward']:,.0f} / {mem['backward']:,.0f} / {mem['optimizer']:,.0f} | "
-            f"{r['tokens_per_s']:,.0f} | {losses} |"
+            f"{r['tokens_per_s']:,.1f} | {losses} |"
         )
     return "\n".join(lines)
 
@@ -173,6 +177,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config key for every mode (YAML value), e.g. bfloat16=true",
+    )
     p.add_argument("--workdir", default=".bench/quant_bench")
     p.add_argument("--json", default=".bench/quant_bench.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -181,7 +192,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.workdir = str(Path(args.workdir).resolve())
     # train_bench's config_for reads these
-    args.gradient_accumulation_steps, args.set = 1, []
+    args.gradient_accumulation_steps = 1
     if args.layers:
         tb.PRESETS[args.preset] = {**tb.PRESETS[args.preset], "num_hidden_layers": args.layers}
     return args
@@ -204,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.micro_batch_size} x {args.nproc} rank(s), {tb.device_name()}; "
         f"{args.warmup} warmup + {args.steps} measured steps"
     )
+    if args.set:
+        head += "; " + ", ".join(args.set)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"head": head, "modes": rows}, indent=2))
     print(table(rows, head))

@@ -71,15 +71,31 @@ def test_eval_loss_is_the_same_at_one_and_two_ranks(
     assert trained < 81
 
 
-def test_held_out_split_depends_on_the_seed_only() -> None:
-    assert held_out(100, 0.0, 7) == []
-    first = held_out(100, 0.05, 7)
-    assert len(first) == 5 and first == sorted(first) == held_out(100, 0.05, 7)
-    assert held_out(100, 0.05, 8) != first
-    assert len(held_out(101, 0.05, 7)) == 6  # a fraction is rounded up
-    assert len(held_out(100, 30, 7)) == 30  # a whole number is a count
+def test_held_out_split_is_the_tail_of_the_merged_samples() -> None:
+    assert held_out(100, 0.0) == []
+    assert held_out(100, 0.05) == [95, 96, 97, 98, 99]
+    assert len(held_out(101, 0.05)) == 6  # a fraction is rounded up
+    assert held_out(100, 30) == list(range(70, 100))  # a whole number is a count
     with pytest.raises(ConfigError, match=r"val_set_size: holding out 100 of the 100"):
-        held_out(100, 100, 7)
+        held_out(100, 100)
+
+
+def test_val_set_size_holds_out_the_samples_axolotl_holds_out(tmp_path: Path) -> None:
+    """Axolotl shuffles the merged samples (Dataset.shuffle(seed)) and splits them with
+    datasets' train_test_split(shuffle=False): its evaluation samples are these, at any seed."""
+    from datasets import Dataset
+
+    tok = make_tokenizer(320)
+    rows = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in tiny_texts(20, seed=1)])
+    common = {"base_model": "m", "datasets": [{"path": str(rows)}], "sample_packing": False}
+    in_file_order = {**common, "shuffle_merged_datasets": False}
+    plain = build_datasets(validate_cfg(in_file_order), tok).train
+    for seed, size in ((7, 0.05), (42, 0.2), (3, 3)):
+        split = build_datasets(validate_cfg({**common, "seed": seed, "val_set_size": size}), tok)
+        axolotl = Dataset.from_dict({"row": list(range(20))}).shuffle(seed=seed)
+        held = axolotl.train_test_split(test_size=size, shuffle=False)["test"]["row"]
+        assert split.eval is not None, (seed, size)
+        assert split.eval.input_ids.tolist() == plain.input_ids[held].tolist(), (seed, size)
 
 
 def test_build_datasets_holds_out_or_reads_test_datasets(tmp_path: Path) -> None:
@@ -93,7 +109,7 @@ def test_build_datasets_holds_out_or_reads_test_datasets(tmp_path: Path) -> None
     split = build_datasets(validate_cfg({**common, "val_set_size": 4}), tok)
     assert split.eval is not None and split.eval_key == "val_set_size"
     assert (len(split.train), len(split.eval)) == (16, 4)  # padded: one sequence per sample
-    held = held_out(20, 4, 42)
+    held = held_out(20, 4)
     assert split.eval.input_ids[0].tolist() == data.train.input_ids[held[0]].tolist()
 
     cfg = validate_cfg({**common, "test_datasets": [{"path": str(test)}], "eval_sequence_len": 16})
@@ -104,6 +120,20 @@ def test_build_datasets_holds_out_or_reads_test_datasets(tmp_path: Path) -> None
         {**cfg.model_dump(), "eval_sample_packing": True, "eval_sequence_len": 512}
     )
     assert build_datasets(packed, tok).eval.input_ids.shape == (1, 512)  # type: ignore[union-attr]
+
+
+def test_training_samples_without_target_tokens_are_refused(tmp_path: Path) -> None:
+    """Alpaca samples truncated to a sequence_len shorter than their prompt (the tiny
+    tokenizer's prompt is ~120 tokens) hold no target token: training them would change nothing (a loss
+    of 0 at every step), so it is one error naming the key, as for the evaluation samples."""
+    tok = make_tokenizer(320)
+    rows = [{"instruction": "Tell me a story.", "input": "", "output": t} for t in tiny_texts(4)]
+    data = write_jsonl(tmp_path / "a.jsonl", rows)
+    cfg = {"base_model": "m", "datasets": [{"path": str(data), "type": "alpaca"}]}
+    short = validate_cfg({**cfg, "sequence_len": 64, "sample_packing": False})
+    with pytest.raises(ConfigError, match=r"^datasets: the training samples hold no target"):
+        build_datasets(short, tok)
+    assert build_datasets(validate_cfg({**cfg, "sequence_len": 256}), tok).train is not None
 
 
 def test_eval_interval() -> None:

@@ -137,14 +137,15 @@ def test_auto_detected_wrap_class_and_a_good_config_pass(
 def test_an_error_found_by_the_ranks_is_printed_once_as_the_last_line(
     base_cfg: dict[str, Any], tmp_path: Path
 ) -> None:
-    """Too little data for one global batch is only known after tokenizing (on the ranks): one
-    `error:` line, no traceback or torchrun failure report; the config's notice (Axolotl's
-    fsdp_config spelling) is printed once, not once per rank."""
+    """Too little data for one whole global batch (dataloader_drop_last) is only known after
+    tokenizing (on the ranks): one `error:` line, no traceback or torchrun failure report; the
+    config's notice (Axolotl's fsdp_config spelling) is printed once, not once per rank."""
     cfg = {
         **{k: v for k, v in base_cfg.items() if k != "fsdp"},
         "fsdp_config": {"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"},
         "output_dir": str(tmp_path / "out"),
         "micro_batch_size": 500,
+        "dataloader_drop_last": True,
     }
     proc = run_train(write_config(tmp_path / "big.yml", cfg), nproc=2, check=False)
     assert proc.returncode == 1

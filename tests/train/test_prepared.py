@@ -341,8 +341,8 @@ def runs(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> 
 def test_train_reuses_what_preprocess_prepared_and_trains_the_same(runs: dict[str, Any]) -> None:
     (folder,) = [p for p in (runs["root"] / "p").iterdir() if p.is_dir()]
     assert runs["preprocess"] == (
-        f"prepared dataset {folder} (written): 78 training sequences of 32 tokens, "
-        "6 evaluation sequences (val_set_size)\n"
+        f"prepared dataset {folder} (written): 75 training sequences of 32 tokens, "
+        "9 evaluation sequences (val_set_size)\n"
     )
     out, stderr = runs["cached"]
     assert f"using prepared dataset at {folder} (hash {folder.name})\n" in stderr

@@ -6,6 +6,7 @@ model built, sharded and loaded, optimizer), then stepped or measured directly."
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from helpers.tiny import make_model
 from shardforge.config import validate_cfg
-from shardforge.errors import ConfigError
+from shardforge.errors import ConfigError, ShardforgeError
 from shardforge.train.runtime import Runtime
 from shardforge.train.step import loss_sum
 
@@ -347,6 +348,33 @@ def test_dataloader_drop_last_trains_whole_batches_per_epoch(
     used = n // batch * batch
     # the second epoch starts right after the last whole batch of the first
     assert dropped.order.indices(used, batch) == plain.order.indices(n, batch)
+
+
+@pytest.mark.usefixtures("group")
+def test_data_smaller_than_one_global_batch_trains_as_axolotl_does(
+    base_cfg: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fewer sequences than one global batch: Axolotl trains (at least one step); so does
+    `train`, each step's batch filled from the next passes of the data order. With
+    dataloader_drop_last there is no whole batch: one error naming the key."""
+    from shardforge.train.data import rank_slice
+
+    keys = {
+        "max_steps": None,
+        "num_epochs": 1,
+        "micro_batch_size": 500,
+        "gradient_accumulation_steps": 1,
+    }
+    with caplog.at_level(logging.WARNING, logger="shardforge"):
+        trainer = _trainer(base_cfg, tmp_path / "p", **keys)
+    n, batch = len(trainer.seqs), trainer.global_batch
+    assert n < batch and trainer.total_steps == 1
+    assert "fewer than one global batch (500 = " in caplog.text
+    start, count = rank_slice(0, 0, 0, 1, 500)
+    drawn = trainer.order.indices(start, count)
+    assert sorted(set(drawn)) == list(range(n)) and drawn[:n] != drawn[n : 2 * n]
+    with pytest.raises(ShardforgeError, match=r"datasets: \d+ sequences .*dataloader_drop_last"):
+        _trainer(base_cfg, tmp_path / "d", **keys, dataloader_drop_last=True)
 
 
 @pytest.mark.usefixtures("group")

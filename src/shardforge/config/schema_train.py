@@ -155,8 +155,9 @@ class EvalKeys(ConfigView):
     # -- evaluation and tracking -----------------------------------------------------------------
     val_set_size: float = Field(0.0, ge=0)
     """Hold out part of the training samples for evaluation: a fraction below 1 (0.05: 5%, rounded
-    up) or a whole number of samples (200). Chosen by `seed`, before packing; the same split at any
-    world size. 0: none. Exclusive with test_datasets."""
+    up) or a whole number of samples (200): the last of the merged samples (shuffled by `seed`),
+    before packing, as Axolotl splits them; the same split at any world size. 0: none. Exclusive
+    with test_datasets."""
     test_datasets: list[DatasetConfig] = Field(default_factory=list)
     """Evaluation data sets (entries like `datasets`). Exclusive with val_set_size."""
     eval_steps: float | None = Field(None, gt=0)

@@ -7,6 +7,8 @@
     to_sequences(samples, seq_len, ...)    packed (samples isolated, see packing.py) or padded
                                            [N, seq_len] tensors
     GlobalOrder(n, seed)                   which sequence sits at each global position
+    short_of_a_batch(n, global_batch, ...) data smaller than one global batch: a warning
+                                           (an error under dataloader_drop_last)
 
 Every rank builds the same sequences and the same order; an optimizer step consumes the next
 `global_batch` positions and each rank takes its own slice of them (see `rank_slice`). The data
@@ -16,6 +18,7 @@ exactly, at any world size with the same global batch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -30,6 +33,8 @@ from shardforge.train.chat import chat_sample
 from shardforge.train.readers import Row, read_rows
 from shardforge.train.rows import IGNORE_INDEX, RowError, Sample, TokenizeOptions
 from shardforge.train.vocab import add_config_tokens
+
+log = logging.getLogger("shardforge")
 
 
 def _text(row: Row, name: str, field: str, optional: bool = False) -> str:
@@ -275,6 +280,23 @@ class GlobalOrder:
     def indices(self, start: int, count: int) -> list[int]:
         per = self.used
         return [self._perm(p // per)[p % per] for p in range(start, start + count)]
+
+
+def short_of_a_batch(n: int, global_batch: int, cfg: ShardforgeConfig, announce: bool) -> None:
+    """Data smaller than one global batch: trained as Axolotl trains it (at least one step), the
+    batch filled from the next passes of the data order; with dataloader_drop_last (only whole
+    batches) there is nothing to train on."""
+    what = (
+        f"{n} sequences of sequence_len {cfg.sequence_len}, fewer than one global batch "
+        f"({global_batch} = micro_batch_size x world size x gradient_accumulation_steps)"
+    )
+    if cfg.dataloader_drop_last:
+        raise ShardforgeError(
+            f"datasets: {what}, and dataloader_drop_last keeps only whole batches; add data, "
+            "lower micro_batch_size or unset dataloader_drop_last"
+        )
+    if announce:
+        log.warning("warning: datasets: %s; each step repeats sequences to fill it", what)
 
 
 def rank_slice(

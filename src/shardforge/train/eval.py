@@ -1,6 +1,6 @@
 """Evaluation: which sequences are evaluated, when, and the eval loss over all ranks.
 
-    held_out(n, val_set_size, seed)     indices of the samples `val_set_size` holds out
+    held_out(n, val_set_size)           indices of the samples `val_set_size` holds out
     build_datasets(cfg, tokenizer)      training sequences, and evaluation sequences (held out
                                         of the training samples, or `test_datasets`)
     eval_interval(cfg, ...)             steps between evaluations (eval_steps, evals_per_epoch)
@@ -44,9 +44,6 @@ from shardforge.train.runtime import Runtime
 
 log = logging.getLogger("shardforge")
 
-# keeps the split's permutation apart from the epochs' permutations (data.GlobalOrder)
-SPLIT_SALT = 0x5EED_0E7A1
-
 
 @dataclass(frozen=True)
 class Datasets:
@@ -57,10 +54,11 @@ class Datasets:
     eval_key: str = ""  # the config key the evaluation data come from
 
 
-def held_out(n: int, val_set_size: float, seed: int) -> list[int]:
-    """Indices (ascending) of the samples held out of `n`: ceil(fraction x n) for a fraction
-    below 1, else the count; drawn by a permutation seeded by `seed` alone, so every rank and
-    every world size holds out the same samples."""
+def held_out(n: int, val_set_size: float) -> list[int]:
+    """Indices of the samples held out of `n`, as Axolotl holds them out (datasets'
+    `train_test_split(shuffle=False)` of the merged samples, which `shuffle_merged_datasets`
+    has shuffled with `seed`): the last ceil(fraction x n) for a fraction below 1, else the last
+    `val_set_size`; the same at every rank and world size."""
     if not val_set_size:
         return []
     count = math.ceil(val_set_size * n) if val_set_size < 1 else int(val_set_size)
@@ -72,8 +70,7 @@ def held_out(n: int, val_set_size: float, seed: int) -> list[int]:
                 "lower val_set_size"
             ],
         )
-    gen = torch.Generator().manual_seed((seed + SPLIT_SALT) % 2**63)
-    return sorted(torch.randperm(n, generator=gen)[:count].tolist())
+    return list(range(n - count, n))
 
 
 def _target_tokens(seqs: Sequences) -> int:
@@ -91,7 +88,7 @@ def build_datasets(cfg: ShardforgeConfig, tokenizer: Any) -> Datasets:
     key = ""
     if cfg.val_set_size:
         key = "val_set_size"
-        out = set(held_out(len(samples), cfg.val_set_size, cfg.seed))
+        out = set(held_out(len(samples), cfg.val_set_size))
         held = [s for i, s in enumerate(samples) if i in out]
         samples = [s for i, s in enumerate(samples) if i not in out]
     elif cfg.test_datasets:
@@ -100,6 +97,15 @@ def build_datasets(cfg: ShardforgeConfig, tokenizer: Any) -> Datasets:
         if not held:
             raise ShardforgeError("test_datasets: the data files hold no rows")
     train = to_sequences(samples, cfg.sequence_len, cfg.sample_packing, pad)
+    if _target_tokens(train) == 0:  # nothing to learn: every step's loss would be 0
+        raise ConfigError(
+            "datasets",
+            [
+                f"the training samples hold no target tokens within sequence_len "
+                f"{cfg.sequence_len} (every label is masked); raise sequence_len or check "
+                "the data's type and train_on_inputs"
+            ],
+        )
     if not held:
         return Datasets(train)
     packing = cfg.sample_packing if cfg.eval_sample_packing is None else cfg.eval_sample_packing

@@ -36,7 +36,13 @@ from shardforge.train import checkpointing as ckpt
 from shardforge.train.attention import use_packed_attention
 from shardforge.train.best import BestModel, Plateau
 from shardforge.train.compile import CompileWatch
-from shardforge.train.data import GlobalOrder, Order, SequenceSource, load_tokenizer
+from shardforge.train.data import (
+    GlobalOrder,
+    Order,
+    SequenceSource,
+    load_tokenizer,
+    short_of_a_batch,
+)
 from shardforge.train.diagnostics import StepMemory, report_sharding
 from shardforge.train.eval import Evaluator
 from shardforge.train.full_save import save_full_model
@@ -321,11 +327,7 @@ class Trainer:
             self.data = prepared_datasets(cfg, self.tokenizer, rt)
             self.seqs = self.data.train
         if len(self.seqs) < self.global_batch:
-            raise ShardforgeError(
-                f"datasets: {len(self.seqs)} sequences of sequence_len {cfg.sequence_len}, fewer "
-                f"than one global batch ({self.global_batch} = micro_batch_size x world size x "
-                "gradient_accumulation_steps); add data or lower micro_batch_size"
-            )
+            short_of_a_batch(len(self.seqs), self.global_batch, cfg, rt.is_main)
         # dataloader_drop_last: each epoch only its whole global batches
         per_epoch = len(self.seqs) // self.global_batch * self.global_batch
         used = per_epoch if cfg.dataloader_drop_last else len(self.seqs)

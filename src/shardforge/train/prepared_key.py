@@ -24,8 +24,10 @@ from shardforge.errors import shown
 from shardforge.io.model_files import TOKENIZER_FILES
 from shardforge.train.readers import data_files
 
-# the layout of a prepared folder (manifest and columns); a new one prepares everything anew
-FORMAT_VERSION = 1
+# the layout of a prepared folder (manifest and columns) and how it is split; a new one prepares
+# everything anew. 2: val_set_size holds out Axolotl's samples (the last of the seed-shuffled
+# merge), where 1 drew its own: a folder of 1 would train on another split
+FORMAT_VERSION = 2
 
 # Every config key whose value changes the prepared data (tokens, labels, packing, the split),
 # mapped to the key that must be set for it to matter (None: it always matters). The only list:
@@ -40,7 +42,7 @@ TOKEN_KEYS: dict[str, str | None] = {
     "eval_sequence_len": None,
     "eval_sample_packing": None,
     "val_set_size": None,
-    "seed": None,  # draws the held-out samples, the shuffles and shards of the data
+    "seed": None,  # the shuffles (which pick the held-out samples) and shards of the data
     "chat_template": None,
     "chat_template_jinja": None,
     "special_tokens": None,
