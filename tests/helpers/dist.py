@@ -41,7 +41,8 @@ def _entry(
         # without an active exception", seen under load)
         finish_together()
     except BaseException:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # `fn` may have left it already: keep its own error
+            dist.destroy_process_group()
         raise
     # then leave without tearing gloo down: its teardown racing a peer's exit still aborted a
     # rank now and then on a loaded machine, and a finished rank has nothing left to release
@@ -51,14 +52,24 @@ def _entry(
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """Call fn(rank, world_size, *args) on `world_size` spawned CPU processes; raise on failure."""
+    """Call fn(rank, world_size, *args) on `world_size` spawned CPU processes; raise on failure.
+
+    A failed rank's traceback reaches the caller in the exception; torch's file that carried
+    it (pytorch-errorfile-*.pickle, in the temporary folder, which torch never removes) is
+    removed here."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="shardforge-ranks-") as tmp:
-        mp.start_processes(
+        ranks = mp.start_processes(
             _entry,
             args=(world_size, str(Path(tmp) / "store"), fn, args),
             nprocs=world_size,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+        try:
+            while not ranks.join():
+                pass
+        finally:
+            for name in ranks.error_files:
+                Path(name).unlink(missing_ok=True)

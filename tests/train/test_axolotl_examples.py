@@ -1,9 +1,9 @@
 """Axolotl's own FSDP example configs (tests/config/axolotl_examples, shipped verbatim), as a
 new user would bring them: each pointed at a tiny random model of its architecture and tiny
 local data of its kind (base_model, the datasets' paths, output_dir and dataset_prepared_path
-rewritten, no key removed), `max_steps: 2` given as a command-line override would give it;
-`train` runs each on 2 gloo ranks (all in one launch, in turn), and its result merges and
-loads in transformers with the base model's key names."""
+rewritten, no key removed), `max_steps: 2` and a long sequence_len cut (`overrides`) given as
+command-line overrides would give them; `train` runs each on 2 gloo ranks (all in one launch,
+in turn), and its result merges and loads in transformers with the base model's key names."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ STEPS = {"max_steps": 2}  # as `shardforge train CONFIG --max_steps 2` gives it
 # packed configs: windows of 2048-8096 tokens, 8-32 of them a step, would need 65k-520k tokens
 # of data a step here; 128 keeps every tiny sample whole and the steps cheap
 PACKED_LEN = 128
+# unpacked configs pad every row to sequence_len (512-8192 tokens; llama-3's 3b qat, 16 rows of
+# 8192 a micro-batch, took 4 GB a rank and most of this module's time): 320 holds every tiny
+# row (at most 271 tokens) whole, so only padding goes
+PADDED_LEN = 320
 REWRITTEN = {"base_model", "output_dir", "dataset_prepared_path", "datasets"}
 
 # Not shipped: examples/mistral/mistral-qlora-fsdp.yml wraps MistralDecoderLayer, which its
@@ -49,11 +53,12 @@ class MergePendingError(Exception):
 
 
 def overrides(path: Path) -> dict[str, Any]:
-    """What the run changes of the example, as command-line overrides: `STEPS`, and for a
-    packed example, sequence_len `PACKED_LEN`."""
+    """What the run changes of the example, as command-line overrides: `STEPS`, and a longer
+    sequence_len cut to `PACKED_LEN` (packed) or `PADDED_LEN` (unpacked)."""
     cfg = yaml.safe_load(path.read_text())
-    if cfg.get("sample_packing") and int(cfg.get("sequence_len") or 0) > PACKED_LEN:
-        return {**STEPS, "sequence_len": PACKED_LEN}
+    most = PACKED_LEN if cfg.get("sample_packing") else PADDED_LEN
+    if int(cfg.get("sequence_len") or 0) > most:
+        return {**STEPS, "sequence_len": most}
     return dict(STEPS)
 
 

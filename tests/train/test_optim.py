@@ -88,6 +88,33 @@ def test_lr_scheduler_kwargs_change_the_curve(name: str, kwargs: dict[str, Any])
     assert _curve(8, lr_scheduler=name, warmup_steps=2, lr_scheduler_kwargs=kwargs) != plain
 
 
+def test_the_default_cosine_is_transformers_bit_for_bit_without_importing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default schedule is built without transformers.optimization (its import of peft,
+    bitsandbytes and torch's inductor costs every rank and launcher seconds) and gives
+    transformers' cosine-with-warmup lrs exactly."""
+    import sys
+
+    import transformers
+    from transformers.optimization import get_cosine_schedule_with_warmup
+
+    shapes = [(10, 2), (10, 0), (7, 3), (150, 3), (1, 0), (5, 5)]
+    with monkeypatch.context() as m:  # importing it now would fail
+        m.setitem(sys.modules, "transformers.optimization", None)
+        m.delattr(transformers, "get_scheduler", raising=False)
+        ours = [_curve(steps, warmup_steps=warmup) for steps, warmup in shapes]
+    for (steps, warmup), curve in zip(shapes, ours, strict=True):
+        opt = torch.optim.SGD(_one().parameters(), lr=1.0)
+        theirs = get_cosine_schedule_with_warmup(opt, warmup, steps)
+        lrs = []
+        for _ in range(steps):
+            lrs.append(float(theirs.get_last_lr()[0]))
+            opt.step()
+            theirs.step()
+        assert curve == lrs, (steps, warmup)
+
+
 def test_axolotls_cosine_extras() -> None:
     """cosine_min_lr_ratio: the floor; cosine_constant_lr_ratio: reached at that fraction of
     the steps and held; lr_quadratic_warmup: (step / warmup) ** 2."""

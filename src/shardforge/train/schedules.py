@@ -168,6 +168,15 @@ def _one_cycle(
     )
 
 
+def _plain_cosine(cfg: ShardforgeConfig, warmup: int, total: int) -> Multiplier | None:
+    """The default schedule (cosine, no lr_scheduler_kwargs): transformers' cosine with warmup,
+    bit for bit, without importing transformers.optimization (it imports peft, bitsandbytes
+    and torch's inductor: seconds of start-up in every rank and launcher); None otherwise."""
+    if cfg.lr_scheduler != "cosine" or cfg.lr_scheduler_kwargs:
+        return None
+    return lambda s: lr_multiplier(s, warmup, total, "cosine")
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer,
     cfg: ShardforgeConfig,
@@ -175,16 +184,16 @@ def build_scheduler(
     resumed: Continuation | None = None,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """The run's scheduler; stepped once per optimizer step (its lr is the next step's)."""
-    from transformers import get_scheduler
-
     warmup = warmup_steps(cfg, total_steps)
     if resumed is not None and continues(cfg):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(cfg, total_steps, resumed))
     if cfg.lr_scheduler == "one_cycle":
         return _one_cycle(optimizer, cfg, warmup, total_steps)
-    own = axolotl_multiplier(cfg, warmup, total_steps)
+    own = axolotl_multiplier(cfg, warmup, total_steps) or _plain_cosine(cfg, warmup, total_steps)
     if own is not None:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, own)
+    from transformers import get_scheduler
+
     return get_scheduler(
         cfg.lr_scheduler,
         optimizer,
