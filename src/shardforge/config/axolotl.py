@@ -63,6 +63,7 @@ LORA_RUN_KEYS = frozenset(
         "lora_dropout",
         "lora_target_modules",
         "lora_target_linear",
+        "lora_target_parameters",
         "lora_modules_to_save",
         "peft_use_rslora",
         "peft_use_dora",

@@ -319,7 +319,7 @@ A_TO_L: dict[str, AxolotlKey] = {
     "lora_rank_pattern": _i(),
     "lora_target_linear": _i(),
     "lora_target_modules": _i(),
-    "lora_target_parameters": _u(_LORA),
+    "lora_target_parameters": _i(),
     "loraplus_lr_embedding": _i("LoRA+: the lr of LoRA embedding layers (PEFT's groups)"),
     "loraplus_lr_ratio": _i("LoRA+: lora_B at learning_rate x this (PEFT's groups)"),
     "loss_watchdog_patience": _g("loss watchdog (aborts a diverging run) is not supported"),

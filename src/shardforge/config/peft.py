@@ -69,11 +69,13 @@ def lora_config(
         targets = "all-linear"
     else:
         targets = list(given or [])
+    params = cfg.lora_target_parameters
     return LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
         target_modules=targets,
+        target_parameters=[params] if isinstance(params, str) else list(params or []) or None,
         modules_to_save=list(cfg.lora_modules_to_save) if cfg.lora_modules_to_save else None,
         use_rslora=cfg.peft_use_rslora,
         fan_in_fan_out=cfg.lora_fan_in_fan_out,

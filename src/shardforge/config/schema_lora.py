@@ -27,6 +27,9 @@ class LoraKeys(ConfigView):
     lora_target_modules: list[str] | str | None = None
     """Module names (or name suffixes, as peft matches them) that get a LoRA adapter, e.g. [q_proj,
     v_proj]; a string is a regular expression peft matches against the whole module name."""
+    lora_target_parameters: list[str] | str | None = None
+    """Parameters (names or name suffixes) that get a LoRA in place (peft's target_parameters),
+    e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] for fused mixture-of-experts experts."""
     lora_target_linear: bool = False
     """Adapt every linear layer except the output layer (peft's `all-linear`), plus
     lora_target_modules."""
@@ -52,6 +55,17 @@ class LoraKeys(ConfigView):
     """DoRA adapters: not supported by train (must be false or unset)."""
     lora_model_dir: str | None = None
     """A PEFT adapter directory to start training from (train) or to fuse (merge-lora)."""
+
+    @model_validator(mode="after")
+    def _parameter_targets(self) -> LoraKeys:
+        """peft's LoRA on a parameter (ParamWrapper) has no dropout and no fan_in_fan_out."""
+        for key in ("lora_dropout", "lora_fan_in_fan_out"):
+            if self.lora_target_parameters and getattr(self, key):
+                raise ValueError(
+                    f"lora_target_parameters: peft's LoRA on parameters (ParamWrapper) cannot "
+                    f"apply {key}; set {key}: {0.0 if key == 'lora_dropout' else False}"
+                )
+        return self
 
 
 class QuantKeys(ConfigView):

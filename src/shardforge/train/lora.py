@@ -72,6 +72,8 @@ def add_lora(model: nn.Module, cfg: ShardforgeConfig) -> Any:
     except ValueError as exc:
         first = (str(exc).strip().splitlines() or ["no module matched"])[0][:200]
         key = "lora_target_modules" if cfg.lora_target_modules else "lora_target_linear"
+        if cfg.lora_target_parameters and ("Param" in first or key not in cfg.model_fields_set):
+            key = "lora_target_parameters"
         raise ConfigError(key, [f"peft cannot add the adapter: {first}"]) from None
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -79,7 +81,7 @@ def add_lora(model: nn.Module, cfg: ShardforgeConfig) -> Any:
         "LoRA r=%d alpha=%g on %s: %d trainable parameters of %d (%.2f%%)",
         cfg.lora_r,
         cfg.lora_alpha,
-        ", ".join(sorted(config.target_modules))
+        ", ".join(sorted({*config.target_modules, *(config.target_parameters or ())}))
         if not isinstance(config.target_modules, str)
         else config.target_modules,
         trainable,
