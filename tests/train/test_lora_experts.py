@@ -2,8 +2,9 @@
 `ParamWrapper`, which parametrizes the experts' `gate_up_proj` / `down_proj` during each
 forward) trained under FSDP2 on 2 gloo ranks.
 
-A Qwen3-MoE saved by `save_pretrained` (per-expert weights, fused at load) trains 3 steps, a
-checkpoint at step 2, in one launch of 2 ranks: the loss falls, the
+A DeepSeek-V2 saved by `save_pretrained` (per-expert weights, fused at load; its first block
+dense, a shared expert beside the routed ones) trains 3 steps, a LoRA on its fused experts and
+on `q_proj`, a checkpoint at step 2, in one launch of 2 ranks: the loss falls, the
 experts' adapter is trained, the adapter loads in peft over the base and gives the trained
 logits, `merge-lora` of it equals peft's `merge_and_unload` and loads in transformers, and a
 run resumed from step 2 (on 1 rank, in this process) gives the uninterrupted run's loss.
@@ -12,6 +13,7 @@ run resumed from step 2 (on 1 rank, in this process) gives the uninterrupted run
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import warnings
@@ -24,8 +26,9 @@ from train_helpers import losses, read_metrics, train_configs, write_config
 
 from helpers.dist import run_on_ranks
 from helpers.tiny import make_model, tiny_texts, write_jsonl
+from shardforge.formats.dcp.metadata import read_metadata
 
-MODELS = ("qwen3_moe",)
+MODELS = ("deepseek_v2",)
 TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 IDS = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -74,6 +77,7 @@ def _config(root: Path, kind: str) -> dict[str, Any]:
         "lora_r": 4,
         "lora_alpha": 8,
         "lora_target_parameters": TARGETS,
+        "lora_target_modules": ["q_proj"],
     }
 
 
@@ -119,11 +123,18 @@ def test_a_lora_on_fused_experts_trains_on_two_ranks(root: Path, kind: str) -> N
     got = losses(out)
     assert sorted(got) == [1, 2, 3] and got[3] < got[1], got
     config = json.loads((out / "adapter_config.json").read_text())
-    assert sorted(config["target_parameters"]) == sorted(TARGETS) and not config["target_modules"]
+    assert sorted(config["target_parameters"]) == sorted(TARGETS)
+    assert config["target_modules"] == ["q_proj"]
     adapter = load_file(str(out / "adapter_model.safetensors"))
-    # 2 blocks x (gate_up_proj, down_proj) x (A, B), all on the experts; B starts at zero
-    assert len(adapter) == 8 and all(".mlp.experts." in k for k in adapter), sorted(adapter)
-    assert all(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)
+    # the experts of block 1 (block 0 is dense): (gate_up_proj, down_proj) x (A, B)
+    experts = sorted(k for k in adapter if ".mlp.experts." in k)
+    assert len(experts) == 4 and all(".layers.1." in k for k in experts), sorted(adapter)
+    assert len(adapter) == 4 + 2 * 2  # and q_proj's A and B in both blocks
+    assert all(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at 0
+    # the checkpoint holds the adapter only, under the names of the wrapped model
+    saved = set(read_metadata(out / "checkpoint-2" / "model").tensors)
+    assert len(saved) == len(adapter) and all(".lora_" in k for k in saved), sorted(saved)
+    assert "model.layers.1.mlp.experts.base_layer.lora_A.default.weight" in saved
 
 
 @pytest.mark.slow
@@ -157,12 +168,12 @@ def test_the_experts_adapter_loads_in_peft_and_merges_as_peft_merges_it(
 
 @pytest.mark.slow
 def test_a_resumed_experts_lora_run_equals_the_uninterrupted_one(
-    root: Path, tmp_path: Path
+    root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The 2-rank Qwen3-MoE run resumed from its step-2 checkpoint on 1 rank: step 3's loss."""
+    """The 2-rank run resumed from its step-2 checkpoint on 1 rank: step 3's loss."""
     from shardforge.train.launch import do_train
 
-    kind = "qwen3_moe"
+    kind = MODELS[0]
     out = Path(shutil.copytree(root / kind / "out", tmp_path / "out"))
     shutil.rmtree(out / "checkpoint-3")
     kept = [m for m in read_metrics(out) if m["step"] <= 2]
@@ -173,6 +184,9 @@ def test_a_resumed_experts_lora_run_equals_the_uninterrupted_one(
         "micro_batch_size": 4,
         "resume_from_checkpoint": "auto",
     }
-    assert do_train(write_config(tmp_path / "cfg.yml", cfg), [], "python") == 0
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        assert do_train(write_config(tmp_path / "cfg.yml", cfg), [], "python") == 0
+    assert "resumed from" in caplog.text and "at step 2" in caplog.text, caplog.text[-500:]
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
     got, want = losses(out)[3], losses(root / kind / "out")[3]
     assert math.isclose(got, want, rel_tol=1e-6, abs_tol=0.0), (got, want)
