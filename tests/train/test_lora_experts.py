@@ -3,11 +3,12 @@
 forward) trained under FSDP2 on 2 gloo ranks.
 
 A DeepSeek-V2 saved by `save_pretrained` (per-expert weights, fused at load; its first block
-dense, a shared expert beside the routed ones) trains 3 steps, a LoRA on its fused experts and
-on `q_proj`, a checkpoint at step 2, in one launch of 2 ranks: the loss falls, the
-experts' adapter is trained, the adapter loads in peft over the base and gives the trained
-logits, `merge-lora` of it equals peft's `merge_and_unload` and loads in transformers, and a
-run resumed from step 2 (on 1 rank, in this process) gives the uninterrupted run's loss.
+dense, a shared expert beside the routed ones) trains 3 steps with a LoRA on its fused experts,
+its router and `q_proj` (as Axolotl's MoE examples name them), a checkpoint at step 2, in one
+launch of 2 ranks: the loss falls, the adapter is trained, the adapter loads in peft over the
+base and gives the trained logits, `merge-lora` of it equals peft's `merge_and_unload` and
+loads in transformers, and a run resumed from step 2 (on 1 rank, in this process) gives the
+uninterrupted run's loss.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from helpers.tiny import make_model, tiny_texts, write_jsonl
 from shardforge.formats.dcp.metadata import read_metadata
 
 MODELS = ("deepseek_v2",)
-TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
 IDS = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
@@ -126,10 +127,10 @@ def test_a_lora_on_fused_experts_trains_on_two_ranks(root: Path, kind: str) -> N
     assert sorted(config["target_parameters"]) == sorted(TARGETS)
     assert config["target_modules"] == ["q_proj"]
     adapter = load_file(str(out / "adapter_model.safetensors"))
-    # the experts of block 1 (block 0 is dense): (gate_up_proj, down_proj) x (A, B)
-    experts = sorted(k for k in adapter if ".mlp.experts." in k)
-    assert len(experts) == 4 and all(".layers.1." in k for k in experts), sorted(adapter)
-    assert len(adapter) == 4 + 2 * 2  # and q_proj's A and B in both blocks
+    # block 1's experts and router (block 0 is dense): (gate_up_proj, down_proj, gate) x (A, B)
+    moe = sorted(k for k in adapter if ".mlp." in k)
+    assert len(moe) == 6 and all(".layers.1." in k for k in moe), sorted(adapter)
+    assert len(adapter) == 6 + 2 * 2  # and q_proj's A and B in both blocks
     assert all(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at 0
     # the checkpoint holds the adapter only, under the names of the wrapped model
     saved = set(read_metadata(out / "checkpoint-2" / "model").tensors)
