@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from helpers.tiny import make_model
@@ -37,18 +35,6 @@ def _batch(seed: int, rows: int = 2, length: int = 10) -> Sequences:
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("step") / "base", "llama", vocab_size=301)
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    """A process group of this process alone (no child process), torn down afterwards."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_micro_batches_partition_the_global_batch() -> None:

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from helpers.tiny import make_model
 from shardforge.config import validate_cfg
@@ -23,18 +21,6 @@ from shardforge.train.step import loss_sum
 
 CPU = torch.device("cpu")
 QAT = {"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 32}
-
-
-@pytest.fixture
-def group(tmp_path: Path) -> Iterator[None]:
-    """A process group of this process alone, torn down afterwards."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _trainer(base_cfg: dict[str, Any], tmp_path: Path, **changes: Any) -> Any:
@@ -56,7 +42,7 @@ def _loss(trainer: Any, rows: int = 4) -> float:
         return float(loss_sum(trainer.model, trainer.seqs.select(list(range(rows))), CPU))
 
 
-@pytest.mark.usefixtures("group")
+@pytest.mark.usefixtures("one_rank_group")
 def test_unfrozen_parameters_train_only_the_matching_parameters_and_rows(
     base_cfg: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -93,7 +79,7 @@ def test_unfrozen_parameters_refuses_what_matches_nothing(tmp_path: Path) -> Non
         freeze_except(model, ["weight[3:1]"])
 
 
-@pytest.mark.usefixtures("group")
+@pytest.mark.usefixtures("one_rank_group")
 def test_qat_fake_quantizes_the_forward_and_keeps_plain_names(
     base_cfg: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -121,7 +107,7 @@ def test_qat_fake_quantizes_the_forward_and_keeps_plain_names(
     assert _loss(delayed) == pytest.approx(_loss(qat), rel=1e-6)
 
 
-@pytest.mark.usefixtures("group")
+@pytest.mark.usefixtures("one_rank_group")
 def test_qat_keeps_tied_embeddings_tied_and_the_final_save_loads(
     base_cfg: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -162,7 +148,7 @@ def test_qat_refuses_what_axolotl_refuses() -> None:
     assert cfg.qat is not None and cfg.qat.weight_dtype == "float8_e4m3fn"
 
 
-@pytest.mark.usefixtures("group")
+@pytest.mark.usefixtures("one_rank_group")
 def test_bfloat16_weights_and_fp32_norms(base_cfg: dict[str, Any], tmp_path: Path) -> None:
     """bfloat16: the weights (so the optimizer's state) are bfloat16; fp32_norms: the norm
     layers keep float32 weights and compute in float32 under bf16 mixed precision, their
@@ -180,7 +166,7 @@ def test_bfloat16_weights_and_fp32_norms(base_cfg: dict[str, Any], tmp_path: Pat
     assert {p.dtype for p in plain.model.parameters()} == {torch.float32}
 
 
-@pytest.mark.usefixtures("group")
+@pytest.mark.usefixtures("one_rank_group")
 def test_neftune_adds_noise_in_training_only(base_cfg: dict[str, Any], tmp_path: Path) -> None:
     plain = _trainer(base_cfg, tmp_path / "plain")
     noisy = _trainer(base_cfg, tmp_path / "noisy", neftune_noise_alpha=50.0)
@@ -190,7 +176,7 @@ def test_neftune_adds_noise_in_training_only(base_cfg: dict[str, Any], tmp_path:
     assert _loss(noisy) == pytest.approx(_loss(plain), rel=1e-6)
 
 
-@pytest.mark.usefixtures("group")
+@pytest.mark.usefixtures("one_rank_group")
 def test_full_determinism(base_cfg: dict[str, Any], tmp_path: Path) -> None:
     assert not torch.are_deterministic_algorithms_enabled()
     try:
@@ -234,7 +220,7 @@ def test_vocab_size_rounded_to_32_or_shrunk(base_cfg: dict[str, Any]) -> None:
     assert size(400, shrink_embeddings=True, resize_token_embeddings_to_32x=True) == 352
 
 
-@pytest.mark.usefixtures("group")
+@pytest.mark.usefixtures("one_rank_group")
 def test_shrink_embeddings_cuts_the_rows(base_cfg: dict[str, Any], tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -250,7 +236,7 @@ def test_shrink_embeddings_cuts_the_rows(base_cfg: dict[str, Any], tmp_path: Pat
     assert trainer.model_config.vocab_size == 320
 
 
-@pytest.mark.usefixtures("group")
+@pytest.mark.usefixtures("one_rank_group")
 def test_mean_resizing_embeddings_false_draws_new_rows(
     base_cfg: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -264,7 +250,7 @@ def test_mean_resizing_embeddings_false_draws_new_rows(
     assert 0.01 < float(rows[320:].std()) < 0.04  # N(0, initializer_range 0.02)
 
 
-@pytest.mark.usefixtures("group")
+@pytest.mark.usefixtures("one_rank_group")
 def test_fix_untrained_tokens_gives_the_mean(base_cfg: dict[str, Any], tmp_path: Path) -> None:
     """Rows 5 and 7 never trained (zero in the base): `[5]` sets row 5 (input and output) to
     the mean of the trained rows and leaves row 7; `true` fixes those the data holds."""
@@ -334,7 +320,7 @@ def test_fp8_converts_the_linear_layers_on_a_float8_gpu(
     assert len(call["converted"]) == 2 * 7  # q, k, v, o, gate, up, down of both blocks
 
 
-@pytest.mark.usefixtures("group")
+@pytest.mark.usefixtures("one_rank_group")
 def test_dataloader_drop_last_trains_whole_batches_per_epoch(
     base_cfg: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -350,7 +336,7 @@ def test_dataloader_drop_last_trains_whole_batches_per_epoch(
     assert dropped.order.indices(used, batch) == plain.order.indices(n, batch)
 
 
-@pytest.mark.usefixtures("group")
+@pytest.mark.usefixtures("one_rank_group")
 def test_data_smaller_than_one_global_batch_trains_as_axolotl_does(
     base_cfg: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -377,7 +363,7 @@ def test_data_smaller_than_one_global_batch_trains_as_axolotl_does(
         _trainer(base_cfg, tmp_path / "d", **keys, dataloader_drop_last=True)
 
 
-@pytest.mark.usefixtures("group")
+@pytest.mark.usefixtures("one_rank_group")
 def test_qat_before_lora(base_cfg: dict[str, Any], tmp_path: Path) -> None:
     """With a LoRA adapter, the base layers are fake-quantized, the adapter's own are not (as
     Axolotl: QAT before the adapter)."""
