@@ -502,16 +502,20 @@ def run_measured(cmd: list[str], limit_bytes: int | None, scratch: Path) -> Run:
 
 
 def weights_digest(out: Path) -> str:
-    """One SHA-256 over the output's weights files' names and SHA-256s, from the merge's
-    manifest ("" without one): equal digests mean byte-identical weights files."""
+    """One SHA-256 over the output's weights files' names and digests, from the merge's
+    manifest ("" without one), prefixed with the manifest's hash (version 1 has none: SHA-256):
+    equal values mean byte-identical weights files; manifests of two hashes never compare
+    equal (regress.py compares the bytes themselves)."""
     import hashlib
 
     manifest = out / "shardforge-manifest.json"
     if not manifest.is_file():
         return ""
-    files = json.loads(manifest.read_text())["files"]
-    weights = sorted((n, f["sha256"]) for n, f in files.items() if n.endswith(".safetensors"))
-    return hashlib.sha256(json.dumps(weights).encode()).hexdigest()
+    doc = json.loads(manifest.read_text())
+    algo = doc.get("hash", "sha256")
+    files = doc["files"]
+    weights = sorted((n, f[algo]) for n, f in files.items() if n.endswith(".safetensors"))
+    return f"{algo}:" + hashlib.sha256(json.dumps(weights).encode()).hexdigest()
 
 
 def dir_bytes(path: Path) -> int:
