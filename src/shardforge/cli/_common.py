@@ -25,6 +25,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from shardforge.errors import ShardforgeError, format_error
+from shardforge.startup import import_model_code, relaxed_gc
 
 T = TypeVar("T")
 
@@ -72,6 +73,8 @@ def run_on_model(
     named_base = overrides_name(override_args, "base_model")
     given = {k: v for k, v in options.items() if v is not None}
     with quiet_libraries(quiet):
+        with relaxed_gc():  # the lighter start-up (`shardforge.startup`)
+            import_model_code()
         return use(cfg, named_base=named_base, **given)
 
 

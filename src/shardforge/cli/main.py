@@ -15,6 +15,7 @@ from typing import NoReturn
 
 import click
 
+from shardforge.startup import lazy_packages
 from shardforge.version import __version__
 
 # command name -> module under shardforge.cli defining `command` (a click.Command)
@@ -87,6 +88,7 @@ def cli() -> None:
 
 def main() -> NoReturn:
     """The console entry point: `cli`, then `exit_now` with its exit status."""
+    lazy_packages()  # the lighter start-up (`shardforge.startup`)
     try:
         cli()
     except SystemExit as exc:

@@ -24,11 +24,15 @@ def main(argv: list[str]) -> None:
     setup_logging(quiet=os.environ.get("RANK", "0") != "0")
 
     def merge() -> None:
-        import torch.distributed as dist
+        from shardforge.startup import lazy_packages, relaxed_gc
 
-        from shardforge.io.dist import finish_together
-        from shardforge.merge.launch import DONE_FILE_ENV, ERROR_FILE_ENV, read_request
-        from shardforge.merge.on_ranks import merge_on_ranks
+        lazy_packages()
+        with relaxed_gc():  # no full collections while torch and transformers import
+            import torch.distributed as dist
+
+            from shardforge.io.dist import finish_together
+            from shardforge.merge.launch import DONE_FILE_ENV, ERROR_FILE_ENV, read_request
+            from shardforge.merge.on_ranks import merge_on_ranks
 
         config, request = read_request(Path(args[0]))
         dist.init_process_group("gloo")

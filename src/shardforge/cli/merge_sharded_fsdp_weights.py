@@ -77,9 +77,9 @@ def do_merge_sharded_fsdp_weights(
     The merge's byte copy gets a head start: it begins before torch is imported (torch and
     transformers take seconds to load), and the merge takes it over only when it is exactly
     what the merge would write (`shardforge.merge.overlap`). The start-up runs with a relaxed
-    garbage collector (`shardforge.merge.startup`)."""
+    garbage collector (`shardforge.startup`)."""
     from shardforge.merge.overlap import head_start
-    from shardforge.merge.startup import relaxed_gc
+    from shardforge.startup import relaxed_gc
 
     with relaxed_gc():  # no full collections while torch and transformers import
         cfg = load_config(config, override_args, "merge")

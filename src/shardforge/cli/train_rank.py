@@ -15,7 +15,12 @@ from shardforge.train.launch import load_checked, report_rank_error
 
 def main(argv: list[str]) -> None:
     die_with_launcher()  # no rank outlives torchrun's agent, nor the agent `shardforge train`
-    from shardforge.train.loop import run_training
+    from shardforge.startup import import_model_code, lazy_packages, relaxed_gc
+
+    with relaxed_gc():  # the lighter start-up (`shardforge.startup`): no full collections
+        lazy_packages()  # while torch and transformers import, and no package loaded unused
+        import_model_code()
+        from shardforge.train.loop import run_training
 
     args, debug = split_debug(argv)
     if not args:

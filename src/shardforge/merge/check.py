@@ -27,8 +27,8 @@ from shardforge.keymap.conversion import SavedLayout, saved_layout
 from shardforge.keymap.converted import saved_sources
 from shardforge.keymap.keys import stored_once, tied_pairs
 from shardforge.keymap.quantized import META_QUANTIZED, MXFP4, mxfp4_packed, quant_method
-from shardforge.merge.startup import import_model_code
 from shardforge.sinks.cast import KeepPattern, model_keep_patterns
+from shardforge.startup import import_model_code
 
 log = logging.getLogger("shardforge")
 
@@ -135,7 +135,7 @@ def load_config(source: str, trust_remote_code: bool) -> Any:
 
 def build_expected(config: Any, trust_remote_code: bool) -> ExpectedModel:
     """Instantiate the architecture on the meta device and record what its state dict holds."""
-    import_model_code()  # transformers' model code without the packages it does not need here
+    import_model_code()  # without the packages a meta-device build never uses
     from transformers import AutoModelForCausalLM
 
     try:

@@ -1,4 +1,4 @@
-"""The merge's lighter start-up (`merge.startup`): transformers' model code imported without the
+"""The merge's lighter start-up (`shardforge.startup`): transformers' model code imported without the
 optional packages a meta-device build never uses, every name those modules skipped still there
 (a stand-in importing the real one when called), and the collector relaxed while torch and
 transformers import."""
@@ -17,14 +17,15 @@ from pathlib import Path
 import pytest
 
 import shardforge
-from shardforge.merge import startup
+from shardforge import startup
 
 # In a fresh process (this one has transformers' model code imported already): the merge's
 # meta-device build after `import_model_code`, then what was imported and what each module holds.
 CHILD = r"""
 import ast, json, sys
 import numpy as np
-from shardforge.merge.startup import LAZY, import_model_code
+from shardforge.startup import LAZY, import_model_code, lazy_packages
+lazy_packages()
 from shardforge.merge.check import build_expected
 from transformers import AutoConfig
 import_model_code()
@@ -33,6 +34,7 @@ expected = build_expected(AutoConfig.for_model("llama", hidden_size=32, intermed
 import transformers.utils.import_utils as iu
 out = {"modules": [m for m in ("torchao", "scipy") if m in sys.modules], "missing": [],
        "checks": {c: getattr(iu, c)() for c in LAZY}, "built": len(expected.shapes)}
+
 # every name a transformers module binds under `if <a deferred check>():` at module level
 def statements(body):
     for st in body:
@@ -68,6 +70,8 @@ if loss is not None and out["checks"]["is_scipy_available"]:
     rows, cols = loss.linear_sum_assignment(cost)
     out["assignment"] = [rows.tolist(), cols.tolist()]
     out["scipy_after_call"] = "scipy" in sys.modules
+import peft.helpers  # peft imports bitsandbytes at module level: registered, not loaded
+out["bnb"] = [type(peft.helpers.bnb).__name__, "bitsandbytes.functional" in sys.modules]
 print(json.dumps(out))
 """
 
@@ -88,6 +92,8 @@ def test_model_code_imports_without_the_packages_a_meta_build_never_uses() -> No
     assert out["built"] > 0
     assert out["modules"] == []  # neither torchao nor scipy came with the model code
     assert out["missing"] == []  # every skipped name has its stand-in; every check is real
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        assert out["bnb"] == ["_LazyPackage", False]  # peft holds it; nothing of it ran
     installed = {"is_torchao_available": "torchao", "is_scipy_available": "scipy"}
     for check, package in installed.items():  # the checks report what is installed again
         assert out["checks"][check] == (importlib.util.find_spec(package) is not None)
@@ -110,3 +116,32 @@ def test_relaxed_gc_raises_the_threshold_for_the_block_only() -> None:
         assert gc.get_threshold()[0] >= startup.START_GC_THRESHOLD
         assert gc.get_threshold()[1:] == before[1:]
     assert gc.get_threshold() == before
+
+
+def test_lazy_packages_load_at_the_first_attribute_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package of `LAZY_PACKAGES` is importable at once and runs its code at first use."""
+    package = tmp_path / "sf_lazy_probe"
+    package.mkdir()
+    marker = tmp_path / "ran"
+    (package / "__init__.py").write_text(
+        f"open({str(marker)!r}, 'a').write('x')\nVALUE = 7\n", encoding="utf-8"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(startup, "LAZY_PACKAGES", ("sf_lazy_probe", "sf_not_installed_probe"))
+    monkeypatch.delitem(sys.modules, "sf_lazy_probe", raising=False)
+    try:
+        startup.lazy_packages()
+        assert "sf_not_installed_probe" not in sys.modules  # a missing package stays missing
+        import sf_lazy_probe  # type: ignore[import-not-found]
+
+        assert not marker.exists()  # imported, nothing of it ran
+        assert sf_lazy_probe.VALUE == 7
+        assert marker.read_text() == "x"  # ran once, at the first attribute read
+        real = sys.modules["sf_lazy_probe"]  # the real package, where the import put it
+        assert type(real) is types.ModuleType and real.VALUE == 7
+        startup.lazy_packages()  # imported already: left as it is
+        assert sys.modules["sf_lazy_probe"] is real and marker.read_text() == "x"
+    finally:
+        sys.modules.pop("sf_lazy_probe", None)
