@@ -74,7 +74,8 @@ def test_a_training_ranks_log_lines_start_with_the_time() -> None:
 
     code = (
         "import logging, shardforge.cli.train_rank as rank, shardforge.train.loop as loop\n"
-        "rank.load_checked = lambda path, overrides: None\n"
+        "import shardforge.train.launch as launch\n"
+        "launch.load_checked = lambda path, overrides: None\n"
         "loop.run_training = lambda cfg, keep_group=False: "
         "logging.getLogger('shardforge').info('step 1/2')\n"
         "rank.main(['cfg.yml'])\n"

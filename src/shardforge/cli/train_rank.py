@@ -10,15 +10,15 @@ from shardforge.cli._common import run_guarded, setup_logging, split_debug
 from shardforge.cli.main import exit_now
 from shardforge.errors import ShardforgeError
 from shardforge.io.ranks import die_with_launcher
-from shardforge.train.launch import load_checked, report_rank_error
+from shardforge.startup import import_model_code, lazy_packages, relaxed_gc
 
 
 def main(argv: list[str]) -> None:
     die_with_launcher()  # no rank outlives torchrun's agent, nor the agent `shardforge train`
-    from shardforge.startup import import_model_code, lazy_packages, relaxed_gc
-
     with relaxed_gc():  # the lighter start-up (`shardforge.startup`): no full collections
         lazy_packages()  # while torch and transformers import, and no package loaded unused
+        from shardforge.train.launch import load_checked, report_rank_error
+
         import_model_code()
         from shardforge.train.loop import run_training
 
