@@ -15,7 +15,7 @@ from typing import NoReturn
 
 import click
 
-from shardforge.startup import lazy_packages
+from shardforge.startup import lazy_packages, relaxed_gc
 from shardforge.version import __version__
 
 # command name -> module under shardforge.cli defining `command` (a click.Command)
@@ -88,9 +88,10 @@ def cli() -> None:
 
 def main() -> NoReturn:
     """The console entry point: `cli`, then `exit_now` with its exit status."""
-    lazy_packages()  # the lighter start-up (`shardforge.startup`)
-    try:
-        cli()
+    lazy_packages()  # the lighter start-up (`shardforge.startup`): no package loaded unused,
+    try:  # no full collections while torch and transformers import
+        with relaxed_gc():
+            cli()
     except SystemExit as exc:
         exit_now(exc.code)
     exit_now(0)
