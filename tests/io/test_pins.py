@@ -19,7 +19,7 @@ import yaml
 
 from helpers.gate import Gate
 from helpers.s3 import S3Server
-from helpers.saves import Saves, change_after_plan, replace_files, rewrite_in_place, two_saves
+from helpers.saves import Saves, change_after_plan, replace_files, rewrite_in_place, shared_saves
 from shardforge.errors import CheckpointError
 from shardforge.io.files import open_regular
 from shardforge.io.pins import check_all, check_and_release, pin, pin_session
@@ -31,7 +31,7 @@ JOURNAL_SAVED = r"/\.out\.tmp-[^/]+/" + re.escape(Path(JOURNAL_NAME).with_suffix
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory: pytest.TempPathFactory) -> Saves:
-    return two_saves(tmp_path_factory.mktemp("saves"))
+    return shared_saves(tmp_path_factory)  # written once per run (tests/sinks, tests/io)
 
 
 def test_a_file_changed_after_its_pin_is_refused_at_open_and_before_publishing(

@@ -17,7 +17,7 @@ import yaml
 
 from helpers.gate import Gate
 from helpers.s3 import S3Server, killed_at, tree_bytes
-from helpers.saves import Saves, two_saves
+from helpers.saves import Saves, shared_saves
 from shardforge.errors import MergeError
 from shardforge.merge.api import merge_fsdp_weights
 from shardforge.sinks.resume import JOURNAL_NAME
@@ -34,7 +34,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory: pytest.TempPathFactory) -> Saves:
-    return two_saves(tmp_path_factory.mktemp("saves"))
+    return shared_saves(tmp_path_factory)  # written once per run (tests/sinks, tests/io)
 
 
 # each save of the journal of a local merge (its first: the empty one; each later one, on the
