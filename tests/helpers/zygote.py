@@ -7,9 +7,9 @@ what they test). The real start-up and exit contract stays tested by the tests t
     proc = warm.popen(cmd, env=env)      # cmd: [sys.executable, "-m", "shardforge", ...]
     gate.wait(proc); proc.send_signal(signal.SIGINT); _, stderr = proc.communicate(timeout=60)
 
-`Zygote` (one per test module that asks: `yield from zygote_fixture(tmp_path_factory)` in a
-module fixture) is a Python process started once that
-imports the merge's modules and then forks one child per command: the child takes the
+`Zygote` (one per test process, shared by the modules that ask: `yield from
+zygote_fixture(request)` in a module fixture) is a Python process started once that imports
+the merge's modules and then forks one child per command: the child takes the
 command's environment, working directory and stdin/stdout/stderr, installs the test's gate
 (`helpers.gate`) as `sitecustomize` would at start-up, and runs `shardforge`'s `__main__` as
 `-m` does. `popen` returns a `subprocess.Popen`-like handle (pid, poll, wait, communicate,
@@ -250,13 +250,23 @@ class Zygote:
         Path(self.path).unlink(missing_ok=True)
 
 
-def zygote_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
-    """The body of a module fixture: a zygote for the module's tests, stopped after them."""
-    warm = Zygote(tmp_path_factory.mktemp("zygote"))
-    try:
-        yield warm
-    finally:
-        warm.stop()
+_SHARED: list[Zygote] = []  # this test process's zygote, once started
+
+
+def zygote_fixture(request: pytest.FixtureRequest) -> Iterator[Zygote]:
+    """The body of a module fixture: this test process's zygote, started by the first module
+    that asks and shared by the others (an xdist worker runs several), stopped when the
+    session ends."""
+    from helpers import children
+
+    if _SHARED and _SHARED[0].process.poll() is None:
+        children.started("helpers.zygote: shared, started by another module's fixture")
+    else:
+        factory: pytest.TempPathFactory = request.getfixturevalue("tmp_path_factory")
+        warm = Zygote(factory.mktemp("zygote"))
+        _SHARED[:] = [warm]
+        request.config.add_cleanup(warm.stop)
+    yield _SHARED[0]
 
 
 def killed_at(warm: Zygote, gate: Any, cmd: list[str], env: Mapping[str, str]) -> None:

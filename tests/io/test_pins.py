@@ -37,10 +37,10 @@ def saves(tmp_path_factory: pytest.TempPathFactory) -> Saves:
 
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+def warm(request: pytest.FixtureRequest) -> Iterator[Zygote]:
     """The merges a test stops, signals or kills: forked from a process that has imported
     the merge once (`helpers.zygote`), not a new interpreter each."""
-    yield from zygote_fixture(tmp_path_factory)
+    yield from zygote_fixture(request)
 
 
 def test_a_file_changed_after_its_pin_is_refused_at_open_and_before_publishing(

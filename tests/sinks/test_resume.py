@@ -40,10 +40,10 @@ def saves(tmp_path_factory: pytest.TempPathFactory) -> Saves:
 
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+def warm(request: pytest.FixtureRequest) -> Iterator[Zygote]:
     """The merges a test stops, signals or kills: forked from a process that has imported
     the merge once (`helpers.zygote`), not a new interpreter each."""
-    yield from zygote_fixture(tmp_path_factory)
+    yield from zygote_fixture(request)
 
 
 # each save of the journal of a local merge (its first: the empty one; each later one, on the
