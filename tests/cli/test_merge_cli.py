@@ -410,15 +410,25 @@ def test_quiet_keeps_transformers_bars_and_warnings_off_stderr(env: Path) -> Non
     assert proc.stderr.splitlines()[-1].startswith(f"wrote {env / 'out'} ")
 
 
-def test_python_module_entry_point(env: Path) -> None:
+@pytest.fixture(scope="module")
+def module_merge(pristine: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """One real `python -m shardforge.cli.merge_sharded_fsdp_weights` merge (bf16), run with
+    `-X importtime`, so that its stderr lists every module the process imported: the module
+    entry point and the imports of a merge are checked on the one launch."""
+    root = tmp_path_factory.mktemp("module-merge")
+    shutil.copytree(pristine / "run", root / "run")
+    cfg = {"base_model": str(pristine / "base"), "output_dir": str(root / "run")}
+    (root / "cfg.yml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.run(
         [
             sys.executable,
+            "-X",
+            "importtime",
             "-m",
             "shardforge.cli.merge_sharded_fsdp_weights",
-            str(env / "cfg.yml"),
+            str(root / "cfg.yml"),
             "--output_path",
-            str(env / "out"),
+            str(root / "out"),
             "--dtype",
             "bfloat16",
             "--quiet",
@@ -427,24 +437,31 @@ def test_python_module_entry_point(env: Path) -> None:
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr
+    return root, proc
+
+
+@pytest.mark.slow  # the real module entry point in a process of its own
+def test_python_module_entry_point(module_merge: tuple[Path, Any]) -> None:
+    root, proc = module_merge
+    assert proc.returncode == 0, proc.stderr[-3000:]
     from safetensors.torch import load_file
 
-    weights = load_file(env / "out" / "model.safetensors")
+    weights = load_file(root / "out" / "model.safetensors")
     assert all(t.dtype == torch.bfloat16 for t in weights.values())
 
 
-def test_the_merge_does_not_import_training_code(env: Path) -> None:
-    code = (
-        "import sys\n"
-        "from shardforge.cli.merge_sharded_fsdp_weights import do_merge_sharded_fsdp_weights\n"
-        f"do_merge_sharded_fsdp_weights({str(env / 'cfg.yml')!r}, {str(env / 'out')!r}, "
-        "quiet=True)\n"
-        "assert not [m for m in sys.modules if m.startswith('shardforge.train')]\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert (env / "out" / "model.safetensors").is_file()
+@pytest.mark.slow  # a fresh process: what the merge imports is all it has imported
+def test_the_merge_does_not_import_training_code(module_merge: tuple[Path, Any]) -> None:
+    root, proc = module_merge
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (root / "out" / "model.safetensors").is_file()
+    imported = [
+        line.rsplit("|", 1)[1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:")
+    ]
+    assert "shardforge.merge.api" in imported  # the listing holds the merge's own imports
+    assert not [m for m in imported if m.startswith("shardforge.train")], imported
 
 
 # --- per-rank DTensor files (verl / LMMs-Engine), options of issue 6 ---

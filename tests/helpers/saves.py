@@ -104,3 +104,13 @@ def change_after_plan(
     monkeypatch.setattr(hf_dir, "resume_fingerprint", fingerprinted)
     monkeypatch.setattr(copy_module, "open_regular", open_then_change)
     return done
+
+
+def shared_saves(tmp_path_factory: pytest.TempPathFactory) -> Saves:
+    """`two_saves`, written once per test run and shared by every module and xdist worker that
+    asks (`helpers.shared.shared_folder`; no child process): tests read them only (copy a
+    save before changing it)."""
+    from helpers.shared import shared_folder
+
+    root = shared_folder(tmp_path_factory, "two-saves", two_saves, starts_children=False)
+    return Saves(root / "base", root / "a", root / "b")

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ import yaml
 
 from helpers.gate import Gate
 from helpers.s3 import S3Server
-from helpers.saves import Saves, change_after_plan, replace_files, rewrite_in_place, two_saves
+from helpers.saves import Saves, change_after_plan, replace_files, rewrite_in_place, shared_saves
+from helpers.zygote import Zygote, zygote_fixture
 from shardforge.errors import CheckpointError
 from shardforge.io.files import open_regular
 from shardforge.io.pins import check_all, check_and_release, pin, pin_session
@@ -31,7 +33,14 @@ JOURNAL_SAVED = r"/\.out\.tmp-[^/]+/" + re.escape(Path(JOURNAL_NAME).with_suffix
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory: pytest.TempPathFactory) -> Saves:
-    return two_saves(tmp_path_factory.mktemp("saves"))
+    return shared_saves(tmp_path_factory)  # written once per run (tests/sinks, tests/io)
+
+
+@pytest.fixture(scope="module")
+def warm(request: pytest.FixtureRequest) -> Iterator[Zygote]:
+    """The merges a test stops, signals or kills: forked from a process that has imported
+    the merge once (`helpers.zygote`), not a new interpreter each."""
+    yield from zygote_fixture(request)
 
 
 def test_a_file_changed_after_its_pin_is_refused_at_open_and_before_publishing(
@@ -71,10 +80,10 @@ def test_a_file_changed_after_its_pin_is_refused_at_open_and_before_publishing(
 
 
 def _merge_changed_under(
-    cmd: list[str], gate: Gate, env: dict[str, str], change: object
+    warm: Zygote, cmd: list[str], gate: Gate, env: dict[str, str], change: object
 ) -> subprocess.CompletedProcess[str]:
     """Run the merge `cmd` until it waits at `gate`, call `change()`, let it go on."""
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    proc = warm.popen(cmd, env=env, stderr=subprocess.PIPE)
     try:
         gate.wait(proc)
         change()  # type: ignore[operator]
@@ -93,7 +102,9 @@ def _refused(done: subprocess.CompletedProcess[str], name: str) -> str:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_file_replaced_after_the_plan_is_refused(saves: Saves, tmp_path: Path) -> None:
+def test_a_checkpoint_file_replaced_after_the_plan_is_refused(
+    saves: Saves, tmp_path: Path, warm: Zygote
+) -> None:
     ck = tmp_path / "ck"
     shutil.copytree(saves.a, ck)
     (tmp_path / "cfg.yml").write_text(yaml.safe_dump(saves.config()))
@@ -104,7 +115,7 @@ def test_a_checkpoint_file_replaced_after_the_plan_is_refused(saves: Saves, tmp_
     ]  # fmt: skip
     gate = Gate(tmp_path / "gate", "os:replace", JOURNAL_SAVED)
     done = _merge_changed_under(
-        cmd, gate, gate.env(), lambda: replace_files(saves.b, ck, ("__0_0.distcp",))
+        warm, cmd, gate, gate.env(), lambda: replace_files(saves.b, ck, ("__0_0.distcp",))
     )
     _refused(done, "__0_0.distcp")
     assert not out.exists() and not list(tmp_path.glob(".out.*"))  # nothing published
@@ -112,7 +123,7 @@ def test_a_checkpoint_file_replaced_after_the_plan_is_refused(saves: Saves, tmp_
 
 @pytest.mark.slow
 def test_an_object_replaced_while_the_merge_reads_it_is_refused(
-    saves: Saves, s3_server: S3Server, tmp_path: Path
+    saves: Saves, s3_server: S3Server, tmp_path: Path, warm: Zygote
 ) -> None:
     bucket = s3_server.bucket("pins-replaced")
     fs = s3_server.fs()
@@ -132,7 +143,7 @@ def test_an_object_replaced_while_the_merge_reads_it_is_refused(
     # paused at the first bytes written into the output (on whichever thread: the head start's
     # ranged GETs write as their bodies arrive), the object replaced, then the merge goes on
     gate = Gate(tmp_path / "gate", "os:pwrite", r"/model-00001-of-\d+\.safetensors$", thread=".")
-    done = _merge_changed_under(cmd, gate, gate.env(s3_server.env()), replace)
+    done = _merge_changed_under(warm, cmd, gate, gate.env(s3_server.env()), replace)
     line = _refused(done, f"s3://{bucket}/ck/__0_0.distcp")
     # the next ranged GET's If-Match: no byte of the new version
     assert "answers PreconditionFailed" in done.stderr, done.stderr

@@ -4,6 +4,7 @@ dcp.save in each layout, merged, and compared bit for bit with the original."""
 from __future__ import annotations
 
 import filecmp
+import functools
 import json
 import re
 import shutil
@@ -51,12 +52,12 @@ def wrapped_key(name: str) -> str:
 LIGHTNING_ATTR = "model"
 
 
-def _shard(model: Any) -> None:
+def _shard(model: Any, mesh: Any = None) -> None:
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def _optimizer_state(model: Any) -> dict[str, Any]:
@@ -69,35 +70,63 @@ def _optimizer_state(model: Any) -> dict[str, Any]:
     return get_optimizer_state_dict(model, opt)
 
 
-def save_all(rank: int, world_size: int, bases: dict[str, str], root: str) -> None:
-    """On every rank: shard each base model and save it in each layout under root/<model>/."""
+def save_every_world_size(
+    rank: int, world_size: int, bases: dict[str, str], roots: dict[int, str]
+) -> None:
+    """One launch of the largest world size saves for each smaller one too: its first ranks
+    form a process group of that size (a mesh of their own, fully_shard over it, DCP saves
+    within it: the files and metadata of a world of that size), the others wait."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for size, root in sorted(roots.items()):
+        assert size <= world_size
+        group = None if size == world_size else dist.new_group(list(range(size)))
+        if rank < size:
+            mesh = None if group is None else DeviceMesh.from_group(group, "cpu")
+            save_all(rank, size, bases, root, mesh, group)
+        dist.barrier()
+
+
+def save_all(
+    rank: int, world_size: int, bases: dict[str, str], root: str, mesh: Any, group: Any
+) -> None:
+    """On every rank of `group` (None: the world): shard each base model over `mesh` and save
+    it in each layout under root/<model>/."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from transformers import AutoModelForCausalLM
 
+    assert dist.get_world_size(group) == world_size and dist.get_rank(group) == rank
     for name, base in bases.items():
         out = Path(root) / name
         model = AutoModelForCausalLM.from_pretrained(base)
-        _shard(model)
+        _shard(model, mesh)
         sd = get_model_state_dict(model)
         # shardforge: checkpoint-<step>/{model,optimizer,trainer_state.json}
         for step in (2, 4):
             ckpt = out / "shardforge" / f"checkpoint-{step}"
-            dcp.save(sd, checkpoint_id=ckpt / "model")
+            dcp.save(sd, checkpoint_id=ckpt / "model", process_group=group)
             if rank == 0:
                 state = {"format": "shardforge", "format_version": 1, "step": step}
                 (ckpt / "trainer_state.json").write_text(json.dumps(state))
         osd = _optimizer_state(model)
-        dcp.save(osd, checkpoint_id=out / "shardforge" / "checkpoint-4" / "optimizer")
+        dcp.save(
+            osd,
+            checkpoint_id=out / "shardforge" / "checkpoint-4" / "optimizer",
+            process_group=group,
+        )
         if rank == 0:  # in progress / junk: must be ignored
             (out / "shardforge" / "checkpoint-6.tmp-123" / "model").mkdir(parents=True)
             (out / "shardforge" / "checkpoint-8").mkdir()
         if name in EXTRA_LAYOUTS["hf-trainer"]:
             ckpt = out / "hf-trainer" / "checkpoint-3"
-            dcp.save({"model": sd}, checkpoint_id=ckpt / "pytorch_model_fsdp_0")
-            dcp.save({"optimizer": osd}, checkpoint_id=ckpt / "optimizer_0")
+            dcp.save(
+                {"model": sd}, checkpoint_id=ckpt / "pytorch_model_fsdp_0", process_group=group
+            )
+            dcp.save({"optimizer": osd}, checkpoint_id=ckpt / "optimizer_0", process_group=group)
         if name in EXTRA_LAYOUTS["lightning"]:
             ckpts = out / "lightning" / "lightning_logs" / "version_0" / "checkpoints"
             for step in (1, 3):
@@ -106,17 +135,17 @@ def save_all(rank: int, world_size: int, bases: dict[str, str], root: str) -> No
                     "model": {f"{LIGHTNING_ATTR}.{k}": v for k, v in sd.items()},
                     "optimizer_0": osd,
                 }
-                dcp.save(state, checkpoint_id=ckpt)
+                dcp.save(state, checkpoint_id=ckpt, process_group=group)
                 if rank == 0:
                     meta = {"epoch": 0, "global_step": step, "pytorch-lightning_version": "2.5.0"}
                     torch.save(meta, ckpt / "meta.pt")
         if name in EXTRA_LAYOUTS["wrapped"]:
             state = {"state_dict": {wrapped_key(k): v for k, v in sd.items()}}
-            dcp.save(state, checkpoint_id=out / "wrapped")
+            dcp.save(state, checkpoint_id=out / "wrapped", process_group=group)
         if name in EXTRA_LAYOUTS["per-item"]:
             writer = FileSystemWriter(out / "per-item", single_file_per_rank=False)
-            dcp.save(sd, storage_writer=writer)
-        dist.barrier()
+            dcp.save(sd, storage_writer=writer, process_group=group)
+        dist.barrier(group)
 
 
 @dataclass(frozen=True)
@@ -132,8 +161,10 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
         name: make_model(root / "bases" / name, mt, dtype=dt, seed=i, **SHAPES)
         for i, (name, (mt, dt)) in enumerate(MODELS.items())
     }
-    for ws in WORLD_SIZES:
-        run_on_ranks(save_all, ws, {k: str(v) for k, v in bases.items()}, str(root / f"ws{ws}"))
+    roots = {ws: str(root / f"ws{ws}") for ws in WORLD_SIZES}
+    run_on_ranks(
+        save_every_world_size, max(WORLD_SIZES), {k: str(v) for k, v in bases.items()}, roots
+    )
     return Built(root, bases)
 
 
@@ -141,12 +172,20 @@ def _cfg(built: Built, model: str, output_dir: Path) -> dict[str, Any]:
     return {"base_model": str(built.bases[model]), "output_dir": str(output_dir)}
 
 
+@functools.cache
+def _reference(base: Path, dtype: torch.dtype | None) -> Any:
+    """The original model, loaded once per base and dtype (the tests only read it).
+    dtype: loaded cast (as from_pretrained casts), so buffers match the merged model's."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(base, dtype=dtype or "auto").eval()
+
+
 def assert_same_model(base: Path, merged: Path, dtype: torch.dtype | None = None) -> None:
     """Loads with from_pretrained; every tensor bit-identical; logits equal; tokenizer loads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # dtype: loaded cast (as from_pretrained casts), so buffers match the merged model's
-    ref = AutoModelForCausalLM.from_pretrained(base, dtype=dtype or "auto").eval()
+    ref = _reference(base, dtype)
     got = AutoModelForCausalLM.from_pretrained(merged).eval()
     ref_sd, got_sd = ref.state_dict(), got.state_dict()
     assert ref_sd.keys() == got_sd.keys()

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ import pytest
 import yaml
 
 from helpers.gate import Gate
-from helpers.s3 import LAYOUTS, S3Server, killed_at, layout_folder, start_server, tree_bytes
+from helpers.s3 import LAYOUTS, S3Server, layout_folder, start_server, tree_bytes
+from helpers.zygote import Zygote, killed_at, zygote_fixture
 from shardforge.errors import MergeError, StorageError
 from shardforge.io import mirror
 from shardforge.io.remote import RemoteURI, filesystem, storage_errors
@@ -37,6 +39,37 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
     return build_checkpoints(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def warm(request: pytest.FixtureRequest) -> Iterator[Zygote]:
+    """The merges a test stops, signals or kills: forked from a process that has imported
+    the merge once (`helpers.zygote`), not a new interpreter each."""
+    yield from zygote_fixture(request)
+
+
+LocalMerge = Callable[..., dict[str, bytes]]
+
+
+@pytest.fixture(scope="module")
+def local_merge(checkpoints: Built, tmp_path_factory: pytest.TempPathFactory) -> LocalMerge:
+    """`local_merge(layout, max_shard_size=None)`: the bytes of a local merge of that layout's
+    checkpoint (what each published model is compared with), merged once per module."""
+    root = tmp_path_factory.mktemp("local-merges")
+    made: dict[tuple[str, str | None], dict[str, bytes]] = {}
+
+    def local(layout: str, max_shard_size: str | None = None) -> dict[str, bytes]:
+        if (layout, max_shard_size) not in made:
+            config = {"base_model": str(checkpoints.base), "output_dir": "unused"}
+            more = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+            folder = layout_folder(checkpoints.root, layout)
+            out = root / f"{layout}-{max_shard_size}"
+            made[layout, max_shard_size] = tree_bytes(
+                merge_fsdp_weights(config, out, checkpoint=folder, **more)
+            )
+        return made[layout, max_shard_size]
+
+    return local
 
 
 def stored(server: S3Server, prefix: str, into: Path) -> dict[str, bytes]:
@@ -73,6 +106,7 @@ def cfg(checkpoints: Built, server: S3Server, **more: Any) -> dict[str, Any]:
 def test_local_to_s3_and_s3_to_s3_are_the_local_merge(
     layout: str,
     checkpoints: Built,
+    local_merge: LocalMerge,
     s3_server: S3Server,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
@@ -82,10 +116,7 @@ def test_local_to_s3_and_s3_to_s3_are_the_local_merge(
     folder = layout_folder(checkpoints.root, layout)
     bucket = s3_server.bucket(f"out-{layout}")
     config = cfg(checkpoints, s3_server)
-    local = merge_fsdp_weights(
-        config, tmp_path / "local", checkpoint=folder, max_shard_size="150KB"
-    )
-    want = tree_bytes(local)
+    want = local_merge(layout, "150KB")
     assert len([n for n in want if n.endswith(".safetensors")]) > 1  # sharded: index published
     merge_fsdp_weights(
         config, f"s3://{bucket}/up", checkpoint=folder, max_shard_size="150KB", verify=True
@@ -105,20 +136,16 @@ def test_local_to_s3_and_s3_to_s3_are_the_local_merge(
     with pytest.raises(MergeError, match="pass --overwrite"):
         merge_fsdp_weights(config, f"s3://{bucket}/up", checkpoint=folder)
     merge_fsdp_weights(config, f"s3://{bucket}/up", checkpoint=folder, overwrite=True, verify=True)
-    one = merge_fsdp_weights(config, tmp_path / "one", checkpoint=folder)
-    assert stored(s3_server, f"{bucket}/up", tmp_path / "up2") == tree_bytes(one)
+    assert stored(s3_server, f"{bucket}/up", tmp_path / "up2") == local_merge(layout)
 
 
 def test_killed_mid_upload_leaves_no_model_and_resume_uploads_the_rest(
-    checkpoints: Built, s3_server: S3Server, tmp_path: Path
+    checkpoints: Built, local_merge: LocalMerge, s3_server: S3Server, tmp_path: Path, warm: Zygote
 ) -> None:
     folder = layout_folder(checkpoints.root, "dcp")
     bucket = s3_server.bucket("out-resume")
     config = cfg(checkpoints, s3_server)
-    local = merge_fsdp_weights(
-        config, tmp_path / "local", checkpoint=folder, max_shard_size="150KB"
-    )
-    want = tree_bytes(local)
+    want = local_merge("dcp", "150KB")
     shards = sorted(n for n in want if n.endswith(".safetensors"))
     assert len(shards) >= 3
     (tmp_path / "cfg.yml").write_text(yaml.safe_dump({**config, "storage_options": None}))
@@ -129,7 +156,7 @@ def test_killed_mid_upload_leaves_no_model_and_resume_uploads_the_rest(
         "--output_path", f"s3://{bucket}/model", "--checkpoint", str(folder),
         "--max_shard_size", "150KB", "--quiet",
     ]  # fmt: skip
-    killed_at(gate, cmd, gate.env(s3_server.env()))
+    killed_at(warm, gate, cmd, gate.env(s3_server.env()))
     assert keys(s3_server, f"{bucket}/model") == []  # no index, no shard, nothing
     assert len(journals(s3_server, bucket, "model")) == 1  # the journal beside it
     before = s3_server.received_bytes(bucket)
@@ -145,7 +172,7 @@ def test_killed_mid_upload_leaves_no_model_and_resume_uploads_the_rest(
 
 
 def test_credentials_bucket_and_an_outage_are_one_line_with_nothing_published(
-    checkpoints: Built, s3_server: S3Server, tmp_path: Path
+    checkpoints: Built, s3_server: S3Server, tmp_path: Path, warm: Zygote
 ) -> None:
     folder = layout_folder(checkpoints.root, "rankfiles")
     config = cfg(checkpoints, s3_server)
@@ -172,7 +199,7 @@ def test_credentials_bucket_and_an_outage_are_one_line_with_nothing_published(
             str(tmp_path / "cfg.yml"), "--output_path", f"s3://{out_bucket}/m",
             "--checkpoint", str(folder), "--max_shard_size", "150KB", "--quiet",
         ]  # fmt: skip
-        proc = subprocess.Popen(cmd, env=gate.env(server.env()), stderr=subprocess.PIPE, text=True)
+        proc = warm.popen(cmd, env=gate.env(server.env()), stderr=subprocess.PIPE)
         try:
             gate.wait(proc)
             server.kill()
@@ -223,7 +250,7 @@ def _merge_cmd(tmp_path: Path, folder: Path, uri: str, *more: str) -> list[str]:
 
 
 def test_overwrite_replaces_a_model_prefix_only(
-    checkpoints: Built, s3_server: S3Server, tmp_path: Path
+    checkpoints: Built, local_merge: LocalMerge, s3_server: S3Server, tmp_path: Path
 ) -> None:
     """A prefix holding a training run (two checkpoints with optimizer state, metrics, notes)
     is refused by --overwrite, naming what it holds, and left as it was; one holding a
@@ -231,7 +258,7 @@ def test_overwrite_replaces_a_model_prefix_only(
     folder = layout_folder(checkpoints.root, "rankfiles")
     bucket = s3_server.bucket("out-overwrite-run")
     config = cfg(checkpoints, s3_server)
-    want = tree_bytes(merge_fsdp_weights(config, tmp_path / "local", checkpoint=folder))
+    want = local_merge("rankfiles")
     fs = s3_server.fs()
     for step in (10, 20):
         fs.pipe(f"{bucket}/run/checkpoint-{step}/optimizer_0/__0_0.distcp", os.urandom(512))
@@ -266,7 +293,13 @@ def test_overwrite_replaces_a_model_prefix_only(
     ids=["sigterm-at-complete", "sigint-at-put"],
 )
 def test_a_signal_in_the_publish_window_leaves_no_object(
-    signum: int, frozen_at: str, checkpoints: Built, s3_server: S3Server, tmp_path: Path
+    signum: int,
+    frozen_at: str,
+    checkpoints: Built,
+    local_merge: LocalMerge,
+    s3_server: S3Server,
+    tmp_path: Path,
+    warm: Zygote,
 ) -> None:
     """The merge frozen the moment its first shard (or config) object exists under the prefix,
     before it has taken note of it, then signalled: the cleanup removes that object too, the
@@ -274,14 +307,12 @@ def test_a_signal_in_the_publish_window_leaves_no_object(
     folder = layout_folder(checkpoints.root, "dcp")
     bucket = s3_server.bucket(f"out-window-{signum}")
     config = cfg(checkpoints, s3_server)
-    want = tree_bytes(
-        merge_fsdp_weights(config, tmp_path / "local", checkpoint=folder, max_shard_size="150KB")
-    )
+    want = local_merge("dcp", "150KB")
     (tmp_path / "cfg.yml").write_text(yaml.safe_dump({**config, "storage_options": None}))
     # paused right after the request returned: the object exists, the merge has not recorded it
     gate = Gate(tmp_path / "gate", f"shardforge.sinks.uploads:{frozen_at}", r"model")
     cmd = _merge_cmd(tmp_path, folder, f"s3://{bucket}/model")
-    proc = subprocess.Popen(cmd, env=gate.env(s3_server.env()), stderr=subprocess.PIPE, text=True)
+    proc = warm.popen(cmd, env=gate.env(s3_server.env()), stderr=subprocess.PIPE)
     try:
         gate.wait(proc)
         assert keys(s3_server, f"{bucket}/model")  # the first object is there
@@ -299,7 +330,12 @@ def test_a_signal_in_the_publish_window_leaves_no_object(
 
 
 def test_a_refused_merge_leaves_the_other_merges_journal(
-    checkpoints: Built, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoints: Built,
+    local_merge: LocalMerge,
+    s3_server: S3Server,
+    tmp_path: Path,
+    warm: Zygote,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two merges to one prefix: B passes its checks, then A starts and completes its first
     shard; B is refused at publishing. B's cleanup removes B's journal only: A, killed then,
@@ -308,17 +344,15 @@ def test_a_refused_merge_leaves_the_other_merges_journal(
     bucket = s3_server.bucket("out-two-merges")
     uri = f"s3://{bucket}/model"
     config = cfg(checkpoints, s3_server)
-    want = tree_bytes(
-        merge_fsdp_weights(config, tmp_path / "local", checkpoint=folder, max_shard_size="150KB")
-    )
+    want = local_merge("dcp", "150KB")
     (tmp_path / "cfg.yml").write_text(yaml.safe_dump({**config, "storage_options": None}))
     gate = Gate(tmp_path / "gate", "shardforge.sinks.uploads:Store.complete", r"model")
     cmd = _merge_cmd(tmp_path, folder, uri)
-    started: list[subprocess.Popen[str]] = []
+    started: list[Any] = []
     real_journal = ObjectStoreSink._journal
 
     def a_starts_now(sink: ObjectStoreSink, *args: Any) -> Any:  # B has passed its checks
-        a = subprocess.Popen(cmd, env=gate.env(s3_server.env()), stderr=subprocess.PIPE, text=True)
+        a = warm.popen(cmd, env=gate.env(s3_server.env()), stderr=subprocess.PIPE)
         started.append(a)
         gate.wait(a)  # A completed its first shard and waits
         return real_journal(sink, *args)
@@ -348,6 +382,7 @@ def test_a_refused_merge_leaves_the_other_merges_journal(
 def test_an_outage_right_after_the_index_is_published_keeps_the_model(
     fails_from: str,
     checkpoints: Built,
+    local_merge: LocalMerge,
     s3_server: S3Server,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -364,9 +399,7 @@ def test_an_outage_right_after_the_index_is_published_keeps_the_model(
     bucket = s3_server.bucket(f"out-after-index-{fails_from}")
     uri = f"s3://{bucket}/model"
     config = cfg(checkpoints, s3_server)
-    want = tree_bytes(
-        merge_fsdp_weights(config, tmp_path / "local", checkpoint=folder, max_shard_size="150KB")
-    )
+    want = local_merge("dcp", "150KB")
     down = [False]
     real_put, real_call = uploads.Store.put, uploads.Store.call
 
@@ -408,7 +441,7 @@ def test_an_outage_right_after_the_index_is_published_keeps_the_model(
 
 
 def test_resume_after_a_kill_9_in_the_publish_finishes_it(
-    checkpoints: Built, s3_server: S3Server, tmp_path: Path
+    checkpoints: Built, local_merge: LocalMerge, s3_server: S3Server, tmp_path: Path, warm: Zygote
 ) -> None:
     """`kill -9` of a merge right after its first small object (the chat template) is put, before
     the index and the manifest: `--resume` counts what the interrupted merge put as its own (its
@@ -419,12 +452,10 @@ def test_resume_after_a_kill_9_in_the_publish_finishes_it(
     bucket = s3_server.bucket("out-kill-in-publish")
     uri = f"s3://{bucket}/model"
     config = cfg(checkpoints, s3_server)
-    want = tree_bytes(
-        merge_fsdp_weights(config, tmp_path / "local", checkpoint=folder, max_shard_size="150KB")
-    )
+    want = local_merge("dcp", "150KB")
     (tmp_path / "cfg.yml").write_text(yaml.safe_dump({**config, "storage_options": None}))
     gate = Gate(tmp_path / "gate", "shardforge.sinks.uploads:Store.put", r"model")
-    killed_at(gate, _merge_cmd(tmp_path, folder, uri), gate.env(s3_server.env()))
+    killed_at(warm, gate, _merge_cmd(tmp_path, folder, uri), gate.env(s3_server.env()))
     assert [k for k in keys(s3_server, f"{bucket}/model") if not k.endswith(".safetensors")]
     assert len(journals(s3_server, bucket, "model")) == 1
     fs = s3_server.fs()

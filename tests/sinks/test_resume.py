@@ -10,14 +10,16 @@ import json
 import re
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
 from helpers.gate import Gate
-from helpers.s3 import S3Server, killed_at, tree_bytes
-from helpers.saves import Saves, two_saves
+from helpers.s3 import S3Server, tree_bytes
+from helpers.saves import Saves, shared_saves
+from helpers.zygote import Zygote, killed_at, zygote_fixture
 from shardforge.errors import MergeError
 from shardforge.merge.api import merge_fsdp_weights
 from shardforge.sinks.resume import JOURNAL_NAME
@@ -34,7 +36,14 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Built:
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory: pytest.TempPathFactory) -> Saves:
-    return two_saves(tmp_path_factory.mktemp("saves"))
+    return shared_saves(tmp_path_factory)  # written once per run (tests/sinks, tests/io)
+
+
+@pytest.fixture(scope="module")
+def warm(request: pytest.FixtureRequest) -> Iterator[Zygote]:
+    """The merges a test stops, signals or kills: forked from a process that has imported
+    the merge once (`helpers.zygote`), not a new interpreter each."""
+    yield from zygote_fixture(request)
 
 
 # each save of the journal of a local merge (its first: the empty one; each later one, on the
@@ -44,7 +53,7 @@ JOURNAL_THREAD = "^shardforge-journal"
 
 
 def test_a_killed_merge_resumes_keeping_its_finished_files(
-    checkpoints: Built, tmp_path: Path
+    checkpoints: Built, tmp_path: Path, warm: Zygote
 ) -> None:
     """... also once the checkpoint is a copy of the one it read (new inode numbers, as after a
     copy or a remount; the same content, sizes and mtimes)."""
@@ -64,7 +73,7 @@ def test_a_killed_merge_resumes_keeping_its_finished_files(
         "--output_path", str(out), "--checkpoint", str(folder), "--max_shard_size", "150KB",
         "--quiet",
     ]  # fmt: skip
-    killed_at(gate, cmd, gate.env())
+    killed_at(warm, gate, cmd, gate.env())
     assert not out.exists()
     (hidden,) = tmp_path.glob(".out.tmp-*")
     finished = json.loads((hidden / JOURNAL_NAME).read_text())["files"]
@@ -102,7 +111,7 @@ def test_resume_of_another_plan_is_refused(checkpoints: Built, tmp_path: Path) -
 
 
 def test_resume_over_a_checkpoint_replaced_by_another_save_is_refused(
-    saves: Saves, tmp_path: Path
+    saves: Saves, tmp_path: Path, warm: Zygote
 ) -> None:
     ck = tmp_path / "ck"
     shutil.copytree(saves.a, ck)
@@ -113,7 +122,7 @@ def test_resume_over_a_checkpoint_replaced_by_another_save_is_refused(
         sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(tmp_path / "cfg.yml"),
         "--output_path", str(out), "--checkpoint", str(ck), "--max_shard_size", "1MB", "--quiet",
     ]  # fmt: skip
-    killed_at(gate, cmd, gate.env())
+    killed_at(warm, gate, cmd, gate.env())
     (hidden,) = tmp_path.glob(".out.tmp-*")
     assert len(json.loads((hidden / JOURNAL_NAME).read_text())["files"]) >= 2
     shutil.rmtree(ck)
@@ -138,7 +147,7 @@ def _upload(server: S3Server, folder: Path, prefix: str) -> None:
 
 
 def test_resume_over_a_replaced_checkpoint_in_a_store_is_refused(
-    saves: Saves, s3_server: S3Server, tmp_path: Path
+    saves: Saves, s3_server: S3Server, tmp_path: Path, warm: Zygote
 ) -> None:
     bucket = s3_server.bucket("resume-replaced")
     _upload(s3_server, saves.a, f"{bucket}/ck")
@@ -150,7 +159,7 @@ def test_resume_over_a_replaced_checkpoint_in_a_store_is_refused(
     ]  # fmt: skip
     # killed once the second file is being staged (its journal beside the prefix)
     gate = Gate(tmp_path / "gate", "os:pwrite", r"/output-[^/]+/model-00002-of-\d+", thread=".")
-    killed_at(gate, cmd, gate.env(s3_server.env()))
+    killed_at(warm, gate, cmd, gate.env(s3_server.env()))
     _upload(s3_server, saves.b, f"{bucket}/ck")  # another save of the same shapes
     config = saves.config(storage_options=s3_server.storage_options)
     with pytest.raises(MergeError, match="--resume refused: ") as err:
