@@ -58,25 +58,19 @@ CASES = [
 ]
 
 
-# the case read from a real `shardforge train` process (its exit status and stderr); the
-# others run the same command in this process (a process of its own costs seconds of imports),
-# where that no child process at all is started is checked directly
-IN_A_PROCESS = "missing_data"
-
-
+# every case runs the command in this process (a process of its own costs seconds of imports),
+# where that no child process at all is started is checked directly; the command's own process
+# (exit status, stderr) is read by test_an_error_found_by_the_ranks_is_printed_once_as_the_last_line
+# (below), tests/cli/test_train_cli.py and tests/train/test_axolotl_corpus.py
 @pytest.mark.parametrize("name,key,text", CASES)
 def test_bad_config_fails_before_launch(
     base_cfg: dict[str, Any], tmp_path: Path, name: str, key: str, text: str
 ) -> None:
     config = write_config(tmp_path / "bad.yml", _bad(base_cfg, tmp_path, name))
-    if name == IN_A_PROCESS:
-        proc = run_train(config, nproc=2, check=False)
-        status, stderr = proc.returncode, proc.stderr
-    else:
-        with children.watching() as started:
-            result = CliRunner().invoke(cli, ["train", str(config), "--nproc_per_node", "2"])
-        assert not started, started  # no torchrun, no process at all
-        status, stderr = result.exit_code, result.stderr
+    with children.watching() as started:
+        result = CliRunner().invoke(cli, ["train", str(config), "--nproc_per_node", "2"])
+    assert not started, started  # no torchrun, no process at all
+    status, stderr = result.exit_code, result.stderr
     assert status == 2, stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, stderr
