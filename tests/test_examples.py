@@ -29,10 +29,11 @@ RUNNABLE = [
 # answers need them), checkpoints at two steps
 STEPS = {"tiny-llama.yml": ["--max_steps", "6", "--save_steps", "3"], "tiny-llama-chat.yml": []}
 PROMPTS = {"tiny-llama.yml": "The robot", "tiny-llama-chat.yml": "Tell me a story."}
-# the example whose commands each run in a process of their own, as a user types them (each
-# command's exit status and stderr); the other's run in this process (the same click commands,
-# without an interpreter's seconds of start-up), its train's launcher too: torchrun and its 2
-# ranks stay real processes
+# the example whose train and inference run in a process of their own, as a user types them
+# (their exit status and stderr: no transformers' bars or warnings); every other command, and
+# the other example's train launcher, run in this process (the same click commands, without an
+# interpreter's seconds of start-up: merge's and verify's own processes are tested in
+# tests/cli); torchrun and its 2 ranks are always real processes
 IN_PROCESSES = "tiny-llama.yml"
 
 
@@ -136,10 +137,9 @@ def test_example_runs_every_command(
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logged = next(r for r in rows if r.get("step") == last and "eval_loss" in r)
 
-    run = _shardforge if own else _invoke
-    run("merge-sharded-fsdp-weights", example, *where, "--output_path", merged, "--quiet")
+    _invoke("merge-sharded-fsdp-weights", example, *where, "--output_path", merged, "--quiet")
     _same_as_checkpoint(merged, out / f"checkpoint-{last}")
-    run("verify", merged, "--checkpoint", out)
+    _invoke("verify", merged, "--checkpoint", out)
 
     if path.name == "tiny-llama.yml":  # the README's story: plain transformers generates
         # the script as `python examples/generate.py MERGED ...` runs it, in this process
@@ -154,7 +154,7 @@ def test_example_runs_every_command(
     answer = _invoke("inference", example, *where, *prompt).stdout  # the run's latest checkpoint
     assert answer.strip(), "an empty answer"
     # as Axolotl names the model; the answer and shardforge's lines, not transformers' bars
-    named = run("inference", example, "--base-model", merged, *prompt)
+    named = (_shardforge if own else _invoke)("inference", example, "--base-model", merged, *prompt)
     assert named.stdout == answer and f"model: {merged} (--base_model)" in named.stderr
     for noise in ("Loading weights", "it/s]", "Warning", "warnings.warn"):
         assert noise not in named.stderr, named.stderr
