@@ -128,6 +128,7 @@ def test_auto_detected_wrap_class_and_a_good_config_pass(
     assert results == {check.__name__: [] for check in CHECKS}
 
 
+@pytest.mark.slow  # torchrun and 2 ranks
 def test_an_error_found_by_the_ranks_is_printed_once_as_the_last_line(
     base_cfg: dict[str, Any], tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

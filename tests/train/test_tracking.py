@@ -169,6 +169,7 @@ def _wandb_runs(out: Path) -> list[Path]:
     return sorted((out / "wandb").glob("offline-run-*"), key=lambda p: p.stat().st_mtime)
 
 
+@pytest.mark.slow  # the fixture's 2 gloo ranks
 def test_tensorboard_and_offline_wandb_hold_the_logged_metrics(tracked: Path) -> None:
     rows = read_metrics(tracked)
     train = {m["step"]: m for m in rows if "loss" in m}
@@ -204,6 +205,7 @@ def test_tensorboard_and_offline_wandb_hold_the_logged_metrics(tracked: Path) ->
     assert set(history[2]) == TRAIN_TAGS | EVAL_TAGS | {TAGS["epoch"]}
 
 
+@pytest.mark.slow  # the fixture's 2 gloo ranks
 def test_a_resumed_run_records_every_step_once(runs: Path, tracked: Path) -> None:
     """The run stopped after logging step 5 (its save of step 6 never happened): it resumes
     from checkpoint-4 and redoes steps 5 and 6. metrics.jsonl holds each row once (the redone
