@@ -99,6 +99,19 @@ def _train(example: Path, args: list[Any], own: bool, capfd: pytest.CaptureFixtu
     return capfd.readouterr().err
 
 
+def _run_script(script: Path) -> None:
+    """`python SCRIPT sys.argv[1:]` in this process; transformers' progress bars as they were
+    (generate.py turns them off: the later commands' output must show they are off by
+    themselves)."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+
+
 def _same_as_checkpoint(merged: Path, checkpoint: Path) -> None:
     """The merged model computes what the checkpoint's weights compute."""
     import torch
@@ -146,7 +159,7 @@ def test_example_runs_every_command(
         argv = ["examples/generate.py", merged, "--prompt", "The robot", "--max_new_tokens", "8"]
         monkeypatch.setattr(sys, "argv", list(map(str, argv)))
         capfd.readouterr()
-        runpy.run_path(str(ROOT / "examples" / "generate.py"), run_name="__main__")
+        _run_script(ROOT / "examples" / "generate.py")
         gen = capfd.readouterr().out
         assert gen.startswith("The robot") and len(gen.strip()) > len("The robot")
 
