@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 import warnings
@@ -28,6 +29,12 @@ RUNNABLE = [
 # answers need them), checkpoints at two steps
 STEPS = {"tiny-llama.yml": ["--max_steps", "6", "--save_steps", "3"], "tiny-llama-chat.yml": []}
 PROMPTS = {"tiny-llama.yml": "The robot", "tiny-llama-chat.yml": "Tell me a story."}
+# the example whose train and inference run in a process of their own, as a user types them
+# (their exit status and stderr: no transformers' bars or warnings); every other command, and
+# the other example's train launcher, run in this process (the same click commands, without an
+# interpreter's seconds of start-up: merge's and verify's own processes are tested in
+# tests/cli); torchrun and its 2 ranks are always real processes
+IN_PROCESSES = "tiny-llama.yml"
 
 
 def test_there_are_examples() -> None:
@@ -75,6 +82,36 @@ def _invoke(*args: Any) -> Any:
     return result
 
 
+def _train(example: Path, args: list[Any], own: bool, capfd: pytest.CaptureFixture[str]) -> str:
+    """`shardforge train EXAMPLE --nproc_per_node 2 ARGS`: what it printed on stderr. `own`: the
+    command in a process of its own; else its launcher in this process (`do_train`, the
+    command's body), with torchrun and the ranks real child processes writing to this
+    process's stderr."""
+    if own:
+        return _shardforge("train", example, "--nproc_per_node", "2", *args).stderr
+    from shardforge.train.launch import LaunchOptions, do_train
+
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in _env().items():
+            env.setenv(key, value)
+        capfd.readouterr()
+        assert do_train(example, list(map(str, args)), "torchrun", LaunchOptions(2)) == 0
+    return capfd.readouterr().err
+
+
+def _run_script(script: Path) -> None:
+    """`python SCRIPT sys.argv[1:]` in this process; transformers' progress bars as they were
+    (generate.py turns them off: the later commands' output must show they are off by
+    themselves)."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+
+
 def _same_as_checkpoint(merged: Path, checkpoint: Path) -> None:
     """The merged model computes what the checkpoint's weights compute."""
     import torch
@@ -96,7 +133,7 @@ def _same_as_checkpoint(merged: Path, checkpoint: Path) -> None:
 @pytest.mark.slow  # train under torchrun, the other commands in processes of their own
 @pytest.mark.parametrize("path", RUNNABLE, ids=lambda p: p.name)
 def test_example_runs_every_command(
-    path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(ROOT)
     example = path.relative_to(ROOT)
@@ -106,29 +143,31 @@ def test_example_runs_every_command(
     result = _invoke("preprocess", example, *where)
     assert "(written)" in result.stdout and "evaluation sequences (val_set_size)" in result.stdout
 
-    train = _shardforge("train", example, "--nproc_per_node", "2", *where, *STEPS[path.name])
-    assert "using prepared dataset at" in train.stderr
+    own = path.name == IN_PROCESSES
+    train = _train(example, [*where, *STEPS[path.name]], own, capfd)
+    assert "using prepared dataset at" in train
     last = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logged = next(r for r in rows if r.get("step") == last and "eval_loss" in r)
 
-    _shardforge("merge-sharded-fsdp-weights", example, *where, "--output_path", merged, "--quiet")
+    _invoke("merge-sharded-fsdp-weights", example, *where, "--output_path", merged, "--quiet")
     _same_as_checkpoint(merged, out / f"checkpoint-{last}")
-    _shardforge("verify", merged, "--checkpoint", out)
+    _invoke("verify", merged, "--checkpoint", out)
 
     if path.name == "tiny-llama.yml":  # the README's story: plain transformers generates
-        argv = [sys.executable, "examples/generate.py", merged, "--prompt", "The robot"]
-        gen = subprocess.run(
-            [*map(str, argv), "--max_new_tokens", "8"],
-            capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120, check=True,
-        )  # fmt: skip
-        assert gen.stdout.startswith("The robot") and len(gen.stdout.strip()) > len("The robot")
+        # the script as `python examples/generate.py MERGED ...` runs it, in this process
+        argv = ["examples/generate.py", merged, "--prompt", "The robot", "--max_new_tokens", "8"]
+        monkeypatch.setattr(sys, "argv", list(map(str, argv)))
+        capfd.readouterr()
+        _run_script(ROOT / "examples" / "generate.py")
+        gen = capfd.readouterr().out
+        assert gen.startswith("The robot") and len(gen.strip()) > len("The robot")
 
     prompt = ["--prompt", PROMPTS[path.name], "--max_new_tokens", "16"]
     answer = _invoke("inference", example, *where, *prompt).stdout  # the run's latest checkpoint
     assert answer.strip(), "an empty answer"
     # as Axolotl names the model; the answer and shardforge's lines, not transformers' bars
-    named = _shardforge("inference", example, "--base-model", merged, *prompt)
+    named = (_shardforge if own else _invoke)("inference", example, "--base-model", merged, *prompt)
     assert named.stdout == answer and f"model: {merged} (--base_model)" in named.stderr
     for noise in ("Loading weights", "it/s]", "Warning", "warnings.warn"):
         assert noise not in named.stderr, named.stderr

@@ -5,7 +5,6 @@ every chat template name of Axolotl 0.21; a name it cannot render keeps the toke
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -174,13 +173,14 @@ def test_a_name_the_merge_cannot_render_keeps_the_tokenizers_own(ckpt: Any, tmp_
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.slow  # one real train run (in a child process), the only one of these tests
-def test_train_then_merge_with_gemma3s_config(tmp_path: Path) -> None:
+@pytest.mark.slow  # one real train run (in this process), the only one of these tests
+def test_train_then_merge_with_gemma3s_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Axolotl's Gemma 3 FSDP2 config trains (2 steps, one CPU rank, the chat template Gemma
     3's, <end_of_turn> added), and its checkpoint merges with the same config: the saved and
-    the merged tokenizer both carry the template."""
-    import subprocess
-
+    the merged tokenizer both carry the template. (`train` as typed, in this process: the
+    command's own process has its tests in tests/cli/test_train_cli.py and tests/train.)"""
     from helpers.tiny import make_model, tiny_conversations, write_jsonl
 
     base = make_model(tmp_path / "base", "llama")
@@ -188,27 +188,12 @@ def test_train_then_merge_with_gemma3s_config(tmp_path: Path) -> None:
     cfg = materialize(CORPUS / "gemma3-fft-fsdp2.yml", tmp_path, base, tmp_path / "run")
     # the tiny model is a Llama on a CPU: its block class, an attention kernel CPUs have
     cpu = ["--attn_implementation", "sdpa", "--fsdp.transformer_layer_cls_to_wrap"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shardforge.cli.train",
-            str(cfg),
-            "--launcher",
-            "python",
-            "--max_steps",
-            "2",
-            *cpu,
-            "LlamaDecoderLayer",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,  # dataset_prepared_path: last_run_prepared is relative to it
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)  # dataset_prepared_path: last_run_prepared is relative to it
+    argv = ["train", str(cfg), "--launcher", "python", "--max_steps", "2", *cpu]
+    trained = CliRunner().invoke(cli, [*argv, "LlamaDecoderLayer"])
+    assert trained.exit_code == 0, trained.output[-3000:]
     assert (tmp_path / "last_run_prepared").is_dir()
-    assert "step 2/2" in proc.stderr and (tmp_path / "run" / "checkpoint-2").is_dir()
+    assert "step 2/2" in trained.stderr and (tmp_path / "run" / "checkpoint-2").is_dir()
     assert saved_template(tmp_path / "run") == CHAT_TEMPLATES["gemma3"]
     result = merge(cfg, tmp_path / "merged")
     assert result.exit_code == 0, result.output

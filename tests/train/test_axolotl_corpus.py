@@ -1,21 +1,20 @@
 """The Axolotl-shaped configs of tests/config/axolotl_corpus, end to end: every `train-ok` config
 trains on 2 gloo ranks and its checkpoint merges into a model transformers loads; every
-`train-unsupported` config is refused by the real `shardforge train` before any rank starts, one
+`train-unsupported` config is refused by `shardforge train` before any rank starts, one
 line per unsupported key, and still drives the merge."""
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from train_helpers import ROOT, train_configs, train_env
+from train_helpers import train_configs
 
+from helpers import children
 from helpers import corpus as axolotl
 from helpers.dist import run_on_ranks
 from helpers.tiny import make_model
@@ -85,8 +84,10 @@ def test_train_ok_configs_train_on_two_ranks_and_merge(corpus: dict[str, Any]) -
 def test_unsupported_configs_are_refused_by_train_and_merge_reads_them(
     corpus: dict[str, Any],
 ) -> None:
-    """Through the real CLI in one subprocess per config: exit 2 before any rank, one error line
-    with every unsupported key on its own detail line, nothing written to output_dir."""
+    """Through the CLI in this process (`validate` for each config, `train` for one): exit 2
+    before any rank, one error line with every unsupported key on its own detail line, nothing
+    written to output_dir."""
+    from shardforge.cli.main import cli
     from shardforge.cli.validate import command as validate
 
     for name, (kind, keys) in corpus["expect"].items():
@@ -105,19 +106,16 @@ def test_unsupported_configs_are_refused_by_train_and_merge_reads_them(
                 key,
                 refused.output,
             )
-    # the real command, once: refused before any rank starts, one error line naming the key
+    # the train command itself, once (in this process: its own process's exit status and
+    # stderr are read in tests/cli/test_train_cli.py and test_preflight.py): refused before
+    # any rank starts, no process started at all, one error line naming the key
     name, (_, keys) = next((n, e) for n, e in corpus["expect"].items() if e[0] == "unsupported")
-    proc = subprocess.run(
-        [sys.executable, "-m", "shardforge", "train", str(corpus["configs"][name])],
-        capture_output=True,
-        text=True,
-        env=train_env(),
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and len(errors[0]) <= 300, proc.stderr
-    assert "Traceback" not in proc.stderr and "launching" not in proc.stderr
-    assert f"{keys[0]}: " in proc.stderr and "not supported" in proc.stderr, proc.stderr
+    with children.watching() as started:
+        result = CliRunner().invoke(cli, ["train", str(corpus["configs"][name])])
+    assert not started, started
+    assert result.exit_code == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and len(errors[0]) <= 300, result.stderr
+    assert "Traceback" not in result.stderr and "launching" not in result.stderr
+    assert f"{keys[0]}: " in result.stderr and "not supported" in result.stderr, result.stderr
     assert not (corpus["root"] / "runs" / name).exists()

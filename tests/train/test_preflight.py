@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from train_helpers import run_train, write_config
+from train_helpers import train_env, untimed, write_config
 
 from helpers import children
 from shardforge.cli.main import cli
@@ -58,25 +58,19 @@ CASES = [
 ]
 
 
-# the case read from a real `shardforge train` process (its exit status and stderr); the
-# others run the same command in this process (a process of its own costs seconds of imports),
-# where that no child process at all is started is checked directly
-IN_A_PROCESS = "missing_data"
-
-
+# every case runs the command in this process (a process of its own costs seconds of imports),
+# where that no child process at all is started is checked directly; the command's own process
+# (exit status, stderr) is read by test_an_error_found_by_the_ranks_is_printed_once_as_the_last_line
+# (below), tests/cli/test_train_cli.py and tests/train/test_axolotl_corpus.py
 @pytest.mark.parametrize("name,key,text", CASES)
 def test_bad_config_fails_before_launch(
     base_cfg: dict[str, Any], tmp_path: Path, name: str, key: str, text: str
 ) -> None:
     config = write_config(tmp_path / "bad.yml", _bad(base_cfg, tmp_path, name))
-    if name == IN_A_PROCESS:
-        proc = run_train(config, nproc=2, check=False)
-        status, stderr = proc.returncode, proc.stderr
-    else:
-        with children.watching() as started:
-            result = CliRunner().invoke(cli, ["train", str(config), "--nproc_per_node", "2"])
-        assert not started, started  # no torchrun, no process at all
-        status, stderr = result.exit_code, result.stderr
+    with children.watching() as started:
+        result = CliRunner().invoke(cli, ["train", str(config), "--nproc_per_node", "2"])
+    assert not started, started  # no torchrun, no process at all
+    status, stderr = result.exit_code, result.stderr
     assert status == 2, stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, stderr
@@ -134,12 +128,17 @@ def test_auto_detected_wrap_class_and_a_good_config_pass(
     assert results == {check.__name__: [] for check in CHECKS}
 
 
+@pytest.mark.slow  # torchrun and 2 ranks
 def test_an_error_found_by_the_ranks_is_printed_once_as_the_last_line(
-    base_cfg: dict[str, Any], tmp_path: Path
+    base_cfg: dict[str, Any], tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """Too little data for one whole global batch (dataloader_drop_last) is only known after
     tokenizing (on the ranks): one `error:` line, no traceback or torchrun failure report; the
-    config's notice (Axolotl's fsdp_config spelling) is printed once, not once per rank."""
+    config's notice (Axolotl's fsdp_config spelling) is printed once, not once per rank.
+
+    The command runs in this process (CliRunner: its exit status and what it prints), torchrun
+    and its 2 ranks as real child processes, which write to this process's stderr (capfd);
+    the command prints its error after torchrun has ended (nothing of theirs can follow it)."""
     cfg = {
         **{k: v for k, v in base_cfg.items() if k != "fsdp"},
         "fsdp_config": {"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"},
@@ -147,16 +146,24 @@ def test_an_error_found_by_the_ranks_is_printed_once_as_the_last_line(
         "micro_batch_size": 500,
         "dataloader_drop_last": True,
     }
-    proc = run_train(write_config(tmp_path / "big.yml", cfg), nproc=2, check=False)
-    assert proc.returncode == 1
-    lines = proc.stderr.strip().splitlines()
+    config = write_config(tmp_path / "big.yml", cfg)
+    capfd.readouterr()
+    with pytest.MonkeyPatch.context() as env:  # the ranks' environment, as run_train gives it
+        for key, value in train_env().items():
+            env.setenv(key, value)
+        result = CliRunner().invoke(cli, ["train", str(config), "--nproc_per_node", "2"])
+    children_err = capfd.readouterr().err  # torchrun's and the ranks' output
+    assert result.exit_code == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
     assert (
         lines[-1].startswith("error: datasets: ")
         and "fewer than one global batch (2000" in lines[-1]
     )
-    assert [line for line in lines if "error:" in line] == lines[-1:], proc.stderr
-    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
-    notices = [line for line in lines if "notice:" in line]  # how fsdp_config was read:
+    everything = untimed(children_err) + result.stderr
+    assert [line for line in lines if "error:" in line] == lines[-1:], result.stderr
+    assert "error:" not in children_err, children_err
+    assert "Traceback" not in everything and "ChildFailedError" not in everything
+    notices = [line for line in everything.splitlines() if "notice:" in line]  # fsdp_config:
     assert len(notices) == len(set(notices)), notices  # a debug line now; never per rank
 
 

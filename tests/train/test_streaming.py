@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from train_helpers import losses, run_train, write_config
+import yaml
+from train_helpers import losses, train_configs, write_config
 
 from helpers.dist import run_on_ranks
 from helpers.tiny import write_jsonl
-from shardforge.config import validate_cfg
+from shardforge.config import load_cfg, validate_cfg
 from shardforge.errors import ConfigError
 from shardforge.train.data import load_tokenizer
-from shardforge.train.preflight import check_datasets
+from shardforge.train.preflight import check_datasets, preflight
 from shardforge.train.runtime import Runtime
 from shardforge.train.step import micro_batches
 from shardforge.train.streaming import Position, Stream, StreamOrder
@@ -59,15 +59,42 @@ def _ranks_take(rank: int, world: int, cfg: Any, steps: int, out: str) -> None:
     torch.save(seen, Path(out) / f"rank{rank}.pt")
 
 
+def _take_then_train(
+    rank: int, world: int, cfg: Any, steps: int, out: str, config: str, stores: str
+) -> None:
+    """On each of 2 ranks: `_ranks_take`, then train `config` as a rank of `shardforge train`
+    does (`train_configs`): two checks, one launch."""
+    _ranks_take(rank, world, cfg, steps, out)
+    train_configs(rank, world, [(config, None)], stores)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch of 2 gloo ranks: take/ holds each rank's micro-batches of 12 steps of 12
+    sequences (`_ranks_take`); a/ the output of a pretraining run of 4 steps (checkpoints at 2
+    and 4), a.yml its config, which passed the launcher's checks first."""
+    root = tmp_path_factory.mktemp("streamed")
+    (root / "take").mkdir()
+    (root / "stores").mkdir()
+    cfg = _raw(base_cfg, max_steps=4, output_dir=str(root / "a"), save_steps=2)
+    cfg.update(warmup_steps=0, micro_batch_size=3)
+    config = write_config(root / "a.yml", cfg)
+    preflight(load_cfg(config, command="train").to_model(), str(config))  # as the launcher
+    take = _cfg(base_cfg, micro_batch_size=3, max_steps=12)
+    run_on_ranks(
+        _take_then_train, 2, take, 12, str(root / "take"), str(config), str(root / "stores")
+    )
+    return root
+
+
 @pytest.mark.slow
 def test_two_gloo_ranks_take_disjoint_sequences_covering_the_stream(
-    base_cfg: dict[str, Any], tmp_path: Path
+    base_cfg: dict[str, Any], two_ranks: Path
 ) -> None:
     """2 gloo ranks, 12 steps of 12 sequences: more than one epoch of the 48 texts (packed:
     138 windows an epoch), so the blocks, the epoch's end and its restart are crossed."""
     cfg = _cfg(base_cfg, micro_batch_size=3, max_steps=12)
-    run_on_ranks(_ranks_take, 2, cfg, 12, str(tmp_path))
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    r0, r1 = (torch.load(two_ranks / "take" / f"rank{r}.pt") for r in (0, 1))
     taken = [row for a, b in zip(r0, r1, strict=True) for row in a + b]
     stream = Stream(cfg, load_tokenizer(cfg), 144)
     whole = _rows(stream.select(list(range(144))))
@@ -195,23 +222,20 @@ def test_stream_config_checks(base_cfg: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_pretraining_trains_and_resumes_the_stream_at_another_world_size(
-    base_cfg: dict[str, Any], tmp_path: Path
+    two_ranks: Path, tmp_path: Path
 ) -> None:
     """2 ranks, 4 steps (checkpoints at 2 and 4): the loss falls. Resumed from checkpoint-2 on
     1 rank, steps 3 and 4 see the same sequences (the same losses): the stream continues at
     the checkpoint's position, nothing repeated or skipped."""
-    cfg = _raw(base_cfg, max_steps=4, output_dir=str(tmp_path / "a"), save_steps=2)
-    cfg.update(warmup_steps=0, micro_batch_size=3)
-    run_train(write_config(tmp_path / "a.yml", cfg))
-    two = losses(tmp_path / "a")
+    cfg = yaml.safe_load((two_ranks / "a.yml").read_text())
+    two = losses(two_ranks / "a")
     assert two[4] < two[1] - 0.3, two
     from shardforge.train.launch import do_train
 
     b = {**cfg, "output_dir": str(tmp_path / "b"), "micro_batch_size": 6}
-    b["resume_from_checkpoint"] = str(tmp_path / "a" / "checkpoint-2")
+    b["resume_from_checkpoint"] = str(two_ranks / "a" / "checkpoint-2")
     assert do_train(write_config(tmp_path / "b.yml", b), [], "python") == 0
     one = losses(tmp_path / "b")
     assert sorted(one) == [3, 4]
     for step in (3, 4):
         assert math.isclose(one[step], two[step], rel_tol=RTOL), (step, one, two)
-    shutil.rmtree(tmp_path / "a")

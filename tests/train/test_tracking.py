@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from train_helpers import launch_train, read_metrics, write_config
+from train_helpers import read_metrics, train_configs, write_config
 
+from helpers.dist import run_on_ranks
 from shardforge.config import validate_cfg
 from shardforge.errors import ConfigError
 from shardforge.train import checkpointing as ckpt
@@ -54,14 +55,66 @@ def _tracked_cfg(base_cfg: dict[str, Any], out: Path, **extra: Any) -> dict[str,
     }
 
 
+def _stopped_copy(tracked: Path, out: Path) -> None:
+    """`tracked` as a run that stopped after logging step 5 (its save of step 6 never
+    happened), in `out`: checkpoint-6 gone, metrics.jsonl up to step 5 with step 5's loss
+    `STOPPED_LOSS` (what the stopped run logged; the redone step must replace it)."""
+    shutil.copytree(tracked, out)
+    shutil.rmtree(out / "checkpoint-6")
+    before = [m for m in read_metrics(out) if m["step"] <= 5]
+    for m in before:
+        if m["step"] == 5:
+            m["loss"] = STOPPED_LOSS
+    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in before))
+
+
+STOPPED_LOSS = -1.0
+
+
+def _tracked_then_resumed(rank: int, world: int, root: str) -> None:
+    """On each of 2 ranks, as a rank of `shardforge train` runs them (`train_configs`, rank 0's
+    log in <run>/log.txt): the tracked run; then, once rank 0 has made resumed/out its stopped
+    copy and the launcher's checks passed on the resumed config, the resumed run."""
+    import torch.distributed as dist
+
+    from shardforge.config import load_cfg
+    from shardforge.train.preflight import preflight
+
+    top = Path(root)
+    tracked, resumed = top / "tracked", top / "resumed"
+    train_configs(rank, world, [(str(tracked / "cfg.yml"), str(tracked / "log.txt"))], root)
+    if rank == 0:
+        _stopped_copy(tracked / "out", resumed / "out")
+        config = str(resumed / "cfg.yml")
+        preflight(load_cfg(config, command="train").to_model(), config)
+    dist.barrier()  # the resumed run starts from the stopped copy
+    dist.destroy_process_group()
+    (resumed / "stores").mkdir(exist_ok=True)
+    train_configs(
+        rank, world, [(str(resumed / "cfg.yml"), str(resumed / "log.txt"))], str(resumed / "stores")
+    )
+
+
 @pytest.fixture(scope="module")
-def tracked(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-rank run of 6 steps with TensorBoard and offline W&B, evaluating every 2 steps and
-    checkpointing every 2."""
+def runs(base_cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch of 2 ranks with TensorBoard and offline W&B: tracked/, a run of 6 steps
+    evaluating every 2 steps and checkpointing every 2; resumed/, that run stopped after
+    logging step 5 (`_stopped_copy`) and resumed (resume_from_checkpoint: auto)."""
     root = tmp_path_factory.mktemp("tracked")
-    out = root / "out"
-    launch_train(write_config(root / "cfg.yml", _tracked_cfg(base_cfg, out)), env=WANDB_ENV)
-    return out
+    for run, extra in (("tracked", {}), ("resumed", {"resume_from_checkpoint": "auto"})):
+        (root / run).mkdir()
+        cfg = _tracked_cfg(base_cfg, root / run / "out", **extra)
+        write_config(root / run / "cfg.yml", cfg)
+    with pytest.MonkeyPatch.context() as env:  # the ranks' environment
+        for key, value in WANDB_ENV.items():
+            env.setenv(key, value)
+        run_on_ranks(_tracked_then_resumed, 2, str(root))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tracked(runs: Path) -> Path:
+    return runs / "tracked" / "out"
 
 
 def _scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -116,6 +169,7 @@ def _wandb_runs(out: Path) -> list[Path]:
     return sorted((out / "wandb").glob("offline-run-*"), key=lambda p: p.stat().st_mtime)
 
 
+@pytest.mark.slow  # the fixture's 2 gloo ranks
 def test_tensorboard_and_offline_wandb_hold_the_logged_metrics(tracked: Path) -> None:
     rows = read_metrics(tracked)
     train = {m["step"]: m for m in rows if "loss" in m}
@@ -151,25 +205,14 @@ def test_tensorboard_and_offline_wandb_hold_the_logged_metrics(tracked: Path) ->
     assert set(history[2]) == TRAIN_TAGS | EVAL_TAGS | {TAGS["epoch"]}
 
 
-def test_a_resumed_run_records_every_step_once(
-    tracked: Path, base_cfg: dict[str, Any], tmp_path: Path
-) -> None:
+@pytest.mark.slow  # the fixture's 2 gloo ranks
+def test_a_resumed_run_records_every_step_once(runs: Path, tracked: Path) -> None:
     """The run stopped after logging step 5 (its save of step 6 never happened): it resumes
     from checkpoint-4 and redoes steps 5 and 6. metrics.jsonl holds each row once (the redone
     step 5 replaces the one logged before the stop), TensorBoard purges the earlier events of
     steps from 5 on, and W&B, which keeps the steps it has, gets only step 6."""
-    out = tmp_path / "out"
-    shutil.copytree(tracked, out)
-    shutil.rmtree(out / "checkpoint-6")
-    before = [m for m in read_metrics(out) if m["step"] <= 5]
-    sentinel = -1.0  # what the stopped run logged for step 5; the redone step must replace it
-    for m in before:
-        if m["step"] == 5:
-            m["loss"] = sentinel
-    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in before))
-
-    cfg = _tracked_cfg(base_cfg, out, resume_from_checkpoint="auto")
-    stderr = launch_train(write_config(tmp_path / "cfg.yml", cfg), env=WANDB_ENV)
+    out = runs / "resumed" / "out"
+    stderr = (runs / "resumed" / "log.txt").read_text()
     assert "checkpoint-4 at step 4" in stderr
     assert "eval at step 0" not in stderr  # only a fresh run evaluates before step 1
 
