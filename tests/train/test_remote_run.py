@@ -6,6 +6,7 @@ one's weights; settings a stored output_dir cannot serve are refused before any 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -13,12 +14,13 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import losses, run_train, shared_run, write_config
+from train_helpers import launch_train, losses, shared_run, write_config
 
 from helpers.s3 import S3Server
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
 from shardforge.merge.api import merge_fsdp_weights
+from shardforge.train.launch import do_train
 from shardforge.train.preflight import check_output, check_resume, preflight
 from shardforge.train.remote_run import RemoteOutput, RunFiles
 
@@ -44,13 +46,17 @@ def test_train_saves_to_s3_and_resumes_at_another_world_size(
     s3_server: S3Server,
     tmp_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The same config trained to the store as the shared local reference run (2 ranks)."""
+    """The same config trained to the store as the shared local reference run (2 ranks: the
+    launcher in this process, torchrun and its ranks), then resumed on 1 rank in this process
+    (`--launcher python`); the credentials and endpoint come from the AWS variables."""
     bucket = s3_server.bucket("train-run")
     prefix = f"{bucket}/run"
     env = s3_server.env({})  # credentials and endpoint from the AWS variables
     local = shared_run(tmp_path_factory, "reference").out  # read only
-    run_train(
+    launch_train(
         write_config(tmp_path / "s3.yml", {**base_cfg, "output_dir": f"s3://{prefix}"}), env=env
     )
     stored = keys(s3_server, prefix)
@@ -82,8 +88,12 @@ def test_train_saves_to_s3_and_resumes_at_another_world_size(
         "resume_from_checkpoint": "auto",
         "save_total_limit": 2,
     }
-    proc = run_train(write_config(tmp_path / "resume.yml", resumed), nproc=1, env=env)
-    assert f"resumed from s3://{prefix}/checkpoint-4 at step 4" in proc.stderr, proc.stderr[-3000:]
+    for name, value in env.items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        assert do_train(write_config(tmp_path / "resume.yml", resumed), [], "python") == 0
+    assert f"resumed from s3://{prefix}/checkpoint-4 at step 4" in caplog.text, caplog.text[-3000:]
     got = stored_losses(s3_server, prefix)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
