@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import launch_train, losses, shared_run, write_config
+from train_helpers import losses, shared_run, train_configs, write_config
 
+from helpers.dist import run_on_preloaded_ranks, stop_fork_server
 from helpers.s3 import S3Server
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
@@ -49,16 +50,24 @@ def test_train_saves_to_s3_and_resumes_at_another_world_size(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The same config trained to the store as the shared local reference run (2 ranks: the
-    launcher in this process, torchrun and its ranks), then resumed on 1 rank in this process
-    (`--launcher python`); the credentials and endpoint come from the AWS variables."""
+    """The same config trained to the store as the shared local reference run (2 gloo ranks
+    running what `shardforge train`'s do, `train_configs`, forked from a server that imported
+    the training code once), then resumed on 1 rank in this process (`--launcher python`); the
+    credentials and endpoint come from the AWS variables."""
     bucket = s3_server.bucket("train-run")
     prefix = f"{bucket}/run"
     env = s3_server.env({})  # credentials and endpoint from the AWS variables
     local = shared_run(tmp_path_factory, "reference").out  # read only
-    launch_train(
-        write_config(tmp_path / "s3.yml", {**base_cfg, "output_dir": f"s3://{prefix}"}), env=env
-    )
+    for name, value in env.items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    (tmp_path / "stores").mkdir()
+    config = write_config(tmp_path / "s3.yml", {**base_cfg, "output_dir": f"s3://{prefix}"})
+    stop_fork_server()  # a new one, with the AWS variables
+    try:
+        run_on_preloaded_ranks(train_configs, 2, [(str(config), None)], str(tmp_path / "stores"))
+    finally:
+        stop_fork_server()
     stored = keys(s3_server, prefix)
     for step in (2, 4, 6):
         for name in ("trainer_state.json", "model/.metadata", "optimizer/.metadata"):
@@ -88,9 +97,6 @@ def test_train_saves_to_s3_and_resumes_at_another_world_size(
         "resume_from_checkpoint": "auto",
         "save_total_limit": 2,
     }
-    for name, value in env.items():
-        if name.startswith("AWS_"):
-            monkeypatch.setenv(name, value)
     with caplog.at_level(logging.INFO, logger="shardforge"):
         assert do_train(write_config(tmp_path / "resume.yml", resumed), [], "python") == 0
     assert f"resumed from s3://{prefix}/checkpoint-4 at step 4" in caplog.text, caplog.text[-3000:]
