@@ -17,7 +17,7 @@ import torch
 from torch.multiprocessing import ProcessExitedException
 from train_helpers import Run, losses, shared_run, train_configs, write_config
 
-from helpers.dist import join_ranks, start_preloaded_ranks, stop_fork_server
+from helpers.preloaded import join_ranks, start_preloaded_ranks, stop_fork_server
 from shardforge.formats.dcp.metadata import read_metadata
 from shardforge.train import checkpointing as ckpt
 

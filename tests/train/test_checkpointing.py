@@ -20,7 +20,12 @@ import torch
 from torch.multiprocessing import ProcessExitedException
 from train_helpers import losses, read_metrics, shared_run, train_configs, write_config
 
-from helpers.dist import join_ranks, run_on_preloaded_ranks, start_preloaded_ranks, stop_fork_server
+from helpers.preloaded import (
+    join_ranks,
+    run_on_preloaded_ranks,
+    start_preloaded_ranks,
+    stop_fork_server,
+)
 from shardforge.errors import CheckpointError
 from shardforge.train import checkpointing as ckpt
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import losses, shared_run, train_configs, write_config
 
-from helpers.dist import run_on_preloaded_ranks, stop_fork_server
+from helpers.preloaded import run_on_preloaded_ranks, stop_fork_server
 from helpers.s3 import S3Server
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
