@@ -49,7 +49,7 @@ def _fork_server() -> Iterator[None]:
 def _train_on_ranks(config: Path, nproc: int) -> str:
     """Train `config` on `nproc` gloo ranks as `shardforge train`'s ranks do (`run_training`,
     `train_configs`), forked from a server that imported the training code once (the launcher
-    and torchrun have tests of their own: test_launch.py, the kill -9 test here); rank 0's
+    and torchrun are tested in test_launch.py, test_preflight.py, test_tracking.py); rank 0's
     log."""
     log = config.with_suffix(".log")
     stores = config.parent / f"{config.stem}-stores"
