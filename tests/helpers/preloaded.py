@@ -85,7 +85,10 @@ def stop_fork_server() -> None:
     process's children's. A later call of `run_on_preloaded_ranks` starts a new one."""
     from multiprocessing import forkserver, process, util
 
-    forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    server: Any = forkserver._forkserver
+    if server._forkserver_pid is None:  # none running: nothing to end, no folder to remove
+        return
+    server._stop()
     # the server's socket was in multiprocessing's temporary folder (made once per process,
     # removed at exit): remove it now, as pytest removes TMPDIR (the session's) before the exit
     for finalizer in list(util._finalizer_registry.values()):  # type: ignore[attr-defined]
