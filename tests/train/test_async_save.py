@@ -6,26 +6,18 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from train_helpers import (
-    ROOT,
-    Run,
-    job_processes,
-    kill_all,
-    losses,
-    shared_run,
-    train_cmd,
-    train_env,
-    write_config,
-)
+from torch.multiprocessing import ProcessExitedException
+from train_helpers import Run, losses, shared_run, train_configs, write_config
 
+from helpers.preloaded import join_ranks, start_preloaded_ranks, stop_fork_server
 from shardforge.formats.dcp.metadata import read_metadata
 from shardforge.train import checkpointing as ckpt
 
@@ -95,10 +87,12 @@ def test_async_checkpoints_equal_sync_ones(sync_run: Run, async_run: Run) -> Non
 def test_kill_9_during_an_async_save_resumes_from_the_last_complete_checkpoint(
     sync_run: Run, base_cfg: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The job (`shardforge train` on 2 ranks) is killed with SIGKILL while checkpoint-4 is
-    being written in the background (its ranks' RNG files exist, the shards are being written);
-    with save_total_limit 1 the older checkpoint-2 is still there, and the next run (1 rank, in
-    this process) resumes from it and computes what the uninterrupted run did."""
+    """The 2 gloo ranks of a run are killed with SIGKILL (every rank at once) while
+    checkpoint-4 is being written in the background (its ranks' RNG files exist, the shards
+    are being written); with save_total_limit 1 the older checkpoint-2 is still there, and the
+    next run (1 rank, in this process) resumes from it and computes what the uninterrupted run
+    did. (The ranks run what `shardforge train`'s do, `train_configs`, forked from a server
+    that imported the training code once: the command's kill -9 is test_launch.py's.)"""
     from shardforge.train.launch import do_train
 
     out = tmp_path / "out"
@@ -110,23 +104,24 @@ def test_kill_9_during_an_async_save_resumes_from_the_last_complete_checkpoint(
         "resume_from_checkpoint": "auto",
     }
     config = write_config(tmp_path / "cfg.yml", cfg)
-    job = subprocess.Popen(
-        train_cmd(config, nproc=2),
-        cwd=ROOT,
-        env=train_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+    (tmp_path / "stores").mkdir()
+    ranks = start_preloaded_ranks(
+        train_configs, 2, [(str(config), None)], str(tmp_path / "stores"), store=str(tmp_path)
     )
-    procs = job_processes(job, config, ranks=2)
-    saving = out / "checkpoint-4.tmp"
-    deadline = time.monotonic() + 240
-    while not all((saving / f"rng_state_{rank}.pt").exists() for rank in (0, 1)):
-        assert job.poll() is None, "training ended before the save of step 4"
-        assert time.monotonic() < deadline, "timed out waiting for the save of step 4"
-        time.sleep(0.001)
-    kill_all(job, procs)  # kill -9 of the launcher, torchrun and every rank
-    assert job.returncode == -signal.SIGKILL
+    try:
+        saving = out / "checkpoint-4.tmp"
+        deadline = time.monotonic() + 240
+        while not all((saving / f"rng_state_{rank}.pt").exists() for rank in (0, 1)):
+            assert all(p.is_alive() for p in ranks.processes), "training ended before step 4"
+            assert time.monotonic() < deadline, "timed out waiting for the save of step 4"
+            time.sleep(0.001)
+        for rank in ranks.processes:  # kill -9 of every rank
+            os.kill(rank.pid, signal.SIGKILL)
+        with pytest.raises(ProcessExitedException, match="SIGKILL"):
+            join_ranks(ranks)
+    finally:
+        stop_fork_server()
+    assert [rank.exitcode for rank in ranks.processes] == [-signal.SIGKILL] * 2
     assert saving.is_dir() and not (out / "checkpoint-4").exists()
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
 

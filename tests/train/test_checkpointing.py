@@ -9,28 +9,23 @@ import math
 import os
 import shutil
 import signal
-import subprocess
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from train_helpers import (
-    ROOT,
-    job_processes,
-    kill_all,
-    launch_train,
-    losses,
-    read_metrics,
-    run_train,
-    shared_run,
-    train_cmd,
-    train_env,
-    write_config,
-)
+from torch.multiprocessing import ProcessExitedException
+from train_helpers import losses, read_metrics, shared_run, train_configs, write_config
 
+from helpers.preloaded import (
+    join_ranks,
+    run_on_preloaded_ranks,
+    start_preloaded_ranks,
+    stop_fork_server,
+)
 from shardforge.errors import CheckpointError
 from shardforge.train import checkpointing as ckpt
 
@@ -42,6 +37,25 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted 2-rank run of 6 steps, checkpointing every 2 steps (`shared_run`,
     shared with other modules: read only)."""
     return shared_run(tmp_path_factory, "reference").out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fork_server() -> Iterator[None]:
+    """The fork server of the tests' gloo ranks (`_train_on_ranks`) ends with this module."""
+    yield
+    stop_fork_server()
+
+
+def _train_on_ranks(config: Path, nproc: int) -> str:
+    """Train `config` on `nproc` gloo ranks as `shardforge train`'s ranks do (`run_training`,
+    `train_configs`), forked from a server that imported the training code once (the launcher
+    and torchrun are tested in test_launch.py, test_preflight.py, test_tracking.py); rank 0's
+    log."""
+    log = config.with_suffix(".log")
+    stores = config.parent / f"{config.stem}-stores"
+    stores.mkdir()
+    run_on_preloaded_ranks(train_configs, nproc, [(str(config), str(log))], str(stores))
+    return log.read_text()
 
 
 def _stopped_after(reference: Path, step: int, dest: Path) -> Path:
@@ -133,7 +147,7 @@ def test_resume_continues_like_an_uninterrupted_run(
         "micro_batch_size": micro,
         "resume_from_checkpoint": "auto",
     }
-    stderr = launch_train(write_config(tmp_path / "cfg.yml", cfg), nproc=nproc)
+    stderr = _train_on_ranks(write_config(tmp_path / "cfg.yml", cfg), nproc=nproc)
     assert "resumed from" in stderr and "checkpoint-4 at step 4" in stderr
     got = losses(out)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
@@ -193,36 +207,36 @@ def test_complete_checkpoints_resolve_and_prune(tmp_path: Path) -> None:
 def test_kill_9_during_save_resumes_from_the_last_complete_checkpoint(
     reference: Path, base_cfg: dict[str, Any], tmp_path: Path
 ) -> None:
-    """A real save of step 4 is killed with SIGKILL as soon as its `checkpoint-4.tmp` appears
-    (the save takes about 200 ms; the test polls every millisecond): the next run resumes from
-    checkpoint-2 and computes what the uninterrupted run did."""
+    """A real save of step 4 on 2 gloo ranks is killed with SIGKILL (every rank at once) as
+    soon as its `checkpoint-4.tmp` appears (the save takes about 200 ms; the test polls every
+    millisecond): the next run (2 ranks) resumes from checkpoint-2 and computes what the
+    uninterrupted run did. (The ranks are `_train_on_ranks`' : `kill -9` of the `shardforge
+    train` command, its torchrun and ranks, is test_launch.py's.)"""
     out = tmp_path / "out"
     config = write_config(
         tmp_path / "cfg.yml",
         {**base_cfg, "output_dir": str(out), "resume_from_checkpoint": "auto"},
     )
-    job = subprocess.Popen(
-        train_cmd(config, nproc=2),
-        cwd=ROOT,
-        env=train_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+    (tmp_path / "stores").mkdir()
+    ranks = start_preloaded_ranks(
+        train_configs, 2, [(str(config), None)], str(tmp_path / "stores"), store=str(tmp_path)
     )
-    procs = job_processes(job, config, ranks=2)
     saving = out / "checkpoint-4.tmp"
     deadline = time.monotonic() + 240
     while not saving.exists():
-        assert job.poll() is None, "training ended before the save of step 4"
+        assert all(p.is_alive() for p in ranks.processes), "training ended before step 4's save"
         assert time.monotonic() < deadline, "timed out waiting for the save of step 4"
         time.sleep(0.001)
-    kill_all(job, procs)  # kill -9 of the launcher, torchrun and every rank
-    assert job.returncode == -signal.SIGKILL
+    for rank in ranks.processes:  # kill -9 of every rank
+        os.kill(rank.pid, signal.SIGKILL)
+    with pytest.raises(ProcessExitedException, match="SIGKILL"):
+        join_ranks(ranks)
+    assert [rank.exitcode for rank in ranks.processes] == [-signal.SIGKILL] * 2
     assert saving.is_dir()
     assert not (out / "checkpoint-4").exists()
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2"]
 
-    assert "checkpoint-2 at step 2" in launch_train(config)
+    assert "checkpoint-2 at step 2" in _train_on_ranks(config, nproc=2)
     _assert_same_losses(losses(out), losses(reference), range(3, 7))
     assert [p.name for p in ckpt.complete_checkpoints(out)] == [
         "checkpoint-2",
@@ -307,19 +321,26 @@ def test_a_named_damaged_checkpoint_is_one_error(
     reference: Path, base_cfg: dict[str, Any], tmp_path: Path
 ) -> None:
     """`shardforge train` on 2 ranks with a damaged checkpoint named explicitly: one error
-    line, no traceback, nothing trained."""
+    line, no traceback, nothing trained. (The command in this process, click's runner: its
+    exit status and stderr in a process of its own are tests/cli/test_train_cli.py's.)"""
+    from click.testing import CliRunner
+
+    from shardforge.cli.train import command
+
     out = _stopped_after(reference, 4, tmp_path / "out")
     _truncate(out / "checkpoint-4" / "optimizer" / "__0_0.distcp")
     named = str(out / "checkpoint-4")
     config = write_config(
         tmp_path / "cfg.yml", {**base_cfg, "output_dir": str(out), "resume_from_checkpoint": named}
     )
-    proc = run_train(config, nproc=2, check=False)
-    assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1, proc.stderr
+    result = CliRunner().invoke(command, [str(config), "--nproc_per_node", "2"])
+    assert result.exit_code not in (0, None) and not isinstance(result.exception, Exception), (
+        result.exception
+    )
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, result.stderr
     assert "checkpoint-4 cannot be resumed" in errors[0] and "truncated" in errors[0]
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in result.stderr and not result.stdout
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
 
 
@@ -342,7 +363,7 @@ def test_hsdp_trains_resumes_and_merges_like_full_shard(
         "dp_shard_size": 2,
         "fsdp": {**base_cfg["fsdp"], "hybrid_shard": True},
     }
-    stderr = launch_train(write_config(tmp_path / "hsdp.yml", cfg), nproc=4)
+    stderr = _train_on_ranks(write_config(tmp_path / "hsdp.yml", cfg), nproc=4)
     assert "HSDP: 2 replicas of 2-rank shard groups" in stderr
     state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
     assert state["mesh_shape"] == [2, 2] and state["world_size"] == 4

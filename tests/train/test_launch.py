@@ -51,39 +51,50 @@ def test_multi_machine_options_are_passed_through() -> None:
     assert cmd[-3:] == ["-m", "shardforge.cli.train_rank", "cfg.yml"]
 
 
-@pytest.mark.slow  # python -c
-def test_training_never_imports_the_merge() -> None:
-    import subprocess
+# One child process for the two tests below (its imports cost seconds): it imports the training
+# side, reports which merge modules came with it, then runs a rank's entry with a stand-in for
+# the training.
+_RANK_CHILD = (
+    "import json, sys, shardforge.cli.train, shardforge.cli.train_rank, shardforge.train.loop, "
+    "shardforge.train.preflight\n"
+    "bad = sorted(m for m in sys.modules if m.startswith(('shardforge.inspection', "
+    "'shardforge.merge')))\n"
+    "print('imported: ' + json.dumps(bad), flush=True)\n"
+    "import logging, shardforge.cli.train_rank as rank, shardforge.train.loop as loop\n"
+    "import shardforge.train.launch as launch\n"
+    "launch.load_checked = lambda path, overrides: None\n"
+    "loop.run_training = lambda cfg, keep_group=False: "
+    "logging.getLogger('shardforge').info('step 1/2')\n"
+    "rank.main(['cfg.yml'])\n"
+)
 
-    code = (
-        "import sys, shardforge.cli.train, shardforge.cli.train_rank, shardforge.train.loop, "
-        "shardforge.train.preflight\n"
-        "bad = sorted(m for m in sys.modules if m.startswith(('shardforge.inspection', "
-        "'shardforge.merge')))\n"
-        "assert not bad, bad\n"
+
+@pytest.fixture(scope="module")
+def rank_child() -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _RANK_CHILD], capture_output=True, text=True, timeout=120
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.slow  # python -c
+def test_training_never_imports_the_merge(rank_child: subprocess.CompletedProcess[str]) -> None:
+    import json
+
+    (line,) = [x for x in rank_child.stdout.splitlines() if x.startswith("imported: ")]
+    bad = json.loads(line.removeprefix("imported: "))
+    assert bad == [], bad
 
 
 @pytest.mark.slow
-def test_a_training_ranks_log_lines_start_with_the_time() -> None:
+def test_a_training_ranks_log_lines_start_with_the_time(
+    rank_child: subprocess.CompletedProcess[str],
+) -> None:
     """A rank's lines carry the time of day (the compile, an evaluation, a save: how long
     each took shows); the rank's entry run with a stand-in for the training."""
     import re
-    import subprocess
 
-    code = (
-        "import logging, shardforge.cli.train_rank as rank, shardforge.train.loop as loop\n"
-        "import shardforge.train.launch as launch\n"
-        "launch.load_checked = lambda path, overrides: None\n"
-        "loop.run_training = lambda cfg, keep_group=False: "
-        "logging.getLogger('shardforge').info('step 1/2')\n"
-        "rank.main(['cfg.yml'])\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    lines = [line for line in proc.stderr.splitlines() if "step 1/2" in line]
+    assert rank_child.returncode == 0, rank_child.stderr[-3000:]
+    lines = [line for line in rank_child.stderr.splitlines() if "step 1/2" in line]
     assert len(lines) == 1 and re.fullmatch(r"\d\d:\d\d:\d\d step 1/2", lines[0]), lines
 
 

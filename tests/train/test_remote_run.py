@@ -6,6 +6,7 @@ one's weights; settings a stored output_dir cannot serve are refused before any 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -13,12 +14,14 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import losses, run_train, shared_run, write_config
+from train_helpers import losses, shared_run, train_configs, write_config
 
+from helpers.preloaded import run_on_preloaded_ranks, stop_fork_server
 from helpers.s3 import S3Server
 from shardforge.config.schema import ShardforgeConfig
 from shardforge.errors import ConfigError
 from shardforge.merge.api import merge_fsdp_weights
+from shardforge.train.launch import do_train
 from shardforge.train.preflight import check_output, check_resume, preflight
 from shardforge.train.remote_run import RemoteOutput, RunFiles
 
@@ -44,15 +47,27 @@ def test_train_saves_to_s3_and_resumes_at_another_world_size(
     s3_server: S3Server,
     tmp_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The same config trained to the store as the shared local reference run (2 ranks)."""
+    """The same config trained to the store as the shared local reference run (2 gloo ranks
+    running what `shardforge train`'s do, `train_configs`, forked from a server that imported
+    the training code once), then resumed on 1 rank in this process (`--launcher python`); the
+    credentials and endpoint come from the AWS variables."""
     bucket = s3_server.bucket("train-run")
     prefix = f"{bucket}/run"
     env = s3_server.env({})  # credentials and endpoint from the AWS variables
     local = shared_run(tmp_path_factory, "reference").out  # read only
-    run_train(
-        write_config(tmp_path / "s3.yml", {**base_cfg, "output_dir": f"s3://{prefix}"}), env=env
-    )
+    for name, value in env.items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    (tmp_path / "stores").mkdir()
+    config = write_config(tmp_path / "s3.yml", {**base_cfg, "output_dir": f"s3://{prefix}"})
+    stop_fork_server()  # a new one, with the AWS variables
+    try:
+        run_on_preloaded_ranks(train_configs, 2, [(str(config), None)], str(tmp_path / "stores"))
+    finally:
+        stop_fork_server()
     stored = keys(s3_server, prefix)
     for step in (2, 4, 6):
         for name in ("trainer_state.json", "model/.metadata", "optimizer/.metadata"):
@@ -82,8 +97,9 @@ def test_train_saves_to_s3_and_resumes_at_another_world_size(
         "resume_from_checkpoint": "auto",
         "save_total_limit": 2,
     }
-    proc = run_train(write_config(tmp_path / "resume.yml", resumed), nproc=1, env=env)
-    assert f"resumed from s3://{prefix}/checkpoint-4 at step 4" in proc.stderr, proc.stderr[-3000:]
+    with caplog.at_level(logging.INFO, logger="shardforge"):
+        assert do_train(write_config(tmp_path / "resume.yml", resumed), [], "python") == 0
+    assert f"resumed from s3://{prefix}/checkpoint-4 at step 4" in caplog.text, caplog.text[-3000:]
     got = stored_losses(s3_server, prefix)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
