@@ -5,10 +5,11 @@ leaves nothing at the output path and the input unchanged.
 (Where 2 and 3 ranks cut each tensor is checked for 1 to 5 ranks without processes, in
 `test_shares_cover_every_byte_once_and_split_large_tensors`; a torchrun launch costs seconds.)
 
-Ours goes through the real CLI and torchrun (`merge_rank` on each rank) at 2 and 3 ranks; the
-other layouts and the torchtitan step are merged on 2 gloo ranks in one launch, each with
+Every layout and the torchtitan step are merged on 2 gloo ranks in one launch, each with
 `group=` (the same `merge_on_ranks` that `merge_rank` runs: the launcher does not depend on
-the layout, and each torchrun launch costs 3 processes that import torch).
+the layout, and each torchrun launch costs 3 processes that import torch); ours also through
+the real CLI and torchrun (`merge_rank` on each rank) at 3 ranks, and the tests of signals and
+kills below launch 2 ranks through them.
 
 The checkpoints are the session-shared ones of `test_inspection` (3 gloo ranks of a tiny Llama
 in our, HF Trainer, Lightning, verl and LMMs-Engine layouts), plus a torchtitan step (its own
@@ -48,9 +49,9 @@ LAYOUTS = {  # layout -> its tree in test_inspection's checkpoints
     "verl": "verl",
     "lmms-engine": "lmms",
 }
-# ours: through the CLI and torchrun at 2 and 3 ranks (3: the uneven split, once; a launch
-# costs seconds); the others (and the torchtitan step) on 2 ranks of one launch, with group=
-TORCHRUN_WORLDS = (2, 3)
+# every layout (and the torchtitan step) on 2 ranks of one launch, with group=; ours also
+# through the CLI and torchrun at 3 ranks (the uneven split, once; a launch costs seconds)
+TORCHRUN_WORLDS = (3,)
 TITAN = "torchtitan"
 OK = "ok"
 # the outputs' folder, name -> (base model, checkpoint), name -> the checkpoint's tree before
@@ -125,13 +126,10 @@ def _merge_each(rank: int, world: int, jobs: dict[str, tuple[str, str]], out: st
 def on_two_ranks(
     built: Built, titan: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> TwoRanks:
-    """Every layout but ours, and the torchtitan step, merged on 2 gloo ranks in one launch:
+    """Every layout, and the torchtitan step, merged on 2 gloo ranks in one launch:
     (the outputs' folder, name -> (base, checkpoint), name -> the checkpoint's tree before)."""
-    jobs = {
-        layout: (built.base, built.root / tree)
-        for layout, tree in LAYOUTS.items()
-        if layout != "ours"
-    } | {TITAN: titan}
+    jobs = {layout: (built.base, built.root / tree) for layout, tree in LAYOUTS.items()}
+    jobs[TITAN] = titan
     before = {name: _tree(checkpoint) for name, (_, checkpoint) in jobs.items()}
     out = tmp_path_factory.mktemp("two-ranks")
     run_on_ranks(_merge_each, 2, {k: (str(b), str(c)) for k, (b, c) in jobs.items()}, str(out))
@@ -151,12 +149,12 @@ def _same_bytes_on_two_ranks(on_two_ranks: TwoRanks, name: str, tmp_path: Path) 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_ranks_write_the_single_process_bytes(
-    built: Built, tmp_path: Path, layout: str, request: pytest.FixtureRequest
+    built: Built, on_two_ranks: TwoRanks, tmp_path: Path, layout: str
 ) -> None:
-    if layout == "ours":  # through the CLI and torchrun
-        _same_bytes_on_ranks(built.base, built.ours, tmp_path, TORCHRUN_WORLDS)
-    else:
-        _same_bytes_on_two_ranks(request.getfixturevalue("on_two_ranks"), layout, tmp_path)
+    _same_bytes_on_two_ranks(on_two_ranks, layout, tmp_path)
+    if layout == "ours":  # also through the CLI and torchrun
+        (tmp_path / "cli").mkdir()
+        _same_bytes_on_ranks(built.base, built.ours, tmp_path / "cli", TORCHRUN_WORLDS)
 
 
 def test_a_torchtitan_step_on_two_ranks(on_two_ranks: TwoRanks, tmp_path: Path) -> None:
