@@ -73,3 +73,47 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
         finally:
             for name in ranks.error_files:
                 Path(name).unlink(missing_ok=True)
+
+
+def run_on_forked_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """`run_on_ranks`, with the ranks forked from this process instead of spawned: each starts
+    with what this process has imported (torch, transformers, shardforge: some 5 CPU-seconds a
+    spawned rank spends again), and is still a process of its own in a real gloo group.
+
+    Forking is safe only from a single thread (a lock another thread holds would stay held in
+    the child): with other threads alive (`can_fork`) the ranks are spawned instead. A forked
+    rank never runs this process's exit code (`_entry` leaves with `os._exit`;
+    multiprocessing's forked child does too on an error)."""
+    import torch.multiprocessing as mp
+
+    if not can_fork():
+        run_on_ranks(fn, world_size, *args)
+        return
+    with tempfile.TemporaryDirectory(prefix="shardforge-ranks-") as tmp:
+        ranks = mp.start_processes(
+            _entry,
+            args=(world_size, str(Path(tmp) / "store"), fn, args),
+            nprocs=world_size,
+            join=False,
+            start_method="fork",
+        )
+        try:
+            while not ranks.join():
+                pass
+        finally:
+            for name in ranks.error_files:
+                Path(name).unlink(missing_ok=True)
+
+
+def can_fork() -> bool:
+    """Whether this process runs one thread, once tqdm's monitor threads are stopped (a
+    progress bar, e.g. `from_pretrained`'s, starts one that lives on; a bar made later starts
+    it again)."""
+    import threading
+
+    from tqdm._monitor import TMonitor
+
+    for thread in threading.enumerate():
+        if isinstance(thread, TMonitor):
+            thread.exit()  # it stops and is joined
+    return threading.active_count() == 1
