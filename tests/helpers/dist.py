@@ -75,45 +75,81 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
                 Path(name).unlink(missing_ok=True)
 
 
-def run_on_forked_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """`run_on_ranks`, with the ranks forked from this process instead of spawned: each starts
-    with what this process has imported (torch, transformers, shardforge: some 5 CPU-seconds a
-    spawned rank spends again), and is still a process of its own in a real gloo group.
+# what the ranks of the merge tests import, loaded once by multiprocessing's fork server
+PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "transformers",
+    "transformers.modeling_utils",
+    "shardforge.merge.api",
+    "shardforge.merge.on_ranks",
+)
 
-    Forking is safe only from a single thread (a lock another thread holds would stay held in
-    the child): with other threads alive (`can_fork`) the ranks are spawned instead. A forked
-    rank never runs this process's exit code (`_entry` leaves with `os._exit`;
-    multiprocessing's forked child does too on an error)."""
+
+def _with_env(
+    rank: int, parent: int, env: dict[str, str], fn: Callable[..., Any], *args: Any
+) -> None:
+    """In a process the fork server made: the starting process's stdout, stderr (pytest's
+    capture of the test running now) and environment, then `fn`."""
+    for fd in (1, 2):
+        try:
+            now = os.open(f"/proc/{parent}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue
+        os.dup2(now, fd)
+        os.close(now)
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None  # read TMPDIR again
+    fn(rank, *args)
+
+
+def start_preloaded(
+    fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], join: bool = True
+) -> Any:
+    """`torch.multiprocessing.start_processes(fn, args, nprocs)`, with the processes forked
+    from multiprocessing's fork server instead of spawned: the server imports `PRELOAD` once
+    per test process (some 5 CPU-s a spawned process spends again), and each process forked
+    from it starts with them, and with this process's environment and output as they are now
+    (the server's are those of when it started). Still processes of their own; the server is one thread, so
+    forking it is safe (forking the test process is not: a thread pool an earlier merge left
+    there, blake3's, stays locked in the child). The server ends with the test process."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    if not can_fork():
-        run_on_ranks(fn, world_size, *args)
-        return
+    multiprocessing.set_forkserver_preload(list(PRELOAD))  # before the server starts
+    _server_folder()
+    return mp.start_processes(
+        _with_env,
+        args=(os.getpid(), dict(os.environ), fn, *args),
+        nprocs=nprocs,
+        join=join,
+        start_method="forkserver",
+    )
+
+
+def _server_folder() -> None:
+    """The fork server listens on a socket in multiprocessing's temporary folder, which
+    multiprocessing would make under TMPDIR (this session's pytest folder) and remove as this
+    process exits: after pytest has removed that folder (a traceback at exit). Made here, it
+    goes with the session's folder; the server itself ends with this process."""
+    from multiprocessing import process
+
+    config = getattr(process.current_process(), "_config")  # noqa: B009
+    if config.get("tempdir") is None:
+        config["tempdir"] = tempfile.mkdtemp(prefix="pymp-")
+
+
+def run_on_preloaded_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """`run_on_ranks`, with the ranks started by `start_preloaded`: they skip the imports."""
     with tempfile.TemporaryDirectory(prefix="shardforge-ranks-") as tmp:
-        ranks = mp.start_processes(
-            _entry,
-            args=(world_size, str(Path(tmp) / "store"), fn, args),
-            nprocs=world_size,
-            join=False,
-            start_method="fork",
-        )
+        store = str(Path(tmp) / "store")
+        ranks = start_preloaded(_entry, world_size, (world_size, store, fn, args), join=False)
         try:
             while not ranks.join():
                 pass
         finally:
             for name in ranks.error_files:
                 Path(name).unlink(missing_ok=True)
-
-
-def can_fork() -> bool:
-    """Whether this process runs one thread, once tqdm's monitor threads are stopped (a
-    progress bar, e.g. `from_pretrained`'s, starts one that lives on; a bar made later starts
-    it again)."""
-    import threading
-
-    from tqdm._monitor import TMonitor
-
-    for thread in threading.enumerate():
-        if isinstance(thread, TMonitor):
-            thread.exit()  # it stops and is joined
-    return threading.active_count() == 1
