@@ -134,12 +134,15 @@ def _server_folder() -> None:
     """The fork server listens on a socket in multiprocessing's temporary folder, which
     multiprocessing would make under TMPDIR (this session's pytest folder) and remove as this
     process exits: after pytest has removed that folder (a traceback at exit). Made here, it
-    goes with the session's folder; the server itself ends with this process."""
+    is removed at exit if it is still there; the server itself ends with this process."""
+    import atexit
+    import shutil
     from multiprocessing import process
 
     config = getattr(process.current_process(), "_config")  # noqa: B009
     if config.get("tempdir") is None:
         config["tempdir"] = tempfile.mkdtemp(prefix="pymp-")
+        atexit.register(shutil.rmtree, config["tempdir"], ignore_errors=True)
 
 
 def run_on_preloaded_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
