@@ -73,3 +73,86 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
         finally:
             for name in ranks.error_files:
                 Path(name).unlink(missing_ok=True)
+
+
+# what the ranks of the merge tests import, loaded once by multiprocessing's fork server
+PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "transformers",
+    "transformers.modeling_utils",
+    "shardforge.merge.api",
+    "shardforge.merge.on_ranks",
+)
+
+
+def _with_env(
+    rank: int, parent: int, env: dict[str, str], fn: Callable[..., Any], *args: Any
+) -> None:
+    """In a process the fork server made: the starting process's stdout, stderr (pytest's
+    capture of the test running now) and environment, then `fn`."""
+    for fd in (1, 2):
+        try:
+            now = os.open(f"/proc/{parent}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue
+        os.dup2(now, fd)
+        os.close(now)
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None  # read TMPDIR again
+    fn(rank, *args)
+
+
+def start_preloaded(
+    fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], join: bool = True
+) -> Any:
+    """`torch.multiprocessing.start_processes(fn, args, nprocs)`, with the processes forked
+    from multiprocessing's fork server instead of spawned: the server imports `PRELOAD` once
+    per test process (some 5 CPU-s a spawned process spends again), and each process forked
+    from it starts with them, and with this process's environment and output as they are now
+    (the server's are those of when it started). Still processes of their own; the server is one thread, so
+    forking it is safe (forking the test process is not: a thread pool an earlier merge left
+    there, blake3's, stays locked in the child). The server ends with the test process."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(list(PRELOAD))  # before the server starts
+    _server_folder()
+    return mp.start_processes(
+        _with_env,
+        args=(os.getpid(), dict(os.environ), fn, *args),
+        nprocs=nprocs,
+        join=join,
+        start_method="forkserver",
+    )
+
+
+def _server_folder() -> None:
+    """The fork server listens on a socket in multiprocessing's temporary folder, which
+    multiprocessing would make under TMPDIR (this session's pytest folder) and remove as this
+    process exits: after pytest has removed that folder (a traceback at exit). Made here, it
+    is removed at exit if it is still there; the server itself ends with this process."""
+    import atexit
+    import shutil
+    from multiprocessing import process
+
+    config = getattr(process.current_process(), "_config")  # noqa: B009
+    if config.get("tempdir") is None:
+        config["tempdir"] = tempfile.mkdtemp(prefix="pymp-")
+        atexit.register(shutil.rmtree, config["tempdir"], ignore_errors=True)
+
+
+def run_on_preloaded_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """`run_on_ranks`, with the ranks started by `start_preloaded`: they skip the imports."""
+    with tempfile.TemporaryDirectory(prefix="shardforge-ranks-") as tmp:
+        store = str(Path(tmp) / "store")
+        ranks = start_preloaded(_entry, world_size, (world_size, store, fn, args), join=False)
+        try:
+            while not ranks.join():
+                pass
+        finally:
+            for name in ranks.error_files:
+                Path(name).unlink(missing_ok=True)

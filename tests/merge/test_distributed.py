@@ -1,9 +1,16 @@
 """The distributed merge (`--nproc_per_node N`, gloo CPU ranks): byte-identical to the
 single-process merge for every layout at 2 ranks, and for ours at 3 ranks too (an uneven split:
-large tensors cut across ranks where 3 does not divide their rows), through the real CLI and
-torchrun; a rank killed mid-merge leaves nothing at the output path and the input unchanged.
+large tensors cut across ranks where 3 does not divide their rows); a rank killed mid-merge
+leaves nothing at the output path and the input unchanged.
 (Where 2 and 3 ranks cut each tensor is checked for 1 to 5 ranks without processes, in
 `test_shares_cover_every_byte_once_and_split_large_tensors`; a torchrun launch costs seconds.)
+
+Every layout and the torchtitan step are merged on 2 gloo ranks in one launch, and ours on 3
+in another, each with `group=` (the same `merge_on_ranks` that `merge_rank` runs: the launcher
+does not depend on the layout, and each torchrun launch costs processes that import torch; the
+ranks start with torch imported: `run_on_preloaded_ranks`). Ours is also merged through the real
+CLI and torchrun (`merge_rank` on each rank) at 2 ranks, and the tests of signals and kills
+below launch 2 ranks through them.
 
 The checkpoints are the session-shared ones of `test_inspection` (3 gloo ranks of a tiny Llama
 in our, HF Trainer, Lightning, verl and LMMs-Engine layouts), plus a torchtitan step (its own
@@ -19,12 +26,14 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
 import yaml
 from click.testing import CliRunner
 
+from helpers.dist import run_on_preloaded_ranks
 from helpers.gate import Gate
 from helpers.procs import still_running
 from shardforge.cli.main import cli
@@ -41,8 +50,15 @@ LAYOUTS = {  # layout -> its tree in test_inspection's checkpoints
     "verl": "verl",
     "lmms-engine": "lmms",
 }
-# the world sizes each layout's merge runs at (3: the uneven split, once; a launch costs seconds)
+# the world sizes each layout's merge runs at with group= (3: the uneven split, once), a launch
+# per world size for every layout; ours also through the CLI and torchrun at 2 ranks
 WORLDS = {layout: (2, 3) if layout == "ours" else (2,) for layout in LAYOUTS}
+TORCHRUN_WORLDS = (2,)
+TITAN = "torchtitan"
+OK = "ok"
+# the outputs' folder (a folder per world size), name -> (base model, checkpoint), name -> the
+# checkpoint's tree before
+OnRanks = tuple[Path, dict[str, tuple[Path, Path]], dict[str, dict[str, str]]]
 
 
 @pytest.fixture(scope="module")
@@ -89,16 +105,73 @@ def _same_bytes_on_ranks(
     assert _tree(checkpoint) == before
 
 
+def _merge_each(rank: int, world: int, jobs: dict[str, tuple[str, str]], out: str) -> None:
+    """On each rank: every job (base model, checkpoint) merged with --verify on the ranks
+    (`group=`), its outcome in a file (a failing job must not hide the others')."""
+    import torch.distributed as dist
+
+    from shardforge.merge.api import merge_fsdp_weights
+
+    for name, (base, checkpoint) in jobs.items():
+        cfg = {"base_model": base, "output_dir": "unused"}
+        try:
+            merge_fsdp_weights(
+                cfg, Path(out) / name, checkpoint=checkpoint, verify=True, quiet=True,
+                group=dist.group.WORLD,
+            )  # fmt: skip
+            outcome = OK
+        except Exception:
+            outcome = traceback.format_exc()
+        (Path(out) / f"{name}.{rank}.result").write_text(outcome)
+
+
+@pytest.fixture(scope="module")
+def on_ranks(
+    built: Built, titan: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> OnRanks:
+    """Every layout, and the torchtitan step, merged on gloo ranks with --verify, a launch
+    per world size (`WORLDS`; the torchtitan step on 2): (the outputs' folder, name ->
+    (base, checkpoint), name -> the checkpoint's tree before)."""
+    jobs = {layout: (built.base, built.root / tree) for layout, tree in LAYOUTS.items()}
+    jobs[TITAN] = titan
+    before = {name: _tree(checkpoint) for name, (_, checkpoint) in jobs.items()}
+    out = tmp_path_factory.mktemp("on-ranks")
+    worlds = {**WORLDS, TITAN: (2,)}
+    for world in sorted({n for ns in worlds.values() for n in ns}):
+        mine = {k: (str(b), str(c)) for k, (b, c) in jobs.items() if world in worlds[k]}
+        (out / str(world)).mkdir()
+        # the ranks start with torch and transformers imported (a fork server's)
+        run_on_preloaded_ranks(_merge_each, world, mine, str(out / str(world)))
+    return out, jobs, before
+
+
+def _same_bytes_on_gloo_ranks(
+    on_ranks: OnRanks, name: str, tmp_path: Path, worlds: tuple[int, ...]
+) -> None:
+    out, jobs, before = on_ranks
+    base, checkpoint = jobs[name]
+    _merge(base, checkpoint, tmp_path / "one")
+    for n in worlds:
+        for rank in range(n):
+            assert (out / str(n) / f"{name}.{rank}.result").read_text() == OK
+        assert _tree(out / str(n) / name) == _tree(tmp_path / "one"), (checkpoint, n)
+        assert not [p for p in (out / str(n)).iterdir() if p.name.startswith(f".{name}")]
+    assert _tree(checkpoint) == before[name]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_ranks_write_the_single_process_bytes(
-    built: Built, tmp_path: Path, layout: str
+    built: Built, on_ranks: OnRanks, tmp_path: Path, layout: str
 ) -> None:
-    _same_bytes_on_ranks(built.base, built.root / LAYOUTS[layout], tmp_path, WORLDS[layout])
+    _same_bytes_on_gloo_ranks(on_ranks, layout, tmp_path, WORLDS[layout])
+    if layout == "ours":  # also through the CLI and torchrun
+        (tmp_path / "cli").mkdir()
+        _same_bytes_on_ranks(built.base, built.ours, tmp_path / "cli", TORCHRUN_WORLDS)
 
 
-def test_a_torchtitan_step_on_two_ranks(titan: tuple[Path, Path], tmp_path: Path) -> None:
+def test_a_torchtitan_step_on_two_ranks(on_ranks: OnRanks, tmp_path: Path) -> None:
     """Its own names and RoPE-permuted q/k, on 2 ranks (3 ranks: `ours` above)."""
-    _same_bytes_on_ranks(*titan, tmp_path, (2,))
+    _same_bytes_on_gloo_ranks(on_ranks, TITAN, tmp_path, (2,))
 
 
 def test_shares_cover_every_byte_once_and_split_large_tensors(built: Built, tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.dist import run_on_ranks
+from helpers.dist import run_on_preloaded_ranks
 from helpers.meshes import mesh_rank_files
 from helpers.moe import moe_checkpoints
 from helpers.outputs import output_files
@@ -186,7 +186,7 @@ def on_two_ranks(
     """Every case and group merged with --verify on 2 gloo ranks, in one launch."""
     out = tmp_path_factory.mktemp("two-ranks")
     jobs = {name: _job(roots, case) for name, case in CASES.items()} | built_here
-    run_on_ranks(_merge_all, 2, jobs, str(out))
+    run_on_preloaded_ranks(_merge_all, 2, jobs, str(out))  # imported once, not per rank
     return out
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers.dist import run_on_ranks
+from helpers.dist import run_on_preloaded_ranks
 from helpers.gate import Gate
 from helpers.tiny import make_config, make_tokenizer
 
@@ -108,7 +108,7 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config.save_pretrained(base)
     make_tokenizer(320).save_pretrained(base)
     run = root / "run"
-    run_on_ranks(save_big, 2, str(base), str(run))
+    run_on_preloaded_ranks(save_big, 2, str(base), str(run))  # imported once, not per rank
     (root / "cfg.yml").write_text(yaml.safe_dump({"base_model": str(base), "output_dir": str(run)}))
     return root
 

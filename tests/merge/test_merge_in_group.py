@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers.dist import start_preloaded
 from helpers.tiny import make_model
 
 # a collective that waits longer than this fails (the old code's hang)
@@ -104,7 +105,6 @@ def merge_on_rank0_then_on_both(rank: int, world: int, store: str, cfg: str, roo
 @pytest.mark.slow
 def test_a_merge_on_rank0_only_inside_a_process_group(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
-    import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
     from shardforge import merge_fsdp_weights
@@ -122,12 +122,9 @@ def test_a_merge_on_rank0_only_inside_a_process_group(tmp_path: Path) -> None:
     out.mkdir()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="shardforge-group-") as store:
-        mp.start_processes(
-            merge_on_rank0_then_on_both,
-            args=(2, str(Path(store) / "store"), str(cfg), str(out)),
-            nprocs=2,
-            join=True,
-            start_method="spawn",
+        # the ranks start with torch and transformers imported (once, not per rank)
+        start_preloaded(
+            merge_on_rank0_then_on_both, 2, (2, str(Path(store) / "store"), str(cfg), str(out))
         )
     alone = (out / "rank0-only.result").read_text()
     assert alone == OK, f"after {time.monotonic() - started:.0f} s:\n{alone}"

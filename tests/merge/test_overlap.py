@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from helpers.dist import run_on_ranks
+from helpers.dist import run_on_preloaded_ranks
 from helpers.gate import Gate
 from helpers.tiny import make_model
 from shardforge.errors import CheckpointError, MergeError
@@ -90,7 +90,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     other = make_model(
         root / "bases" / "other", "llama", seed=9, **{**SHAPES, "intermediate_size": 99}
     )
-    run_on_ranks(save_layouts, 2, {k: str(v) for k, v in bases.items()}, str(root / "ckpt"))
+    paths = {k: str(v) for k, v in bases.items()}
+    # the ranks start with torch and transformers imported (once, not per rank)
+    run_on_preloaded_ranks(save_layouts, 2, paths, str(root / "ckpt"))
     return Built(root, bases, other)
 
 
