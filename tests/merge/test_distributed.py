@@ -33,8 +33,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from helpers.dist import run_on_preloaded_ranks
 from helpers.gate import Gate
+from helpers.preloaded import run_on_preloaded_ranks
 from helpers.procs import still_running
 from shardforge.cli.main import cli
 from shardforge.merge.distributed import shares

@@ -28,10 +28,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.dist import run_on_preloaded_ranks
 from helpers.meshes import mesh_rank_files
 from helpers.moe import moe_checkpoints
 from helpers.outputs import output_files
+from helpers.preloaded import run_on_preloaded_ranks
 from helpers.shared import saved_formats
 from helpers.tiny import make_tokenizer
 from shardforge.inspection import inspect_checkpoint

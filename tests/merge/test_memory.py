@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers.dist import run_on_preloaded_ranks
 from helpers.gate import Gate
+from helpers.preloaded import run_on_preloaded_ranks
 from helpers.tiny import make_config, make_tokenizer
 
 # the checkpoint is written by gloo ranks; the merges run in subprocesses

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers.dist import start_preloaded
+from helpers.preloaded import start_preloaded
 from helpers.tiny import make_model
 
 # a collective that waits longer than this fails (the old code's hang)

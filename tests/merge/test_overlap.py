@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 import yaml
 
-from helpers.dist import run_on_preloaded_ranks
 from helpers.gate import Gate
+from helpers.preloaded import run_on_preloaded_ranks
 from helpers.tiny import make_model
 from shardforge.errors import CheckpointError, MergeError
 from shardforge.layouts.catalog import resolve_checkpoint
