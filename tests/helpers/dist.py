@@ -3,8 +3,11 @@
     from helpers.dist import run_on_ranks
     run_on_ranks(my_fn, 3, arg1, arg2)   # my_fn(rank, world_size, arg1, arg2) on every rank
 
-`my_fn` must be importable (a module-level function) because ranks are started with `spawn`.
-The process group is initialised before `my_fn` runs and destroyed after.
+`my_fn` must be importable (a module-level function): the ranks are forked from the fork
+server of `helpers.preloaded` (torch, transformers and shardforge imported once per test
+process, not ~5 CPU-s again in every rank); `run_on_spawned_ranks` starts each in a fresh
+interpreter instead (a test whose rank must import things itself). The process group is
+initialised before `my_fn` runs and destroyed after.
 """
 
 from __future__ import annotations
@@ -52,6 +55,14 @@ def _entry(
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """Call fn(rank, world_size, *args) on `world_size` CPU processes forked from the
+    preloaded fork server (`helpers.preloaded`); raise on failure, as `run_on_spawned_ranks`."""
+    from helpers.preloaded import run_on_preloaded_ranks
+
+    run_on_preloaded_ranks(fn, world_size, *args)
+
+
+def run_on_spawned_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     """Call fn(rank, world_size, *args) on `world_size` spawned CPU processes; raise on failure.
 
     A failed rank's traceback reaches the caller in the exception; torch's file that carried
