@@ -16,7 +16,9 @@ in `SLOW_ELSEWHERE`; move each into its file (a decorator or `pytestmark`) when 
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections.abc import Generator, Iterator
 from typing import Any
@@ -47,6 +49,14 @@ def _temp_folders_under_pytests(tmp_path_factory: pytest.TempPathFactory) -> Ite
             os.environ["TMPDIR"] = saved
         tempfile.tempdir = None
 
+
+# importing torch._dynamo (transformers' model code does) makes /tmp/torchinductor_<user>, the
+# compiler's cache, and leaves it: this run's processes (the workers inherit it) use a folder
+# removed when the process that made it exits
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _INDUCTOR = tempfile.mkdtemp(prefix="shardforge-tests-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR
+    atexit.register(shutil.rmtree, _INDUCTOR, ignore_errors=True)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -82,17 +83,37 @@ def weed_binary() -> Path:
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free on 127.0.0.1 now."""
+    """`count` distinct ports free on 127.0.0.1 now, below the kernel's ephemeral range: the
+    port of another process's outgoing connection (or its bind to port 0) never lands on one,
+    so a killed server can `restart` on the same ports (the test of its outage, 2026-11-28,
+    found one taken once)."""
+    low = _ephemeral_low()
+    candidates = random.Random().sample(range(max(1024, low - 12000), low), 200)
     sockets = []
     try:
-        for _ in range(count):
+        for port in candidates:
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
             sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
+            if len(sockets) == count:
+                return [s.getsockname()[1] for s in sockets]
+        raise RuntimeError(f"no {count} free ports below {low}")
     finally:
         for s in sockets:
             s.close()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return max(13024, int(text.split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @dataclass
