@@ -14,6 +14,6 @@ ruff format --check src tests benchmarks
 mypy
 lint-imports --no-logo
 # three test workers on two cores: a worker waiting on a shared fixture another builds, or on a
-# child process's start, leaves its core to the others (quiet 2-core machine, fca6e73: -n 2
-# 13:48 with a concurrent job, -n 3 11:17 wall for 1272 CPU-s; the CPU is now the floor)
+# child process's start, leaves its core to the others (quiet 2-core machine: fca6e73 11:17;
+# 3655ab8, the ranks forked from a preloaded process, 5:56)
 pytest -q -n 3 --dist loadfile "$@"
