@@ -78,9 +78,16 @@ def run_on_spawned_ranks(fn: Callable[..., Any], world_size: int, *args: Any) ->
             join=False,
             start_method="spawn",
         )
-        try:
-            while not ranks.join():
-                pass
-        finally:
-            for name in ranks.error_files:
-                Path(name).unlink(missing_ok=True)
+        join_ranks(ranks)
+
+
+def join_ranks(ranks: Any) -> None:
+    """Wait for ranks torch's `start_processes(join=False)` started; raise as `run_on_ranks`
+    does when one failed (torch's ProcessRaisedException / ProcessExitedException), the
+    others then ended; torch's error files removed."""
+    try:
+        while not ranks.join():
+            pass
+    finally:
+        for name in ranks.error_files:
+            Path(name).unlink(missing_ok=True)

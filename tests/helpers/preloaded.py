@@ -24,7 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from helpers.dist import _entry
+from helpers.dist import _entry, join_ranks
+
+__all__ = ["join_ranks", "run_on_preloaded_ranks", "start_preloaded", "start_preloaded_ranks"]
 
 # what the ranks of the merge and training tests import, loaded once by the fork server
 PRELOAD = (
@@ -88,17 +90,6 @@ def start_preloaded_ranks(fn: Callable[..., Any], world_size: int, *args: Any, s
     return start_preloaded(_entry, world_size, (world_size, store_file, fn, args), join=False)
 
 
-def join_ranks(ranks: Any) -> None:
-    """Wait for the ranks of `start_preloaded_ranks`; raise as `run_on_ranks` does when one
-    failed (torch's ProcessRaisedException / ProcessExitedException), the others then ended."""
-    try:
-        while not ranks.join():
-            pass
-    finally:
-        for name in ranks.error_files:
-            Path(name).unlink(missing_ok=True)
-
-
 def run_on_preloaded_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     """`run_on_ranks`, with the ranks forked from the fork server: they skip the imports."""
     with tempfile.TemporaryDirectory(prefix="shardforge-ranks-") as tmp:
@@ -115,7 +106,8 @@ def _server_folder() -> None:
 
     config = getattr(process.current_process(), "_config")  # noqa: B009
     if config.get("tempdir") is None:
-        config["tempdir"] = tempfile.mkdtemp(prefix="pymp-")
+        # under TMPDIR (the session's folder), not a test's own temporary folder
+        config["tempdir"] = tempfile.mkdtemp(prefix="pymp-", dir=os.environ.get("TMPDIR"))
         atexit.register(shutil.rmtree, config["tempdir"], ignore_errors=True)
 
 

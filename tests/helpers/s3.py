@@ -321,9 +321,13 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
 
 def killed_at(gate: Any, cmd: list[str], env: Mapping[str, str]) -> None:
     """Run `cmd` until it waits at `gate` (a `helpers.gate.Gate`), then SIGKILL it."""
+    kill_at_gate(gate, subprocess.Popen(cmd, env=dict(env), stderr=subprocess.PIPE, text=True))
+
+
+def kill_at_gate(gate: Any, proc: Any) -> None:
+    """Once `proc` waits at `gate`, SIGKILL it and reap it (the gate opened either way)."""
     import signal
 
-    proc = subprocess.Popen(cmd, env=dict(env), stderr=subprocess.PIPE, text=True)
     try:
         gate.wait(proc)
         proc.send_signal(signal.SIGKILL)

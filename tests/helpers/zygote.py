@@ -272,13 +272,8 @@ def zygote_fixture(request: pytest.FixtureRequest) -> Iterator[Zygote]:
 def killed_at(warm: Zygote, gate: Any, cmd: list[str], env: Mapping[str, str]) -> None:
     """`helpers.s3.killed_at` with the command forked by `warm`: run it until it waits at
     `gate` (a `helpers.gate.Gate`), then SIGKILL it."""
+    from helpers.s3 import kill_at_gate
+
     proc = warm.popen(cmd, env=env, stderr=subprocess.PIPE)
-    try:
-        gate.wait(proc)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        gate.open()
-        if proc.poll() is None:
-            proc.kill()
+    kill_at_gate(gate, proc)
     proc.communicate(timeout=60)
