@@ -41,6 +41,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from merge_bench import evict  # fsync, then posix_fadvise DONTNEED
+
 T0 = time.perf_counter()
 STAGES: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])  # calls, bytes, wall, cpu
 PHASES: dict[str, float] = {}
@@ -127,17 +130,6 @@ def proc_io() -> dict[str, int]:
     return out
 
 
-def evict(folder: Path) -> None:
-    for p in sorted(folder.rglob("*")):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def later_phases() -> None:
     """`prepare` and the sink's write, timed once the merge's modules are imported (they
     import torch: wrapped from a hook on the early copy's acceptance)."""
@@ -159,7 +151,7 @@ def main() -> None:
     args, extra = parser.parse_known_args()
     shutil.rmtree(args.output, ignore_errors=True)
     if args.cold:
-        evict(Path(args.checkpoint))
+        evict([p for p in sorted(Path(args.checkpoint).rglob("*")) if p.is_file()])
     io0, ru0 = proc_io(), resource.getrusage(resource.RUSAGE_SELF)
     global T0
     T0 = time.perf_counter()

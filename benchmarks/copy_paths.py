@@ -28,23 +28,18 @@ import mmap
 import os
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from merge_bench import evict  # fsync, then posix_fadvise DONTNEED
 
 BLOCK = 8 << 20
 SHIFT = 100  # a tensor's offset in its data file, not a multiple of the page size
 ALIGN = 4096
 SETTLE_S = 2.0  # rest before each run: the previous run's writeback and trim out of the way
-
-
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def cfr(src: Path, dst: Path, size: int) -> None:
@@ -119,7 +114,7 @@ METHODS: dict[str, Callable[[Path, Path, int], None]] = {
 
 def measure(method: Callable[[Path, Path, int], None], src: Path, dst: Path) -> tuple[float, ...]:
     size = src.stat().st_size
-    evict(src)
+    evict([src])
     dst.unlink(missing_ok=True)
     os.sync()
     time.sleep(SETTLE_S)
