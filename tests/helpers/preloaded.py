@@ -20,13 +20,21 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from helpers.dist import _entry, join_ranks
 
-__all__ = ["join_ranks", "run_on_preloaded_ranks", "start_preloaded", "start_preloaded_ranks"]
+__all__ = [
+    "join_ranks",
+    "kill_ranks_when",
+    "run_on_preloaded_ranks",
+    "start_preloaded",
+    "start_preloaded_ranks",
+    "stop_fork_server",
+]
 
 # what the ranks of the merge and training tests import, loaded once by the fork server
 PRELOAD = (
@@ -88,6 +96,26 @@ def start_preloaded_ranks(fn: Callable[..., Any], world_size: int, *args: Any, s
     an existing folder for the rendezvous, kept until the ranks have ended."""
     store_file = str(Path(store) / "store")
     return start_preloaded(_entry, world_size, (world_size, store_file, fn, args), join=False)
+
+
+def kill_ranks_when(ranks: Any, ready: Callable[[], bool], what: str) -> None:
+    """Once `ready()` holds (checked every millisecond, for at most 240 s, while every rank
+    lives), SIGKILL every rank of `start_preloaded_ranks` and reap them (`what`: the moment,
+    for the failure message)."""
+    import signal
+
+    import pytest
+    from torch.multiprocessing import ProcessExitedException
+
+    deadline = time.monotonic() + 240
+    while not ready():
+        assert all(p.is_alive() for p in ranks.processes), f"training ended before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+    for rank in ranks.processes:
+        os.kill(rank.pid, signal.SIGKILL)
+    with pytest.raises(ProcessExitedException, match="SIGKILL"):
+        join_ranks(ranks)
 
 
 def run_on_preloaded_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:

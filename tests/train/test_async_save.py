@@ -6,18 +6,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.multiprocessing import ProcessExitedException
 from train_helpers import Run, losses, shared_run, train_configs, write_config
 
-from helpers.preloaded import join_ranks, start_preloaded_ranks, stop_fork_server
+from helpers.preloaded import kill_ranks_when, start_preloaded_ranks, stop_fork_server
 from shardforge.formats.dcp.metadata import read_metadata
 from shardforge.train import checkpointing as ckpt
 
@@ -110,15 +107,11 @@ def test_kill_9_during_an_async_save_resumes_from_the_last_complete_checkpoint(
     )
     try:
         saving = out / "checkpoint-4.tmp"
-        deadline = time.monotonic() + 240
-        while not all((saving / f"rng_state_{rank}.pt").exists() for rank in (0, 1)):
-            assert all(p.is_alive() for p in ranks.processes), "training ended before step 4"
-            assert time.monotonic() < deadline, "timed out waiting for the save of step 4"
-            time.sleep(0.001)
-        for rank in ranks.processes:  # kill -9 of every rank
-            os.kill(rank.pid, signal.SIGKILL)
-        with pytest.raises(ProcessExitedException, match="SIGKILL"):
-            join_ranks(ranks)
+        kill_ranks_when(  # kill -9 of every rank, during the background save of step 4
+            ranks,
+            lambda: all((saving / f"rng_state_{rank}.pt").exists() for rank in (0, 1)),
+            "the save of step 4",
+        )
     finally:
         stop_fork_server()
     assert [rank.exitcode for rank in ranks.processes] == [-signal.SIGKILL] * 2

@@ -9,7 +9,6 @@ import math
 import os
 import shutil
 import signal
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,11 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from torch.multiprocessing import ProcessExitedException
 from train_helpers import losses, read_metrics, shared_run, train_configs, write_config
 
 from helpers.preloaded import (
-    join_ranks,
+    kill_ranks_when,
     run_on_preloaded_ranks,
     start_preloaded_ranks,
     stop_fork_server,
@@ -222,15 +220,7 @@ def test_kill_9_during_save_resumes_from_the_last_complete_checkpoint(
         train_configs, 2, [(str(config), None)], str(tmp_path / "stores"), store=str(tmp_path)
     )
     saving = out / "checkpoint-4.tmp"
-    deadline = time.monotonic() + 240
-    while not saving.exists():
-        assert all(p.is_alive() for p in ranks.processes), "training ended before step 4's save"
-        assert time.monotonic() < deadline, "timed out waiting for the save of step 4"
-        time.sleep(0.001)
-    for rank in ranks.processes:  # kill -9 of every rank
-        os.kill(rank.pid, signal.SIGKILL)
-    with pytest.raises(ProcessExitedException, match="SIGKILL"):
-        join_ranks(ranks)
+    kill_ranks_when(ranks, saving.exists, "the save of step 4")  # kill -9 of every rank
     assert [rank.exitcode for rank in ranks.processes] == [-signal.SIGKILL] * 2
     assert saving.is_dir()
     assert not (out / "checkpoint-4").exists()
