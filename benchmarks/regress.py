@@ -22,7 +22,7 @@ RSS). Cold: the checkpoint's files are evicted from the page cache before every 
 machine dropped); warm: read once before every run. Before every run the disk is let settle
 (`merge_bench.settle`) and rests `--pause` seconds. The weights written by `current` and `REF`
 are compared byte for byte after the first repeat (`--no-compare` to skip), and `shardforge
-verify` of current's `warm2` output is timed then (warm: the output was just written).
+verify` of current's `warm2` output is timed then, just written and warm (read once first).
 
 The result is a markdown table (medians of `--repeats`, the ratios current / REF, the copy's
 and accelerate's against current), ready to paste into a commit message, with the machine's
@@ -188,16 +188,21 @@ def run_case(case: Case, args: argparse.Namespace, ref: Path, label: str) -> dic
 
 
 def verify_speed(out: Path, root: Path, results: dict[str, Samples]) -> None:
-    """`shardforge verify` of current's output, just written (warm): its wall seconds, kept
-    as the pseudo-contender `verify` (its bytes per second printed under the table)."""
+    """`shardforge verify` of current's output, timed twice: just written (`verify_written`:
+    the merge writes its weights with O_DIRECT, so they are not in the page cache then) and
+    warm (`verify`: the output read once first), each kept as a pseudo-contender (its bytes
+    per second printed under the table)."""
     cmd = [str(Path(sys.executable).parent / "shardforge"), "verify", str(out)]
-    run = run_measured(["env", f"PYTHONPATH={REPO / 'src'}", *cmd], None, root)
-    res = results.setdefault("verify", Samples())
-    if run.code != 0:
-        res.failure = f"exit {run.code}: {run.stderr_tail.strip()[-200:]}"
-        return
-    res.wall.append(run.seconds)
-    res.rss.append(sum(p.stat().st_size for p in out.iterdir()))  # (the bytes verified)
+    for name in ("verify_written", "verify"):
+        if name == "verify":
+            warm(sorted(p for p in out.iterdir() if p.is_file()))
+        run = run_measured(["env", f"PYTHONPATH={REPO / 'src'}", *cmd], None, root)
+        res = results.setdefault(name, Samples())
+        if run.code != 0:
+            res.failure = f"exit {run.code}: {run.stderr_tail.strip()[-200:]}"
+            return
+        res.wall.append(run.seconds)
+        res.rss.append(sum(p.stat().st_size for p in out.iterdir()))  # (the bytes verified)
 
 
 def ratio(a: float, b: float) -> str:
@@ -279,18 +284,19 @@ def main() -> None:
           f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}\n")  # fmt: skip
     print(table(rows, sha, args.peers))
     for case, res in rows:
-        v = res.get("verify")
-        if v is not None and v.wall:
-            gbs = v.rss[0] / v.median("wall") / 1e9
-            print(f"\n`shardforge verify` of current's {case.title()} output: "
-                  f"{v.median('wall'):.2f} s, {gbs:.2f} GB/s (start-up included)")  # fmt: skip
-        elif v is not None:
-            print(f"\n`shardforge verify` failed: {v.failure}")
+        for name, when in (("verify_written", "just written"), ("verify", "warm")):
+            v = res.get(name)
+            if v is not None and v.wall:
+                gbs = v.rss[0] / v.median("wall") / 1e9
+                print(f"\n`shardforge verify` of current's {case.title()} output, {when}: "
+                      f"{v.median('wall'):.2f} s, {gbs:.2f} GB/s (start-up included)")  # fmt: skip
+            elif v is not None:
+                print(f"\n`shardforge verify` ({when}) failed: {v.failure}")
     for case, res in rows:
         runs = "; ".join(
             f"{n}: " + ", ".join(f"{w:.2f}" for w in s.wall)
             for n, s in res.items()
-            if s.wall and n != "verify"
+            if s.wall and not n.startswith("verify")
         )
         print(f"\n{case.title()} wall s per run: {runs}", end="")
     print()

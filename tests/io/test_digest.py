@@ -129,3 +129,25 @@ def test_hashing_registers_a_descriptor_for_the_block_only(tmp_path: Path) -> No
             assert hash_of(fd) is None
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("algo", ["blake3", "sha256"])
+def test_absorb_hashes_from_memory_only_what_comes_next(
+    tmp_path: Path, algo: str, small_chunks: None
+) -> None:
+    """`absorb` takes bytes from memory when every byte before them is written (those not
+    hashed yet read back first, in order); out of order it does nothing and says so, and the
+    writer's `written` covers them; pieces told ahead join once the gap is absorbed."""
+    path = tmp_path / "out"
+    path.write_bytes(DATA)  # what the writers wrote (read back where they tell `written`)
+    h = FileHash(path, algo)
+    parts = pieces(12, seed=7)
+    h.written(parts[0][0], len(parts[0][1]))  # written: read back
+    h.written(parts[3][0], len(parts[3][1]))  # ahead of the frontier
+    assert not h.absorb(parts[2][0], memoryview(parts[2][1]))  # not next: nothing done
+    assert h.absorb(parts[1][0], memoryview(parts[1][1]))
+    assert h.frontier == parts[2][0]
+    h.written(parts[2][0], len(parts[2][1]))
+    for offset, data in parts[4:]:
+        assert h.absorb(offset, memoryview(data))
+    assert h.hexdigest(len(DATA)) == WANT[algo]

@@ -168,7 +168,12 @@ def test_signal_mid_merge_leaves_nothing(big: Path, tmp_path: Path, sig: signal.
     before = _tree_signature(big / "run")
     out = tmp_path / "merged"
     written = r"/\.merged\.tmp-[^/]+/model[^/]*\.safetensors$"  # the hidden output's weights
-    gate = Gate(tmp_path / "gate", "os:pwrite", written, thread="MainThread|shardforge-cast")
+    gate = Gate(
+        tmp_path / "gate",
+        "os:pwrite",
+        written,
+        thread="MainThread|shardforge-cast|shardforge-direct",
+    )
     cmd = [sys.executable, "-m", "shardforge", "merge-sharded-fsdp-weights", str(big / "cfg.yml"),
            "--output_path", str(out), "--dtype", "bfloat16", "--verify"]  # fmt: skip
     with (tmp_path / "stderr").open("w+") as err:

@@ -17,6 +17,10 @@
   (`io.digest.hashing`), the jobs run in the order of their output bytes instead, so that the
   hash, which reads the written bytes back on a thread of its own, follows the copy closely;
   every write tells the hash where it landed (`FileHash.written`), nothing else.
+- Into an output registered with `io.direct.writes_to` (a local safetensors file), every
+  `copy_range` and `pwrite_all` hands its bytes to that file's `DirectOutput` instead, which
+  gathers, hashes and writes them with O_DIRECT; its jobs run in the order of their output
+  bytes (its inputs read from the page cache, asked ahead as for any copy).
 - Read-ahead: jobs are cut into `pieces` of at most `READ_PIECE` bytes, each asked of the
   kernel ahead of its copy (`io.readahead.ReadAhead`).
 """
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from shardforge.errors import CheckpointError
 from shardforge.io.digest import hash_of
+from shardforge.io.direct import direct_of
 from shardforge.io.dtypes import torch_ready
 from shardforge.io.files import open_regular
 from shardforge.io.readahead import ReadAhead, read_ahead_depth
@@ -205,6 +210,10 @@ def pwrite_then_hash(fd: int, data: memoryview, offset: int) -> None:
     """Write all of `data` at `offset` of `fd`, then tell the file's hash (if it has one) that
     these bytes are written (`FileHash.written`: it reads them back from the file)."""
     view = data.cast("B")  # lengths in bytes, whatever the element type
+    direct = direct_of(fd)
+    if direct is not None:  # gathered, hashed and written there (`io.direct`)
+        direct.put(offset, view)
+        return
     _write_plain(fd, view, offset)
     h = hash_of(fd)
     if h is not None:
@@ -218,6 +227,10 @@ def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> No
     remote = remote_of(src)
     if remote is not None:  # each part written by `pwrite_then_hash`
         remote.copy_to(dst, src_off, dst_off, count, write=pwrite_then_hash)
+        return
+    direct = direct_of(dst)
+    if direct is not None:  # read into its windows, hashed and written there (`io.direct`)
+        direct.copy_from(src, src_off, dst_off, count)
         return
     h = hash_of(dst)
     while count > 0:
@@ -260,8 +273,11 @@ def write_order(job: CopyJob) -> tuple[int, int]:
 
 
 def _hashed(jobs: Sequence[CopyJob]) -> bool:
-    """Whether the jobs fill hashed output files (`io.digest.hashing`)."""
-    return bool(jobs) and all(hash_of(job.dst_fd) is not None for job in jobs)
+    """Whether the jobs fill hashed output files (`io.digest.hashing`) or `io.direct` ones
+    (gathered in windows written in the file's order)."""
+    return bool(jobs) and all(
+        hash_of(job.dst_fd) is not None or direct_of(job.dst_fd) is not None for job in jobs
+    )
 
 
 def read_order(job: CopyJob) -> tuple[str, int]:

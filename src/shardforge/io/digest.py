@@ -115,6 +115,39 @@ class FileHash:
                 self._queued = True
                 _POOL.submit(self._background)
 
+    def absorb(self, offset: int, view: memoryview) -> bool:
+        """Hash `view`, the bytes about to be written at `offset`, from memory, when they come
+        next in the file's order (every byte before `offset` written: those not hashed yet are
+        read back first); False (nothing done) when they do not: the writer then writes them
+        and tells `written`. For `io.direct`, whose O_DIRECT writes leave nothing to read back."""
+        with self._cond:
+            self._check()
+            if offset != self.frontier:
+                return False
+        self._drive(offset)
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            self._check()
+            if offset != self.frontier or self.hashed != offset or self._done:
+                return False
+            self._busy = True
+        try:
+            self._h.update(view)
+        except BaseException as exc:
+            with self._cond:
+                self._error = self._error or exc
+            raise
+        finally:
+            with self._cond:
+                self._busy = False
+                if self._error is None:
+                    self.hashed = self.frontier = offset + len(view)
+                    while self.frontier in self._pending:
+                        self.frontier += self._pending.pop(self.frontier)
+                self._cond.notify_all()
+        return True
+
     def wait_hashed(self, upto: int) -> None:
         """Return once every byte before `upto` (written already) is hashed: the caller may
         then drop them (a staging file's uploaded parts)."""

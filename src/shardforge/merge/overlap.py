@@ -65,7 +65,8 @@ from shardforge.io.copy import (
     fact_session,
     pwrite_all,
 )
-from shardforge.io.digest import DEFAULT, Digests, hashing
+from shardforge.io.digest import DEFAULT, Digests
+from shardforge.io.direct import writes_to
 from shardforge.io.dtypes import dtype_name, lookup_dtype
 from shardforge.io.fs import preallocate
 from shardforge.io.pins import pin_session
@@ -341,7 +342,7 @@ class EarlyCopy:
                     CopyJob(s.path, s.src_offset, fd, planned.offset + s.dst_offset, s.nbytes)
                     for s in slabs
                 )
-            with hashing(fd, h):
+            with writes_to(fd, pf.size, h):
                 pwrite_all(fd, memoryview(pf.header), 0)
                 if not copy_jobs(jobs, copy_range, stop=self._stop.is_set):
                     return None

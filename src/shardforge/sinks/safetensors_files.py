@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 from shardforge.formats.base import Destination, TensorSource
 from shardforge.io.copy import CopyJob, FileSlab, ReadCache, copy_jobs, copy_range, pwrite_all
-from shardforge.io.digest import Digests, FileHash, hashing
+from shardforge.io.digest import Digests, FileHash
+from shardforge.io.direct import writes_to
 from shardforge.io.fs import preallocate
 from shardforge.sinks.plan import SAFE_WEIGHTS_INDEX_NAME, OutputPlan, PlannedFile
 
@@ -60,7 +61,7 @@ def write_plan(
             try:
                 preallocate(fd, pf.size)
                 h = None if hashes is None else hashes.start(pf.name, directory / pf.name)
-                with hashing(fd, h):
+                with writes_to(fd, pf.size, h):
                     pwrite_all(fd, memoryview(pf.header), 0)
                     progress(len(pf.header))
                     _fill(pf, sources, reader, fd, progress, set(), ordered=h is not None)
@@ -143,7 +144,7 @@ def finish_plan(
                 progress(sum(t.spec.nbytes for t in pf.tensors if t.spec.name in done))
                 h = None if hashes is None else hashes[pf.name]
                 assert not isinstance(h, str)  # (the early copy's hash of it so far)
-                with hashing(fd, h):
+                with writes_to(fd, pf.size, h):
                     _fill(pf, sources, reader, fd, progress, done, ordered=h is not None)
                 os.fsync(fd)
             finally:
