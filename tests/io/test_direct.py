@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import blake3
 import pytest
@@ -125,9 +126,12 @@ def test_in_order_bytes_never_enter_the_page_cache_nor_are_read_back(
     path, fd = out
     read_back: list[int] = []
     real = digest._hash_fd
-    monkeypatch.setattr(
-        digest, "_hash_fd", lambda h, f, a, b: (read_back.append(b - a), real(h, f, a, b))
-    )
+
+    def counted(h: object, f: int, a: int, b: int) -> None:
+        read_back.append(b - a)
+        real(h, f, a, b)
+
+    monkeypatch.setattr(digest, "_hash_fd", counted)
     h = FileHash(path, "blake3")
     with writes_to(fd, SIZE, h):
         for a, b in cuts(40, seed=3):
@@ -166,7 +170,7 @@ def test_an_input_shorter_than_its_slab_is_an_error(
         evict(src)
     sfd = os.open(src, os.O_RDONLY)
     try:
-        with pytest.raises(CheckpointError, match="unexpected end"), writes_to(fd, SIZE, None):
+        with pytest.raises(CheckpointError, match="short read"), writes_to(fd, SIZE, None):
             copy_range(sfd, fd, 10_000, 0, 60_000)
     finally:
         os.close(sfd)
@@ -282,3 +286,42 @@ def test_a_writer_waiting_for_a_buffer_gets_an_error_when_the_file_is_discarded(
     waiter.join(10)
     assert not waiter.is_alive()
     assert errors and "discarded" in str(errors[0])
+
+
+def test_a_short_input_on_several_threads_fails_the_copy_without_a_hang(
+    tmp_path: Path, out: tuple[Path, int]
+) -> None:
+    """One slab's input ends early while other threads copy: the copy raises (no window waits
+    for bytes that never come), and nothing of the short slab is counted as written."""
+    _, fd = out
+    src = tmp_path / "input.bin"
+    src.write_bytes(DATA)
+    short = tmp_path / "short.bin"
+    short.write_bytes(DATA[:1000])
+    parts = cuts(30, seed=8)
+    jobs = [CopyJob(short if i == 7 else src, a, fd, a, b - a) for i, (a, b) in enumerate(parts)]
+    with pytest.raises(CheckpointError, match=r"short\.bin"), writes_to(fd, SIZE, None):
+        copy_jobs(jobs, copy_range, threads=3)
+    assert direct_of(fd) is None
+
+
+class FailingHash:
+    """A stand-in for a `FileHash` whose hashing fails (a read error of its own file, say):
+    the same three members `io.direct` uses."""
+
+    frontier = 0
+
+    def absorb(self, offset: int, view: memoryview) -> bool:
+        raise OSError(errno.EIO, "the hash failed")
+
+    def written(self, offset: int, n: int) -> None:
+        raise AssertionError("not reached")
+
+
+def test_a_failing_hash_fails_every_writer_without_a_hang(out: tuple[Path, int]) -> None:
+    _, fd = out
+    failing: Any = FailingHash()
+    with pytest.raises(OSError, match="the hash failed"), writes_to(fd, SIZE, failing):
+        for a, b in cuts(40, seed=9):
+            pwrite_all(fd, memoryview(DATA[a:b]), a)
+    assert direct_of(fd) is None

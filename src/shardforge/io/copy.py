@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from shardforge.errors import CheckpointError
 from shardforge.io.digest import hash_of
-from shardforge.io.direct import direct_of
+from shardforge.io.direct import direct_of, pwrite_whole
 from shardforge.io.dtypes import torch_ready
 from shardforge.io.files import open_regular
 from shardforge.io.readahead import ReadAhead, read_ahead_depth
@@ -214,7 +214,7 @@ def pwrite_then_hash(fd: int, data: memoryview, offset: int) -> None:
     if direct is not None:  # gathered, hashed and written there (`io.direct`)
         direct.put(offset, view)
         return
-    _write_plain(fd, view, offset)
+    pwrite_whole(fd, view, offset)
     h = hash_of(fd)
     if h is not None:
         h.written(offset, len(view))
@@ -244,17 +244,11 @@ def copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> No
             data = os.pread(src, min(count, COPY_BLOCK), src_off)
             if not data:
                 raise CheckpointError("unexpected end of a data file while copying")
-            _write_plain(dst, memoryview(data), dst_off)
+            pwrite_whole(dst, memoryview(data), dst_off)
             n = len(data)
         if h is not None:
             h.written(dst_off, n)
         src_off, dst_off, count = src_off + n, dst_off + n, count - n
-
-
-def _write_plain(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def _run(job: CopyJob, copy: Callable[[int, int, int, int, int], None]) -> None:

@@ -37,8 +37,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from shardforge.errors import CheckpointError, MergeError
+from shardforge.errors import MergeError
 from shardforge.io.digest import FileHash, hashing
+from shardforge.io.files import read_exact_into
 
 ALIGN = 4096  # O_DIRECT's unit here: offsets, lengths and buffer addresses are multiples
 WINDOW = 2 << 20  # bytes of the output per window (a multiple of ALIGN)
@@ -71,6 +72,14 @@ class _Window:
         return self.filled == self.end - self.start
 
 
+def _name(fd: int) -> str:
+    """The path of the open file `fd`, for an error line."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "a data file"
+
+
 def _reopen(fd: int, flags: int) -> int | None:
     """The file open at `fd` opened again with `flags` (O_DIRECT), the same file for sure
     (device and inode compared); None where it cannot be."""
@@ -85,17 +94,10 @@ def _reopen(fd: int, flags: int) -> int | None:
     return new
 
 
-def _pwrite_whole(fd: int, view: memoryview, offset: int) -> None:
+def pwrite_whole(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of `view` at `offset` of `fd` (several calls where the kernel takes fewer)."""
     while view:
         n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n == 0:
-            raise CheckpointError("unexpected end of a data file while copying")
         view, offset = view[n:], offset + n
 
 
@@ -129,7 +131,9 @@ class DirectOutput:
         """The `n` bytes at `src_offset` of the input `src` are the file's bytes at `offset`."""
 
         def fill(view: memoryview, at: int) -> None:
-            _pread_into(src, view, src_offset + at)
+            read_exact_into(src, view, src_offset + at, name)
+
+        name = _name(src)  # (once per copy: a system call costs a turn of the GIL)
 
         self._each(offset, n, fill)
 
@@ -150,8 +154,12 @@ class DirectOutput:
             else:
                 try:
                     fill(memoryview(w.buf)[at - w.start : stop - w.start], at - offset)
-                finally:
-                    self._filled(w, at, stop)
+                except BaseException:
+                    with self._cond:  # (its bytes are not there: the window never completes)
+                        w.users -= 1
+                        self._cond.notify_all()
+                    raise
+                self._filled(w, at, stop)
             at = stop
 
     # --- windows --------------------------------------------------------------------
@@ -229,8 +237,7 @@ class DirectOutput:
                 if w is None:
                     return
                 w.state = HASHING
-            view = memoryview(w.buf)[: w.end - w.start]
-            if self._h is not None and not self._h.absorb(w.start, view):
+            if not self._absorbed(w):
                 with self._cond:
                     self._taken(w)
                 self._spill(w)  # (not its turn after all)
@@ -238,6 +245,17 @@ class DirectOutput:
             with self._cond:
                 w.state = WRITING
                 self._pool.submit(self._write, w)
+
+    def _absorbed(self, w: _Window) -> bool:
+        """Whether the hash took `w` from memory (or there is none); an error of the hash is
+        every writer's (the window freed: nobody waits for it)."""
+        try:
+            return self._h is None or self._h.absorb(w.start, memoryview(w.buf)[: w.end - w.start])
+        except BaseException as exc:
+            with self._cond:
+                self._error = self._error or exc
+                self._release(w)
+            raise
 
     def _next_ready(self) -> _Window | None:
         ready = [w for w in self._windows.values() if w.state == READY]
@@ -250,7 +268,7 @@ class DirectOutput:
         """Write what `w` holds through the page cache (`_taken`) and free it."""
         try:
             for a, b in sorted(w.ranges):
-                _pwrite_whole(self._fd, memoryview(w.buf)[a - w.start : b - w.start], a)
+                pwrite_whole(self._fd, memoryview(w.buf)[a - w.start : b - w.start], a)
             if self._h is not None:
                 for a, b in w.ranges:
                     self._h.written(a, b - a)
@@ -261,7 +279,7 @@ class DirectOutput:
 
     def _plain(self, offset: int, data: memoryview) -> None:
         """Bytes of a window that went through the page cache: written there, then hashed."""
-        _pwrite_whole(self._fd, data, offset)
+        pwrite_whole(self._fd, data, offset)
         if self._h is not None:
             self._h.written(offset, len(data))
         self._advance()
@@ -275,15 +293,15 @@ class DirectOutput:
             view = memoryview(w.buf)
             if whole and self._direct:
                 try:
-                    _pwrite_whole(self._dfd, view[:whole], w.start)
+                    pwrite_whole(self._dfd, view[:whole], w.start)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
                     self._direct = False  # refused here: the page cache from now on
             if whole and not self._direct:
-                _pwrite_whole(self._fd, view[:whole], w.start)
+                pwrite_whole(self._fd, view[:whole], w.start)
             if whole < n:
-                _pwrite_whole(self._fd, view[whole:n], w.start + whole)
+                pwrite_whole(self._fd, view[whole:n], w.start + whole)
         except BaseException as exc:
             with self._cond:
                 self._error = self._error or exc
