@@ -208,7 +208,8 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 def pwrite_then_hash(fd: int, data: memoryview, offset: int) -> None:
     """Write all of `data` at `offset` of `fd`, then tell the file's hash (if it has one) that
-    these bytes are written (`FileHash.written`: it reads them back from the file)."""
+    these bytes are written (`FileHash.written`: it reads them back from the file); into an
+    `io.direct` output, hand them to it (gathered, hashed from memory, written)."""
     view = data.cast("B")  # lengths in bytes, whatever the element type
     direct = direct_of(fd)
     if direct is not None:  # gathered, hashed and written there (`io.direct`)

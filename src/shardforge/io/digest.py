@@ -4,10 +4,12 @@ The integrity manifest (`sinks.manifest`) lists each file's BLAKE3 (the default:
 within one file, about 5 GB/s per core) or SHA-256 (`--manifest_hash sha256`, for comparing
 with the digests the Hub lists). Both take a file's bytes in order; the merge writes them in
 another (copies on several threads, casts, an early copy that fills some tensors before the rest
-are known). A `FileHash` is therefore told where each write landed (`written(offset, n)`), and
-hashes, on a thread of its own, what lies before the frontier of contiguous written bytes: read
-back from the output file (a mapping of its page cache, `HASH_SLICE` at a time), so the digest is
-that of the very bytes written, never of a separate read of the input. The copy never waits for
+are known). A `FileHash` is given the bytes that come next in the file's order from memory
+(`absorb`: the windows `io.direct` writes with O_DIRECT), or told where a write landed
+(`written(offset, n)`) and hashes, on a thread of its own, what lies before the frontier of
+contiguous written bytes: read back from the output file (a mapping of its page cache,
+`HASH_SLICE` at a time). Either way the digest is that of the very bytes written, never of a
+separate read of the input. The copy never waits for
 the hash: the hash follows it a few tens of MB behind (`CHUNK`), and the copy's threads stay
 free; a finished file's digest (`hexdigest`) waits only for that remainder.
 

@@ -15,8 +15,8 @@ checkpoint alone tells:
    transformers' default), and plans the output files as the merge's planner does;
 2. on a thread, it creates a hidden sibling of the output path (named after this process, so a
    killed merge's is removed by the next one) and copies every tensor that is a file-to-file
-   slab without a cast into its planned byte range (`copy_file_range`, each data file read
-   front to back: no bytes in this process's memory);
+   slab without a cast into its planned byte range (`io.direct`: through aligned windows,
+   written with O_DIRECT, in the order of the output's bytes);
 3. meanwhile the merge prepares as always: architecture, every check, the real plan.
 
 Then `accept` compares: the same files, headers and byte ranges as the real plan (a wrong

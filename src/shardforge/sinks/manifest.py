@@ -13,7 +13,7 @@ name of the manifest's `hash`: BLAKE3 by default (what `b3sum` prints), SHA-256 
 `--manifest_hash sha256` (what the Hub lists). Version 1 (every manifest before BLAKE3) had no
 `hash` and SHA-256 digests; `shardforge verify` reads both. The weights are hashed from their
 written bytes as the copy goes (`safetensors_files.write_plan` with `hashes`:
-`io.digest.FileHash`, read back on a thread of its own); the small files beside them (config,
+`io.digest.FileHash`, from the windows `io.direct` writes); the small files beside them (config,
 generation config, tokenizer, index, adapter config: written by transformers or as JSON) are
 hashed here once written. `source` is what the merge read (`CheckpointFormat.identity`): each checkpoint
 location, its files and sizes, and the CRC-32 its writer stored for each record where the

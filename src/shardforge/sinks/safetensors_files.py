@@ -2,14 +2,15 @@
 every safetensors sink writes with).
 
 A source whose bytes are slabs of input files (no cast) is copied file to file by a few threads
-(`copy_file_range`, no bytes through Python); every other source writes itself into its planned
-byte range (`TensorSource.write`: a DCP entry chunk by chunk). Peak memory is therefore
-about one tensor, whatever the model size.
+(no tensor in between); every other source writes itself into its planned byte range
+(`TensorSource.write`: a DCP entry chunk by chunk). Peak memory is therefore about one
+tensor, whatever the model size. Every file is written through `io.direct.writes_to`: its
+bytes gathered in aligned windows, written with O_DIRECT (around the page cache).
 
 With `hashes` (a directory's integrity manifest, `sinks.manifest`) every file's hash is taken
-from its written bytes, read back behind the writers on a thread of its own
-(`io.digest.FileHash`): the tensors are then written in file order, runs of slab tensors copied
-in the order of their output bytes, so that the hash follows the copy closely.
+from its written bytes (`io.digest.FileHash`: from the windows, in the file's order, or read
+back where a window went through the page cache): the tensors are then written in file order,
+runs of slab tensors copied in the order of their output bytes.
 """
 
 from __future__ import annotations
