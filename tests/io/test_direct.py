@@ -223,11 +223,12 @@ def _failing_odirect_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> list[
     return refused
 
 
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EOPNOTSUPP])
 def test_a_refused_odirect_write_falls_back_to_the_page_cache(
-    out: tuple[Path, int], monkeypatch: pytest.MonkeyPatch
+    out: tuple[Path, int], monkeypatch: pytest.MonkeyPatch, code: int
 ) -> None:
     path, fd = out
-    refused = _failing_odirect_writes(monkeypatch, errno.EINVAL)
+    refused = _failing_odirect_writes(monkeypatch, code)
     h = FileHash(path, "blake3")
     with writes_to(fd, SIZE, h):
         pwrite_all(fd, memoryview(DATA), 0)

@@ -45,6 +45,8 @@ ALIGN = 4096  # O_DIRECT's unit here: offsets, lengths and buffer addresses are 
 WINDOW = 2 << 20  # bytes of the output per window (a multiple of ALIGN)
 MAX_WINDOWS = 6  # window buffers per output at once
 WRITERS = 2  # O_DIRECT writes in flight per output
+# what a file system that takes O_DIRECT at open but not for a write answers
+REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 ENV = "SHARDFORGE_DIRECT_IO"  # "0": every output through the page cache
 
 # windows' states
@@ -295,7 +297,7 @@ class DirectOutput:
                 try:
                     pwrite_whole(self._dfd, view[:whole], w.start)
                 except OSError as exc:
-                    if exc.errno != errno.EINVAL:
+                    if exc.errno not in REFUSED:
                         raise
                     self._direct = False  # refused here: the page cache from now on
             if whole and not self._direct:
