@@ -16,4 +16,9 @@ lint-imports --no-logo
 # three test workers on two cores: a worker waiting on a shared fixture another builds, or on a
 # child process's start, leaves its core to the others (quiet 2-core machine: fca6e73 11:17;
 # 3655ab8, the ranks forked from a preloaded process, 5:56)
-pytest -q -n 3 --dist loadfile "$@"
+# pytest's temporary folders (and the TMPDIR the suite's processes get, tests/conftest.py) in
+# one folder of this run's, removed however the run ends: nothing is left in /tmp, not even the
+# pytest-of-<user> folder pytest makes there by default
+base=$(mktemp -d)
+trap 'rm -rf "$base"' EXIT
+pytest -q -n 3 --dist loadfile --basetemp "$base/pytest" "$@"
