@@ -5,7 +5,8 @@ must be reordered, the mean of several checkpoints' tensors) is a source with a 
 and two ways to be read:
 
 * `slabs(reader)`: byte ranges of input files that, copied in order, are the tensor's C-order
-  bytes (zero-copy with `copy_file_range`), or None when the tensor must go through memory;
+  bytes (copied file to file by `io.copy.copy_range`, no tensor), or None when the tensor must
+  go through memory;
 * `read(reader)`: the whole tensor (in `dtype`, or float32 for an average);
 
 and one way to be used: `write` (the tensor, or some of its rows, cast, at a planned byte range
